@@ -414,7 +414,7 @@ def write_tarball(root: Path, out: Path) -> None:
     with open(tmp, "wb") as raw:
         import gzip
 
-        with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
+        with gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
             for path in sorted(root.rglob("*")):
                 tar.add(path, arcname=path.relative_to(root).as_posix(), recursive=False, filter=normalise)
         raw.flush()

@@ -1,0 +1,215 @@
+"""Publishing model packages to a model store: a local directory, or S3 (ARCHITECTURE §3.4).
+
+Layout, the same in both:
+    <store>/packages/<model id>/<version>.tar.gz        the package; its presence means "published"
+    <model cache>/<model id>/<version>/                  the unpacked package (weights included), what pods read
+
+On S3 the model cache is the `model-cache/` prefix of the same bucket, which FSx for Lustre's data repository
+association presents to the pods; locally it is a directory. Order: verify the package, materialise it on the model
+cache, then upload the package under a temporary key, check its checksum, and only then copy it to its final key.
+An interrupted publish therefore never replaces or half-writes a published version; versions are immutable (a
+second publish of the same version must carry identical bytes).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from llm_serving.package import PackageError, VerifiedPackage, open_package, sha256_file, write_tarball
+
+PACKAGES_PREFIX = "packages"
+MODEL_CACHE_PREFIX = "model-cache"
+
+
+class PublishError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class PublishedPackage:
+    model_id: str
+    version: str
+    package_uri: str  # where the package archive lives
+    model_cache_uri: str  # where the unpacked package lives (what a rollout names)
+    sha256: str
+    already_published: bool = False
+
+
+class ModelStore(Protocol):
+    def publish(self, package: Path) -> PublishedPackage: ...
+
+    def published_sha256(self, model_id: str, version: str) -> str | None: ...
+
+
+def _as_tarball(package: Path, scratch: Path) -> Path:
+    if package.is_dir():
+        out = scratch / "package.tar.gz"
+        write_tarball(package, out)
+        return out
+    return package
+
+
+def _verify(tarball: Path, scratch: Path) -> VerifiedPackage:
+    return open_package(tarball, scratch / "verify")
+
+
+class LocalStore:
+    """A directory store with a local model cache, for `make up` and development."""
+
+    def __init__(self, root: Path, model_cache: Path):
+        self.root = Path(root)
+        self.model_cache = Path(model_cache)
+
+    def _package_path(self, model_id: str, version: str) -> Path:
+        return self.root / PACKAGES_PREFIX / model_id / f"{version}.tar.gz"
+
+    def cache_path(self, model_id: str, version: str) -> Path:
+        return self.model_cache / model_id / version
+
+    def published_sha256(self, model_id: str, version: str) -> str | None:
+        path = self._package_path(model_id, version)
+        return sha256_file(path) if path.exists() else None
+
+    def publish(self, package: Path) -> PublishedPackage:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.root, prefix=".publish-") as tmp:
+            scratch = Path(tmp)
+            tarball = _as_tarball(Path(package), scratch)
+            verified = _verify(tarball, scratch)
+            ident = verified.manifest.model
+            digest = sha256_file(tarball)
+            final = self._package_path(ident.id, ident.version)
+            existing = self.published_sha256(ident.id, ident.version)
+            if existing is not None and existing != digest:
+                raise PublishError(
+                    f"{ident.id} {ident.version} is already published with different content "
+                    f"(sha256 {existing[:12]}...); versions are immutable, publish a new version"
+                )
+            cache = self.cache_path(ident.id, ident.version)
+            self._materialise(verified, cache)
+            if existing is None:
+                final.parent.mkdir(parents=True, exist_ok=True)
+                partial = final.with_name(f".{final.name}.{uuid.uuid4().hex}.partial")
+                shutil.copyfile(tarball, partial)
+                with open(partial, "rb") as handle:
+                    os.fsync(handle.fileno())
+                if sha256_file(partial) != digest:
+                    partial.unlink()
+                    raise PublishError(f"{final}: checksum changed while copying; nothing published")
+                partial.replace(final)  # atomic on one file system: readers see all of it or none
+            return PublishedPackage(ident.id, ident.version, str(final), str(cache), digest, existing is not None)
+
+    def _materialise(self, verified: VerifiedPackage, cache: Path) -> None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        staging = cache.parent / f".{cache.name}.{uuid.uuid4().hex}"
+        shutil.copytree(verified.root, staging, symlinks=True)
+        open_package(staging)  # the copy is what pods will read: verify it, not the source
+        if cache.exists():
+            shutil.rmtree(cache)
+        staging.rename(cache)
+
+
+def _b64_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return base64.b64encode(digest.digest()).decode()
+
+
+class S3Store:
+    """`s3://bucket/prefix`: packages under `<prefix>/packages/`, the model cache under `<prefix>/model-cache/`."""
+
+    def __init__(self, uri: str, client=None):
+        if not uri.startswith("s3://"):
+            raise PublishError(f"{uri}: an S3 store URI starts with s3://")
+        bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+        if not bucket:
+            raise PublishError(f"{uri}: no bucket in the S3 URI")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        if client is None:
+            import boto3
+
+            client = boto3.client("s3")
+        self.s3 = client
+
+    def _key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+    def _package_key(self, model_id: str, version: str) -> str:
+        return self._key(PACKAGES_PREFIX, model_id, f"{version}.tar.gz")
+
+    def published_sha256(self, model_id: str, version: str) -> str | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            head = self.s3.head_object(Bucket=self.bucket, Key=self._package_key(model_id, version))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+        return head.get("Metadata", {}).get("sha256")
+
+    def publish(self, package: Path) -> PublishedPackage:
+        with tempfile.TemporaryDirectory(prefix="llm-serving-publish-") as tmp:
+            scratch = Path(tmp)
+            tarball = _as_tarball(Path(package), scratch)
+            verified = _verify(tarball, scratch)
+            ident = verified.manifest.model
+            digest = sha256_file(tarball)
+            existing = self.published_sha256(ident.id, ident.version)
+            if existing is not None and existing != digest:
+                raise PublishError(
+                    f"s3://{self.bucket}/{self._package_key(ident.id, ident.version)} is already published with "
+                    f"different content (sha256 {existing[:12]}...); versions are immutable, publish a new version"
+                )
+            cache_prefix = self._key(MODEL_CACHE_PREFIX, ident.id, ident.version)
+            for path in sorted(p for p in verified.root.rglob("*") if p.is_file()):
+                rel = path.relative_to(verified.root).as_posix()
+                self._put_checked(path, f"{cache_prefix}/{rel}")
+            final = self._package_key(ident.id, ident.version)
+            if existing is None:
+                temporary = self._key(PACKAGES_PREFIX, ident.id, f".tmp-{ident.version}-{uuid.uuid4().hex}")
+                self._put_checked(tarball, temporary, metadata={"sha256": digest})
+                try:
+                    self.s3.copy_object(
+                        Bucket=self.bucket, Key=final, CopySource={"Bucket": self.bucket, "Key": temporary},
+                        MetadataDirective="COPY", ChecksumAlgorithm="SHA256",
+                    )
+                finally:
+                    self.s3.delete_object(Bucket=self.bucket, Key=temporary)
+            return PublishedPackage(
+                ident.id, ident.version, f"s3://{self.bucket}/{final}", f"s3://{self.bucket}/{cache_prefix}/",
+                digest, existing is not None,
+            )
+
+    def _put_checked(self, path: Path, key: str, metadata: dict | None = None) -> None:
+        """Upload with S3's own SHA-256 check: S3 refuses the object if the bytes differ from the checksum."""
+        checksum = _b64_sha256(path)
+        with open(path, "rb") as body:
+            self.s3.put_object(
+                Bucket=self.bucket, Key=key, Body=body, ChecksumSHA256=checksum, Metadata=metadata or {},
+            )
+        head = self.s3.head_object(Bucket=self.bucket, Key=key, ChecksumMode="ENABLED")
+        if head.get("ChecksumSHA256") not in (None, checksum) or head["ContentLength"] != path.stat().st_size:
+            raise PublishError(f"s3://{self.bucket}/{key}: uploaded object does not match {path.name}")
+
+
+def open_store(uri: str | None, model_cache: Path, default_root: Path) -> ModelStore:
+    if uri and uri.startswith("s3://"):
+        return S3Store(uri)
+    if uri and "://" in uri:
+        raise PublishError(f"{uri}: unsupported store (use a directory or s3://bucket/prefix)")
+    return LocalStore(Path(uri) if uri else default_root, model_cache)
+
+
+__all__ = ["LocalStore", "S3Store", "PublishError", "PublishedPackage", "open_store", "PackageError"]
