@@ -1,14 +1,270 @@
-// Python bindings of the constraint engine (pybind11). The engine itself arrives with its issue; this module
-// already carries the build (scikit-build-core + CMake) through to an importable extension.
+// Python bindings of the constraint engine (pybind11). Everything per row happens here in one call per step:
+// `sync` reads the new tokens of every constrained row straight from vLLM's output lists (GIL held, no Python
+// code per row), `fill`/`apply` run on the thread pool with the GIL released.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <thread>
 
+#include "constraint_batch.hpp"
+
 namespace py = pybind11;
+using cons::Token;
+
+namespace {
+
+// One row's link to its request's token history (the engine's own list, which grows in place).
+struct History {
+  py::object tokens;  // a list, or None when the caller advances the row by hand
+  size_t consumed = 0;
+  int64_t last = -1;  // the last token consumed: a different value at that position means a rewritten history
+};
+
+class Engine {
+ public:
+  Engine(int32_t vocab, int32_t capacity, int threads) : batch_(vocab, capacity, threads) {
+    histories_.resize(static_cast<size_t>(batch_.capacity()));
+  }
+
+  int32_t vocab() const { return batch_.vocab(); }
+  int32_t words() const { return batch_.words(); }
+  int32_t capacity() const { return batch_.capacity(); }
+  int threads() const { return batch_.threads(); }
+
+  void ensure_capacity(int32_t rows) {
+    batch_.ensure_capacity(rows);
+    histories_.resize(static_cast<size_t>(batch_.capacity()));
+  }
+
+  // numpy view of the bitmask, kept alive by the engine (re-fetch it after ensure_capacity).
+  py::array bitmask(py::object self) {
+    return py::array_t<int32_t>({static_cast<py::ssize_t>(batch_.capacity()), static_cast<py::ssize_t>(batch_.words())},
+                                reinterpret_cast<int32_t*>(batch_.bitmask()), self);
+  }
+
+  void set_row(int32_t row, cons::MachinePtr m, py::object tokens) {
+    if (!tokens.is_none() && !PyList_Check(tokens.ptr())) throw py::type_error("tokens must be a list or None");
+    batch_.set(row, std::move(m));
+    histories_[static_cast<size_t>(row)] = History{std::move(tokens), 0, -1};
+  }
+  void clear_row(int32_t row) {
+    batch_.clear(row);
+    histories_[static_cast<size_t>(row)] = History{};
+  }
+  void move_row(int32_t from, int32_t to) {
+    batch_.move(from, to);
+    if (from != to) {
+      histories_[static_cast<size_t>(to)] = std::move(histories_[static_cast<size_t>(from)]);
+      histories_[static_cast<size_t>(from)] = History{};
+    }
+  }
+  void swap_rows(int32_t a, int32_t b) {
+    batch_.swap(a, b);
+    std::swap(histories_[static_cast<size_t>(a)], histories_[static_cast<size_t>(b)]);
+  }
+
+  // Advance every constrained row by the tokens appended to its list since the last sync. A list shorter than
+  // what was consumed, or one whose last consumed token changed, is replayed from the start. -1 (and any
+  // negative id) is an async-scheduling placeholder: consumption stops there until the engine fills it in.
+  // Returns the number of rows rebuilt.
+  int sync(int32_t limit) {
+    int rebuilt = 0;
+    const int32_t n = std::min(limit < 0 ? batch_.capacity() : limit, batch_.capacity());
+    for (int32_t r = 0; r < n; ++r) {
+      if (!batch_.constrained(r)) continue;
+      History& h = histories_[static_cast<size_t>(r)];
+      if (h.tokens.is_none()) continue;
+      PyObject* list = h.tokens.ptr();
+      const auto len = static_cast<size_t>(PyList_GET_SIZE(list));
+      cons::RowState& st = batch_.state(r);
+      if (len < h.consumed || (h.consumed > 0 && read(list, h.consumed - 1) != h.last)) {
+        st.reset(st.m);
+        h.consumed = 0;
+        h.last = -1;
+        ++rebuilt;
+      }
+      while (h.consumed < len) {
+        const int64_t t = read(list, h.consumed);
+        if (t < 0) break;
+        st.advance(t >= batch_.vocab() ? batch_.vocab() : static_cast<Token>(t));  // out of range: not allowed
+        h.last = t;
+        ++h.consumed;
+      }
+    }
+    return rebuilt;
+  }
+
+  void advance(int32_t row, const std::vector<int64_t>& tokens) {
+    cons::RowState& st = batch_.state(row);
+    for (int64_t t : tokens) {
+      if (t < 0) break;
+      st.advance(t >= batch_.vocab() ? batch_.vocab() : static_cast<Token>(t));
+    }
+  }
+  // Rebuild a row from its full token history (replay from the start state).
+  void rebuild(int32_t row, const std::vector<int64_t>& tokens) {
+    cons::RowState& st = batch_.state(row);
+    st.reset(st.m);
+    advance(row, tokens);
+  }
+
+  std::vector<int32_t> constrained_rows(int32_t limit) const {
+    std::vector<int32_t> out;
+    const int32_t n = std::min(limit < 0 ? batch_.capacity() : limit, batch_.capacity());
+    for (int32_t r = 0; r < n; ++r)
+      if (batch_.constrained(r)) out.push_back(r);
+    return out;
+  }
+  int num_constrained() const { return static_cast<int>(constrained_rows(-1).size()); }
+
+  void fill(py::array_t<int32_t, py::array::c_style | py::array::forcecast> rows, int threads) {
+    const int32_t* p = rows.data();
+    const int64_t n = rows.size();
+    py::gil_scoped_release release;
+    batch_.fill(p, n, threads);
+  }
+
+  // logits given as a raw pointer + geometry (the Python layer checked device, dtype and strides).
+  void apply(uintptr_t ptr, int64_t nrows, int32_t ncols, int64_t row_stride, const std::string& dtype,
+             py::array_t<int32_t, py::array::c_style | py::array::forcecast> logit_rows,
+             py::array_t<int32_t, py::array::c_style | py::array::forcecast> mask_rows, int threads) {
+    if (logit_rows.size() != mask_rows.size()) throw py::value_error("logit_rows and mask_rows differ in length");
+    const int32_t* lr = logit_rows.data();
+    const int32_t* mr = mask_rows.data();
+    const int64_t n = logit_rows.size();
+    for (int64_t i = 0; i < n; ++i)
+      if (lr[i] < 0 || lr[i] >= nrows) throw py::index_error("logit row " + std::to_string(lr[i]) + " out of range");
+    py::gil_scoped_release release;
+    if (dtype == "float32") {
+      batch_.apply_f32(reinterpret_cast<float*>(ptr), row_stride, ncols, lr, mr, n, threads);
+    } else if (dtype == "bfloat16") {
+      batch_.apply_bf16(reinterpret_cast<uint16_t*>(ptr), row_stride, ncols, lr, mr, n, threads);
+    } else {
+      py::gil_scoped_acquire acquire;
+      throw py::value_error("unsupported logits dtype " + dtype + " (float32 or bfloat16)");
+    }
+  }
+
+  // The step of the V1 processor in one call: fill the constrained rows below nrows and mask the same rows.
+  int fill_apply(uintptr_t ptr, int64_t nrows, int32_t ncols, int64_t row_stride, const std::string& dtype,
+                 int threads) {
+    std::vector<int32_t> rows = constrained_rows(static_cast<int32_t>(std::min<int64_t>(nrows, INT32_MAX)));
+    if (rows.empty()) return 0;
+    if (dtype != "float32" && dtype != "bfloat16")
+      throw py::value_error("unsupported logits dtype " + dtype + " (float32 or bfloat16)");
+    py::gil_scoped_release release;
+    batch_.fill(rows.data(), static_cast<int64_t>(rows.size()), threads);
+    if (dtype == "float32")
+      batch_.apply_f32(reinterpret_cast<float*>(ptr), row_stride, ncols, rows.data(), rows.data(),
+                       static_cast<int64_t>(rows.size()), threads);
+    else
+      batch_.apply_bf16(reinterpret_cast<uint16_t*>(ptr), row_stride, ncols, rows.data(), rows.data(),
+                        static_cast<int64_t>(rows.size()), threads);
+    return static_cast<int>(rows.size());
+  }
+
+  std::vector<Token> allowed(int32_t row) {
+    std::vector<Token> out;
+    const uint32_t* dense = nullptr;
+    const cons::RowState& st = batch_.state(row);
+    if (!st.m) throw py::value_error("row " + std::to_string(row) + " is unconstrained");
+    st.allowed(out, dense);
+    if (dense) {
+      out.clear();
+      for (int32_t t = 0; t < batch_.vocab(); ++t)
+        if ((dense[t >> 5] >> (t & 31)) & 1u) out.push_back(t);
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+  bool finished(int32_t row) { return batch_.state(row).finished; }
+  size_t consumed(int32_t row) const { return histories_.at(static_cast<size_t>(row)).consumed; }
+  bool constrained(int32_t row) const { return batch_.constrained(row); }
+
+ private:
+  static int64_t read(PyObject* list, size_t i) {
+    PyObject* item = PyList_GET_ITEM(list, static_cast<py::ssize_t>(i));
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (overflow != 0) return INT32_MAX;  // a huge id: not in the vocabulary
+    return v;
+  }
+
+  cons::Batch batch_;
+  std::vector<History> histories_;
+};
+
+}  // namespace
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "llm-serving native constraint engine";
-  m.attr("ABI_VERSION") = 1;
-  m.def("hardware_threads", []() { return static_cast<int>(std::thread::hardware_concurrency()); },
+  m.attr("ABI_VERSION") = 2;
+  m.def("hardware_threads", []() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); },
         "Number of hardware threads the engine's thread pool may use.");
+
+  py::class_<cons::Machine, std::shared_ptr<cons::Machine>>(m, "Machine", "A compiled constraint (immutable).")
+      .def_property_readonly("kind", [](const cons::Machine& mm) {
+        return mm.kind == cons::Kind::TokenDfa ? "token_dfa"
+               : mm.kind == cons::Kind::ChoiceSequence ? "choice_sequence" : "allowed_tokens";
+      })
+      .def_readonly("vocab", &cons::Machine::vocab)
+      .def_readonly("eos", &cons::Machine::eos)
+      .def_property_readonly("num_states", [](const cons::Machine& mm) {
+        return mm.kind == cons::Kind::TokenDfa ? mm.num_states()
+               : mm.kind == cons::Kind::ChoiceSequence ? static_cast<int32_t>(mm.node_choice.size()) : 1;
+      });
+
+  // The compilers return shared_ptr<const Machine>; pybind holds them as shared_ptr<Machine>.
+  auto unconst = [](cons::MachinePtr p) { return std::const_pointer_cast<cons::Machine>(p); };
+  m.def("compile_token_dfa",
+        [unconst](int32_t vocab, int32_t eos, int32_t start, const std::vector<int32_t>& accept,
+                  const std::vector<int32_t>& edges_flat) {
+          return unconst(cons::compile_token_dfa(vocab, eos, start, accept, edges_flat));
+        },
+        py::arg("vocab"), py::arg("eos"), py::arg("start"), py::arg("accept"), py::arg("edges_flat"));
+  m.def("compile_choice_sequence",
+        [unconst](int32_t vocab, int32_t eos, const std::vector<std::vector<int32_t>>& choices,
+                  const std::vector<int32_t>& separator, int32_t min_items, int32_t max_items, bool unique) {
+          return unconst(cons::compile_choice_sequence(vocab, eos, choices, separator, min_items, max_items, unique));
+        },
+        py::arg("vocab"), py::arg("eos"), py::arg("choices"), py::arg("separator"), py::arg("min_items"),
+        py::arg("max_items"), py::arg("unique"));
+  m.def("compile_allowed_tokens",
+        [unconst](int32_t vocab, int32_t eos, const std::vector<int32_t>& tokens) {
+          return unconst(cons::compile_allowed_tokens(vocab, eos, tokens));
+        },
+        py::arg("vocab"), py::arg("eos"), py::arg("tokens"));
+
+  py::class_<Engine>(m, "Engine", "Per-row constraint states of a batch, its bitmask and a thread pool.")
+      .def(py::init<int32_t, int32_t, int>(), py::arg("vocab"), py::arg("capacity"), py::arg("threads") = 0)
+      .def_property_readonly("vocab", &Engine::vocab)
+      .def_property_readonly("words", &Engine::words)
+      .def_property_readonly("capacity", &Engine::capacity)
+      .def_property_readonly("threads", &Engine::threads)
+      .def("ensure_capacity", &Engine::ensure_capacity, py::arg("rows"))
+      .def("bitmask", [](py::object self) { return self.cast<Engine&>().bitmask(self); })
+      .def("set_row",
+           [](Engine& e, int32_t row, std::shared_ptr<cons::Machine> mm, py::object tokens) {
+             e.set_row(row, std::move(mm), std::move(tokens));
+           },
+           py::arg("row"), py::arg("machine"), py::arg("tokens") = py::none())
+      .def("clear_row", &Engine::clear_row, py::arg("row"))
+      .def("move_row", &Engine::move_row, py::arg("src"), py::arg("dst"))
+      .def("swap_rows", &Engine::swap_rows, py::arg("a"), py::arg("b"))
+      .def("sync", &Engine::sync, py::arg("limit") = -1)
+      .def("advance", &Engine::advance, py::arg("row"), py::arg("tokens"))
+      .def("rebuild", &Engine::rebuild, py::arg("row"), py::arg("tokens"))
+      .def("constrained_rows", &Engine::constrained_rows, py::arg("limit") = -1)
+      .def("num_constrained", &Engine::num_constrained)
+      .def("constrained", &Engine::constrained, py::arg("row"))
+      .def("fill", &Engine::fill, py::arg("rows"), py::arg("threads") = 0)
+      .def("apply", &Engine::apply, py::arg("ptr"), py::arg("nrows"), py::arg("ncols"), py::arg("row_stride"),
+           py::arg("dtype"), py::arg("logit_rows"), py::arg("mask_rows"), py::arg("threads") = 0)
+      .def("fill_apply", &Engine::fill_apply, py::arg("ptr"), py::arg("nrows"), py::arg("ncols"),
+           py::arg("row_stride"), py::arg("dtype"), py::arg("threads") = 0)
+      .def("allowed", &Engine::allowed, py::arg("row"))
+      .def("finished", &Engine::finished, py::arg("row"))
+      .def("consumed", &Engine::consumed, py::arg("row"));
 }

@@ -1,0 +1,271 @@
+"""Constraint specs (ARCHITECTURE §3.5): typed values and the one validation every front-end calls.
+
+`validate_constraint` turns the JSON a client sent into a `ConstraintSpec`, or raises `ConstraintError` whose
+message starts with the path of the offending field (``constraint.edges[3][1]: token id 99999 is outside the
+vocabulary (0..1023)``), so the OpenAI API answers 400 and KServe INVALID_ARGUMENT naming it. Light on purpose:
+no torch, no vLLM, no native code, so any front-end can import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Bounds that keep a compiled machine small whatever a client sends (the C++ core checks the same state bound).
+MAX_STATE_ID = (1 << 20) - 1
+MAX_TOKEN_IDS = 1 << 20  # token ids in one spec, all lists together
+
+KINDS = ("token_dfa", "choice_sequence", "allowed_tokens")
+ROOT = "constraint"
+
+
+class ConstraintError(ValueError):
+    """A malformed constraint; `field` is the path of the offending value (e.g. ``constraint.edges[3][1]``)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.reason = message
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """Base of the three kinds; `kind` is the JSON discriminator."""
+
+    @property
+    def kind(self) -> str:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class TokenDfaSpec(ConstraintSpec):
+    start: int
+    accept: tuple[int, ...]
+    edges: tuple[tuple[int, int, int], ...]  # (from, token, to)
+
+    @property
+    def kind(self) -> str:
+        return "token_dfa"
+
+
+@dataclass(frozen=True)
+class ChoiceSequenceSpec(ConstraintSpec):
+    choices: tuple[tuple[int, ...], ...]
+    separator: tuple[int, ...]
+    min_items: int = 1
+    max_items: int | None = None  # None: unbounded (at most len(choices) when unique)
+    unique: bool = False
+
+    @property
+    def kind(self) -> str:
+        return "choice_sequence"
+
+
+@dataclass(frozen=True)
+class AllowedTokensSpec(ConstraintSpec):
+    tokens: tuple[int, ...]
+
+    @property
+    def kind(self) -> str:
+        return "allowed_tokens"
+
+
+_FIELDS = {
+    "token_dfa": ({"kind", "start", "accept", "edges"}, {"kind", "start", "accept", "edges"}),
+    "choice_sequence": (
+        {"kind", "choices", "separator", "min_items", "max_items", "unique"},
+        {"kind", "choices", "separator"},
+    ),
+    "allowed_tokens": ({"kind", "tokens"}, {"kind", "tokens"}),
+}
+
+
+class _Checker:
+    """Walks a spec with the field path at hand; `vocab_size`/`eos_token_id` may be None (vLLM's
+    `validate_params` runs before the engine knows them: ranges are then checked again in the worker)."""
+
+    def __init__(self, vocab_size: int | None, eos_token_id: int | None):
+        self.vocab_size = vocab_size
+        self.eos = eos_token_id
+        self.count = 0
+
+    @staticmethod
+    def integer(value: Any, field: str) -> int:
+        # bool is an int in Python; JSON true is not a token id.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConstraintError(field, f"must be an integer, got {_describe(value)}")
+        return value
+
+    @staticmethod
+    def array(value: Any, field: str, *, nonempty: bool) -> list[Any]:
+        if not isinstance(value, list | tuple):
+            raise ConstraintError(field, f"must be an array, got {_describe(value)}")
+        if nonempty and not value:
+            raise ConstraintError(field, "must not be empty")
+        return list(value)
+
+    def token(self, value: Any, field: str, *, eos_ok: bool) -> int:
+        t = self.integer(value, field)
+        self.count += 1
+        if self.count > MAX_TOKEN_IDS:
+            raise ConstraintError(field, f"the spec holds more than {MAX_TOKEN_IDS} token ids")
+        if t < 0:
+            raise ConstraintError(field, f"token id {t} is negative")
+        if self.vocab_size is not None and t >= self.vocab_size:
+            raise ConstraintError(field, f"token id {t} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if not eos_ok and self.eos is not None and t == self.eos:
+            raise ConstraintError(
+                field, f"token id {t} is the end-of-sequence token, which the constraint itself places"
+            )
+        return t
+
+    def state(self, value: Any, field: str) -> int:
+        s = self.integer(value, field)
+        if s < 0 or s > MAX_STATE_ID:
+            raise ConstraintError(field, f"state {s} is outside 0..{MAX_STATE_ID}")
+        return s
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, Mapping):
+        return "an object"
+    if isinstance(value, list | tuple):
+        return "an array"
+    return type(value).__name__
+
+
+def validate_constraint(spec: object, vocab_size: int | None, eos_token_id: int | None) -> ConstraintSpec:
+    """Check a constraint as a client sent it and return its typed form.
+
+    Raises `ConstraintError` (a `ValueError`) naming the first offending field. `vocab_size` and `eos_token_id`
+    are the served model's; either may be None to check only what does not depend on them.
+    """
+    if not isinstance(spec, Mapping):
+        raise ConstraintError(ROOT, f"must be a JSON object, got {_describe(spec)}")
+    kind = spec.get("kind")
+    if kind not in KINDS:
+        got = "missing" if "kind" not in spec else repr(kind)
+        raise ConstraintError(f"{ROOT}.kind", f"must be one of {', '.join(KINDS)} (got {got})")
+    allowed, required = _FIELDS[kind]
+    for key in spec:
+        if key not in allowed:
+            raise ConstraintError(
+                f"{ROOT}.{key}", f"unknown field for kind {kind} (allowed: {', '.join(sorted(allowed))})"
+            )
+    for key in sorted(required):
+        if key not in spec:
+            raise ConstraintError(f"{ROOT}.{key}", f"is required for kind {kind}")
+    c = _Checker(vocab_size, eos_token_id)
+    if kind == "token_dfa":
+        return _token_dfa(spec, c)
+    if kind == "choice_sequence":
+        return _choice_sequence(spec, c)
+    return _allowed_tokens(spec, c)
+
+
+def _token_dfa(spec: Mapping[str, Any], c: _Checker) -> TokenDfaSpec:
+    start = c.state(spec["start"], f"{ROOT}.start")
+    accept = tuple(
+        c.state(a, f"{ROOT}.accept[{i}]")
+        for i, a in enumerate(c.array(spec["accept"], f"{ROOT}.accept", nonempty=True))
+    )
+    edges: list[tuple[int, int, int]] = []
+    seen: dict[tuple[int, int], tuple[int, int]] = {}  # (from, token) -> (to, index)
+    for i, edge in enumerate(c.array(spec["edges"], f"{ROOT}.edges", nonempty=False)):
+        field = f"{ROOT}.edges[{i}]"
+        triple = c.array(edge, field, nonempty=False)
+        if len(triple) != 3:
+            raise ConstraintError(field, f"must be [from_state, token_id, to_state], got {len(triple)} values")
+        src = c.state(triple[0], f"{field}[0]")
+        tok = c.token(triple[1], f"{field}[1]", eos_ok=False)
+        dst = c.state(triple[2], f"{field}[2]")
+        prior = seen.get((src, tok))
+        if prior is not None and prior[0] != dst:
+            raise ConstraintError(
+                f"{field}[2]",
+                f"state {src} already goes to state {prior[0]} on token {tok} ({ROOT}.edges[{prior[1]}]): "
+                "a token_dfa must be deterministic",
+            )
+        seen[(src, tok)] = (dst, i)
+        edges.append((src, tok, dst))
+    return TokenDfaSpec(start=start, accept=accept, edges=tuple(edges))
+
+
+def _choice_sequence(spec: Mapping[str, Any], c: _Checker) -> ChoiceSequenceSpec:
+    choices: list[tuple[int, ...]] = []
+    first_seen: dict[tuple[int, ...], int] = {}
+    for i, choice in enumerate(c.array(spec["choices"], f"{ROOT}.choices", nonempty=True)):
+        field = f"{ROOT}.choices[{i}]"
+        toks = tuple(
+            c.token(t, f"{field}[{j}]", eos_ok=False) for j, t in enumerate(c.array(choice, field, nonempty=True))
+        )
+        if toks in first_seen:
+            raise ConstraintError(field, f"duplicates {ROOT}.choices[{first_seen[toks]}]")
+        first_seen[toks] = i
+        choices.append(toks)
+    separator = tuple(
+        c.token(t, f"{ROOT}.separator[{j}]", eos_ok=False)
+        for j, t in enumerate(c.array(spec["separator"], f"{ROOT}.separator", nonempty=True))
+    )
+    # After a complete item the separator's first token must say "next item" unambiguously.
+    for i, choice in enumerate(choices):
+        if separator[0] in choice:
+            raise ConstraintError(
+                f"{ROOT}.separator[0]",
+                f"token {separator[0]} also appears in {ROOT}.choices[{i}]: the separator must start with a token "
+                "that no choice contains",
+            )
+    min_items = c.integer(spec.get("min_items", 1), f"{ROOT}.min_items")
+    if min_items < 1:
+        raise ConstraintError(f"{ROOT}.min_items", f"must be at least 1, got {min_items}")
+    max_raw = spec.get("max_items")
+    max_items = None if max_raw is None else c.integer(max_raw, f"{ROOT}.max_items")
+    if max_items is not None and max_items < min_items:
+        raise ConstraintError(f"{ROOT}.max_items", f"{max_items} is less than min_items ({min_items})")
+    unique = spec.get("unique", False)
+    if not isinstance(unique, bool):
+        raise ConstraintError(f"{ROOT}.unique", f"must be a boolean, got {_describe(unique)}")
+    if unique and min_items > len(choices):
+        raise ConstraintError(
+            f"{ROOT}.min_items",
+            f"{min_items} distinct items cannot be made from {len(choices)} choices (unique is true)",
+        )
+    return ChoiceSequenceSpec(
+        choices=tuple(choices), separator=separator, min_items=min_items, max_items=max_items, unique=unique
+    )
+
+
+def _allowed_tokens(spec: Mapping[str, Any], c: _Checker) -> AllowedTokensSpec:
+    tokens = tuple(
+        c.token(t, f"{ROOT}.tokens[{i}]", eos_ok=True)  # eos is always allowed anyway
+        for i, t in enumerate(c.array(spec["tokens"], f"{ROOT}.tokens", nonempty=True))
+    )
+    return AllowedTokensSpec(tokens=tokens)
+
+
+def spec_to_json(spec: ConstraintSpec) -> dict[str, Any]:
+    """The JSON form of a typed spec (what a client would send)."""
+    if isinstance(spec, TokenDfaSpec):
+        edges = [list(e) for e in spec.edges]
+        return {"kind": spec.kind, "start": spec.start, "accept": list(spec.accept), "edges": edges}
+    if isinstance(spec, ChoiceSequenceSpec):
+        out: dict[str, Any] = {
+            "kind": spec.kind,
+            "choices": [list(ch) for ch in spec.choices],
+            "separator": list(spec.separator),
+            "min_items": spec.min_items,
+            "unique": spec.unique,
+        }
+        if spec.max_items is not None:
+            out["max_items"] = spec.max_items
+        return out
+    if isinstance(spec, AllowedTokensSpec):
+        return {"kind": spec.kind, "tokens": list(spec.tokens)}
+    raise TypeError(f"not a constraint spec: {spec!r}")

@@ -1,0 +1,142 @@
+"""Differential property tests: the native core against the pure-Python reference, on random specs, random token
+streams and random batch operations (moves, swaps, removals, shrunk and rewritten histories, -1 placeholders)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from serving_image.constraints import validate_constraint
+from serving_image.constraints.engine import ConstraintBatch, compile_spec
+from serving_image.constraints.reference import ReferenceState
+from tests.native.gen import next_token, random_spec, random_vocab
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def bitmask_tokens(bitmask: np.ndarray, row: int, vocab: int) -> list[int]:
+    bits = np.unpackbits(bitmask[row].view(np.uint8), bitorder="little")
+    assert not bits[vocab:].any(), "bits set beyond the vocabulary"
+    return np.flatnonzero(bits[:vocab]).tolist()
+
+
+def known_prefix(tokens: list[int]) -> list[int]:
+    """What a row may consume: everything before the first -1 placeholder."""
+    return tokens[: tokens.index(-1)] if -1 in tokens else tokens
+
+
+@SETTINGS
+@given(st.randoms(use_true_random=True))
+def test_single_row_matches_reference_step_by_step(rng: random.Random):
+    vocab, eos = random_vocab(rng)
+    spec = random_spec(rng, vocab, eos)
+    batch = ConstraintBatch(vocab, 2, threads=1)
+    tokens: list[int] = []
+    batch.set_row(1, compile_spec(spec, vocab, eos), tokens)
+    ref = ReferenceState(spec, eos)
+    logits = torch.zeros(2, vocab)
+    for _ in range(rng.randint(1, 40)):
+        batch.sync()
+        expected = sorted(ref.allowed())
+        assert batch.core.allowed(1) == expected
+        assert batch.core.finished(1) == ref.finished
+        logits.zero_()
+        assert batch.fill_apply(logits) == 1
+        assert bitmask_tokens(batch.core.bitmask(), 1, vocab) == expected
+        assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == expected
+        assert torch.isfinite(logits[0]).all(), "an unconstrained row was masked"
+        t = next_token(rng, ref.allowed(), vocab, eos)
+        tokens.append(t)
+        ref.advance(t)
+
+
+@SETTINGS
+@given(st.randoms(use_true_random=True))
+def test_batch_operations_match_reference_replay(rng: random.Random):
+    """Whatever happens to the batch, every constrained row's allowed set equals the reference replay of its
+    current output list (a function of the generated tokens alone)."""
+    vocab, eos = random_vocab(rng)
+    capacity = rng.randint(1, 6)
+    batch = ConstraintBatch(vocab, capacity, threads=rng.choice((1, 2)))
+    rows: dict[int, tuple] = {}  # row -> (spec, its output list)
+    logits = torch.zeros(capacity, vocab, dtype=rng.choice((torch.float32, torch.bfloat16)))
+    for _ in range(rng.randint(5, 60)):
+        op = rng.random()
+        row = rng.randrange(capacity)
+        if op < 0.15 or not rows:
+            spec = random_spec(rng, vocab, eos)
+            out = [] if rng.random() < 0.7 else [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
+            rows[row] = (spec, out)
+            batch.set_row(row, compile_spec(spec, vocab, eos), out)
+        elif op < 0.2:
+            rows.pop(row, None)
+            batch.clear_row(row)
+        elif op < 0.27:
+            dst = rng.randrange(capacity)
+            if row in rows:
+                rows[dst] = rows.pop(row)
+            else:
+                rows.pop(dst, None)
+            batch.move_row(row, dst)
+        elif op < 0.34:
+            other = rng.randrange(capacity)
+            a, b = rows.pop(row, None), rows.pop(other, None)
+            if a is not None:
+                rows[other] = a
+            if b is not None:
+                rows[row] = b
+            batch.swap_rows(row, other)
+        elif row in rows:
+            spec, out = rows[row]
+            if op < 0.42 and out:  # preemption with a shorter history
+                del out[rng.randint(0, len(out) - 1):]
+            elif op < 0.47 and out:  # history rewritten in place
+                out[-1] = rng.randrange(vocab)
+            elif op < 0.55:  # async placeholder, filled in later
+                out.append(-1)
+            elif -1 in out:
+                out[out.index(-1)] = next_token(rng, ReferenceState.replay(spec, eos, known_prefix(out)).allowed(),
+                                                vocab, eos)
+            else:
+                ref = ReferenceState.replay(spec, eos, out)
+                out.extend(next_token(rng, ref.allowed(), vocab, eos) for _ in range(rng.randint(1, 3)))
+        batch.sync()
+        logits.zero_()
+        batch.fill_apply(logits)
+        for r in range(capacity):
+            if r in rows:
+                spec, out = rows[r]
+                expected = sorted(ReferenceState.replay(spec, eos, known_prefix(out)).allowed())
+                assert batch.core.allowed(r) == expected, (r, out)
+                assert bitmask_tokens(batch.core.bitmask(), r, vocab) == expected
+                assert torch.isfinite(logits[r].float()).nonzero().flatten().tolist() == expected
+            else:
+                assert not batch.core.constrained(r)
+                assert torch.isfinite(logits[r].float()).all()
+
+
+def test_history_shrink_and_rewrite_are_detected():
+    vocab, eos = 64, 0
+    spec = validate_constraint({"kind": "token_dfa", "start": 0, "accept": [2],
+                                "edges": [[0, 17, 1], [1, 42, 2], [1, 17, 1]]}, vocab, eos)
+    batch = ConstraintBatch(vocab, 1, threads=1)
+    out = [17, 42]
+    batch.set_row(0, compile_spec(spec, vocab, eos), out)
+    assert batch.sync() == 0
+    assert batch.core.allowed(0) == [eos]
+    del out[1:]  # shorter history: replayed
+    assert batch.sync() == 1
+    assert batch.core.allowed(0) == [17, 42]
+    out[0] = 5  # same length, rewritten: replayed, 5 is not allowed at the start so only eos remains
+    assert batch.sync() == 1
+    assert batch.core.allowed(0) == [eos] and batch.core.finished(0)
+    out[:] = [17, -1]  # a placeholder is not a token
+    batch.sync()
+    assert batch.core.allowed(0) == [17, 42] and batch.core.consumed(0) == 1
+    out[1] = 17
+    assert batch.sync() == 0
+    assert batch.core.allowed(0) == [17, 42] and batch.core.consumed(0) == 2
