@@ -207,7 +207,9 @@ class MetricsProxy:
         with self._state.lock:
             self._state.shadowed = float(len(report.shadowed))
             self._state.duplicates += report.duplicate_series
-        return render(report.families, fmt)
+        # The proxy's own families come first and are never shadowed: redo them so they describe this scrape.
+        families = self._own_families() + report.families[len(own):]
+        return render(families, fmt)
 
 
 def _handler_class(proxy: MetricsProxy) -> type[BaseHTTPRequestHandler]:

@@ -1,0 +1,320 @@
+"""The metrics proxy against real prometheus_client multiprocess files and real HTTP upstreams (no engine here:
+`test_metrics_vllm.py` runs the proxy against a real vLLM engine).
+
+The upstream is the real front-end metrics server (`serve_frontend_metrics`) when it should work, and small HTTP
+servers that misbehave on purpose when it should not (they stand in for Triton's metrics port: Triton cannot run
+on this machine).
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+
+from serving_image.metrics.frontend import FrontendMetrics, serve_frontend_metrics
+from serving_image.metrics.multiproc import clear_multiproc_dir
+from serving_image.metrics.proxy import ProxyConfig, main, spawn_proxy, start_proxy
+from tests.serving.test_metrics_helpers import (
+    fake_upstream,
+    get,
+    send,
+    series,
+    start_writer,
+    stop_writer,
+    type_lines,
+)
+
+OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+
+
+@pytest.fixture
+def mpdir(tmp_path: Path) -> Path:
+    directory = tmp_path / "prom"
+    directory.mkdir()
+    return directory
+
+
+@pytest.fixture
+def frontend():
+    metrics = FrontendMetrics()
+    metrics.observe("demo", "1", success=True, duration_s=0.25, queue_s=0.01, compute_infer_s=0.2)
+    metrics.observe("demo", "1", success=False, duration_s=0.01, failure_reason="REJECTED")
+    server = serve_frontend_metrics(metrics, port=0)
+    yield metrics, server
+    server.stop()
+
+
+@pytest.fixture
+def writers(mpdir: Path):
+    """Two live processes writing vLLM-style multiprocess files."""
+    procs = [start_writer(mpdir, requests=3, running=2), start_writer(mpdir, requests=4, running=5)]
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            stop_writer(proc)
+
+
+def _proxy(mpdir: Path, upstream: str | None, **kwargs):
+    return start_proxy(ProxyConfig(multiproc_dir=mpdir, upstream_url=upstream, host="127.0.0.1", port=0, **kwargs))
+
+
+def test_merges_multiprocess_files_and_upstream_every_family_once(mpdir, writers, frontend):
+    _, server = frontend
+    handle = _proxy(mpdir, server.url)
+    try:
+        status, content_type, text = get(handle.url)
+    finally:
+        handle.stop()
+    assert status == 200
+    assert content_type.startswith("text/plain; version=0.0.4")
+    values = series(text)
+    types = type_lines(text)  # asserts one TYPE line per family
+    # vLLM side, summed across the two processes as prometheus_client defines it
+    assert values['demo:requests_total{model_name="demo"}'] == 7
+    assert values['demo:running{model_name="demo"}'] == 7  # livesum: 2 + 5
+    assert values['demo:latency_seconds_count{model_name="demo"}'] == 2
+    assert types["demo:requests_total"] == "counter" and types["demo:latency_seconds"] == "histogram"
+    # upstream side, with Triton's exact names (no `_total` added)
+    assert values['nv_inference_request_success{model="demo",version="1"}'] == 1
+    assert values['nv_inference_request_failure{model="demo",reason="REJECTED",version="1"}'] == 1
+    assert values['nv_inference_request_duration_us{model="demo",version="1"}'] == 250000
+    assert types["nv_inference_request_success"] == "counter"
+    assert values["llm_serving_metrics_upstream_up"] == 1
+    # no series twice
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert len(lines) == len({line.rsplit(" ", 1)[0] for line in lines})
+
+
+def test_openmetrics_by_content_negotiation_parses_with_the_openmetrics_parser(mpdir, writers, frontend):
+    _, server = frontend
+    handle = _proxy(mpdir, server.url)
+    try:
+        status, content_type, text = get(handle.url, accept=OPENMETRICS)
+        _, plain_type, _ = get(handle.url, accept="text/plain;version=0.0.4")
+    finally:
+        handle.stop()
+    assert status == 200
+    assert content_type == "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    assert plain_type.startswith("text/plain; version=0.0.4")
+    assert text.endswith("# EOF\n")
+    families = {f.name: f for f in parse_openmetrics(text)}  # raises on anything that is not OpenMetrics
+    assert families["demo:requests"].type == "counter"
+    assert {s.name for s in families["demo:requests"].samples} == {"demo:requests_total"}
+    # Triton's counters keep their series name; OpenMetrics can only say so with type unknown
+    assert families["nv_inference_request_success"].type == "unknown"
+    assert families["nv_inference_request_success"].samples[0].value == 1
+
+
+def test_gzip_when_asked(mpdir, writers):
+    handle = _proxy(mpdir, None)
+    try:
+        request = urllib.request.Request(handle.url, headers={"Accept-Encoding": "gzip"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.headers["Content-Encoding"] == "gzip"
+            text = gzip.decompress(response.read()).decode()
+    finally:
+        handle.stop()
+    assert 'demo:requests_total{model_name="demo"} 7.0' in text
+
+
+def _slow(handler):
+    time.sleep(3)
+    send(handler, 200, b"nv_inference_count 1\n")
+
+
+def _trickle(handler):
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/plain")
+    handler.end_headers()
+    for _ in range(30):  # one byte every 0.1 s: each read is quick, the whole body is not
+        handler.wfile.write(b"#")
+        handler.wfile.flush()
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    ("respond", "reason"),
+    [
+        (lambda h: send(h, 200, b"<html><body>502 Bad Gateway</body></html>", "text/html"), "parse"),
+        (lambda h: send(h, 200, b'{"metrics": []}', "application/json"), "parse"),
+        (lambda h: send(h, 200, b"# TYPE a counter\na 1\n# TYPE a gauge\na 2\n"), "parse"),
+        (lambda h: send(h, 200, b"\xff\xfe binary"), "parse"),
+        (lambda h: send(h, 500, b"internal error"), "http_status"),
+        (lambda h: send(h, 200, b"x 1\n" * 100_000), "too_large"),
+        (_slow, "timeout"),
+        (_trickle, "timeout"),
+    ],
+    ids=["html", "json", "two-types", "binary", "http-500", "too-large", "slow", "trickle"],
+)
+def test_bad_upstream_still_answers_200_with_vllm_metrics_and_upstream_down(mpdir, writers, respond, reason, caplog):
+    upstream = fake_upstream(respond)
+    handle = _proxy(mpdir, upstream.url, upstream_timeout_s=0.5, upstream_max_bytes=64 * 1024)
+    try:
+        with caplog.at_level(logging.WARNING, logger="serving_image.metrics.proxy"):
+            started = time.monotonic()
+            status, _, text = get(handle.url)
+            elapsed = time.monotonic() - started
+    finally:
+        handle.stop()
+        upstream.stop()
+    assert status == 200
+    values = series(text)
+    assert values['demo:requests_total{model_name="demo"}'] == 7  # vLLM's metrics are all there
+    assert values["llm_serving_metrics_upstream_up"] == 0
+    assert values[f'llm_serving_metrics_upstream_scrape_errors_total{{reason="{reason}"}}'] == 1
+    assert not any(name.startswith("nv_") or name.startswith("x") for name in values)  # nothing half-parsed
+    assert any(f"({reason})" in record.getMessage() for record in caplog.records), caplog.text
+    assert elapsed < 3, "the upstream deadline must bound the scrape"  # generous: the deadline is 0.5 s
+
+
+def test_upstream_down_then_back(mpdir, writers, caplog):
+    metrics = FrontendMetrics()
+    metrics.register_model("demo", "1")
+    server = serve_frontend_metrics(metrics, port=0)
+    port = server.port
+    handle = _proxy(mpdir, server.url)
+    try:
+        assert series(get(handle.url)[2])["llm_serving_metrics_upstream_up"] == 1
+        server.stop()
+        with caplog.at_level(logging.WARNING, logger="serving_image.metrics.proxy"):
+            status, _, text = get(handle.url)
+        assert status == 200
+        values = series(text)
+        assert values["llm_serving_metrics_upstream_up"] == 0
+        assert values['llm_serving_metrics_upstream_scrape_errors_total{reason="connection"}'] == 1
+        assert "Connection refused" in caplog.text
+        server = serve_frontend_metrics(metrics, port=port)
+        values = series(get(handle.url)[2])
+        assert values["llm_serving_metrics_upstream_up"] == 1
+        assert values['nv_inference_request_success{model="demo",version="1"}'] == 0
+    finally:
+        handle.stop()
+        server.stop()
+
+
+def test_upstream_family_that_vllm_files_also_hold_is_served_once(mpdir, writers):
+    """Triton's vLLM backend exports some `vllm:*` families itself: the engine's own files win, once."""
+    body = (
+        b"# HELP demo:requests_total bridge copy\n# TYPE demo:requests_total counter\n"
+        b'demo:requests_total{model="demo",version="1"} 99\n'
+        b"# TYPE nv_inference_count counter\n"
+        b'nv_inference_count{model="demo",version="1"} 5\nnv_inference_count{model="demo",version="1"} 6\n'
+    )
+    upstream = fake_upstream(lambda h: send(h, 200, body))
+    handle = _proxy(mpdir, upstream.url)
+    try:
+        text = get(handle.url)[2]
+    finally:
+        handle.stop()
+        upstream.stop()
+    types = type_lines(text)
+    assert list(types).count("demo:requests_total") == 1
+    values = series(text)
+    assert values['demo:requests_total{model_name="demo"}'] == 7
+    assert 'demo:requests_total{model="demo",version="1"}' not in values
+    assert values["llm_serving_metrics_shadowed_families"] == 1
+    assert values['nv_inference_count{model="demo",version="1"}'] == 5  # first of a repeated series
+    assert values["llm_serving_metrics_duplicate_series_total"] == 1
+
+
+def test_dead_process_live_gauges_are_removed_counters_kept(mpdir, writers):
+    handle = _proxy(mpdir, None)
+    try:
+        before = series(get(handle.url)[2])
+        assert before['demo:running{model_name="demo"}'] == 7
+        stop_writer(writers[1])  # the process that had 5 running and 4 requests exits
+        after = series(get(handle.url)[2])
+    finally:
+        handle.stop()
+    assert after['demo:running{model_name="demo"}'] == 2  # its live gauge file was marked dead
+    assert after['demo:requests_total{model_name="demo"}'] == 7  # its counters stay
+    assert not list(mpdir.glob(f"gauge_livesum_{writers[1].pid}.db"))
+
+
+def test_clear_multiproc_dir_removes_stale_files(mpdir, writers, caplog):
+    for proc in writers:
+        stop_writer(proc)
+    stale = sorted(p.name for p in mpdir.glob("*.db"))
+    assert stale, "the writers should have left files"
+    (mpdir / "notes.txt").write_text("not a metrics file")
+    with caplog.at_level(logging.WARNING):
+        removed = clear_multiproc_dir(mpdir)
+    assert removed == len(stale)
+    assert sorted(p.name for p in mpdir.iterdir()) == ["notes.txt"]
+    assert "notes.txt" in caplog.text
+    fresh = mpdir.parent / "fresh"
+    assert clear_multiproc_dir(fresh) == 0 and fresh.is_dir()
+
+
+def test_missing_multiproc_dir_is_an_error_on_the_command_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--multiproc-dir", str(tmp_path / "nope"), "--port", "0"])
+    assert exc.value.code == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"upstream_url": "ftp://x/metrics"}, "upstream URL must be http"),
+        ({"upstream_timeout_s": 0}, "upstream_timeout_s"),
+        ({"upstream_max_bytes": -1}, "upstream_max_bytes"),
+        ({"port": 70000}, "port"),
+    ],
+)
+def test_bad_config_names_the_field(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ProxyConfig(multiproc_dir=tmp_path, **kwargs)
+
+
+def test_spawned_child_process_serves_the_merge(mpdir, writers, frontend):
+    """The startup procedure's other way to run it: `python -m serving_image.metrics.proxy` as a child."""
+    import socket
+
+    _, server = frontend
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = spawn_proxy(ProxyConfig(multiproc_dir=mpdir, upstream_url=server.url, host="127.0.0.1", port=port))
+    try:
+        values = series(get(f"http://127.0.0.1:{port}/metrics")[2])
+        assert values['demo:requests_total{model_name="demo"}'] == 7
+        assert values['nv_inference_request_success{model="demo",version="1"}'] == 1
+        with pytest.raises(urllib.request.HTTPError) as err:
+            get(f"http://127.0.0.1:{port}/nope")
+        assert err.value.code == 404
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_promtool_check_metrics_finds_no_error_and_no_lint_in_the_proxys_own_names(mpdir, writers, frontend):
+    """promtool parses the whole output. Its lint findings may only be about names the proxy passes through
+    (vLLM's colon names, Triton's counters without `_total`), never about the proxy's own metrics."""
+    _, server = frontend
+    handle = _proxy(mpdir, server.url)
+    try:
+        text = get(handle.url)[2]
+    finally:
+        handle.stop()
+    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    findings = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode in (0, 3), f"promtool could not parse the exposition: {findings}"
+    linted = {line.split()[0] for line in findings}
+    passed_through = {name for name in type_lines(text) if name.startswith(("demo:", "nv_"))}
+    assert linted <= passed_through, f"lint findings about the proxy's own names: {linted - passed_through}"
+
+
+def test_module_runs_as_a_script(mpdir):
+    result = subprocess.run(
+        [sys.executable, "-m", "serving_image.metrics.proxy", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 and "--upstream-timeout" in result.stdout
