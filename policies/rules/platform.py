@@ -1,0 +1,55 @@
+"""Cluster and registry settings a reviewer checks beside the model path."""
+
+from __future__ import annotations
+
+from pulumi_policy import EnforcementLevel, ResourceValidationArgs, ResourceValidationPolicy
+
+from .._props import as_bool, get
+from ..context import stack_context
+
+CLUSTER = "aws:eks/cluster:Cluster"
+REPOSITORY = "aws:ecr/repository:Repository"
+
+
+def _validate_private_endpoint(args: ResourceValidationArgs, report) -> None:
+    if args.resource_type != CLUSTER:
+        return
+    ctx = stack_context(args)
+    if not ctx.is_prod:
+        return
+    # The EKS API defaults to a public endpoint when endpointPublicAccess is unset.
+    public = as_bool(get(args.props, "vpcConfig", "endpointPublicAccess"))
+    if public is not False:
+        report(f"EKS cluster {args.name!r} in prod stack {ctx.stack!r} has a public API endpoint "
+               f"(vpcConfig.endpointPublicAccess {public if public is not None else 'unset, which means true'}): "
+               f"prod clusters are reachable from the VPC only", None)
+    if as_bool(get(args.props, "vpcConfig", "endpointPrivateAccess")) is not True:
+        report(f"EKS cluster {args.name!r} in prod stack {ctx.stack!r} lacks vpcConfig.endpointPrivateAccess: true",
+               None)
+
+
+def _validate_repository(args: ResourceValidationArgs, report) -> None:
+    if args.resource_type != REPOSITORY:
+        return
+    if get(args.props, "imageTagMutability") != "IMMUTABLE":
+        report(f"ECR repository {args.name!r}: tags are mutable; set imageTagMutability IMMUTABLE so a tag always "
+               f"names the digest that was reviewed", None)
+    if as_bool(get(args.props, "imageScanningConfiguration", "scanOnPush")) is not True:
+        report(f"ECR repository {args.name!r}: images are not scanned on push "
+               f"(imageScanningConfiguration.scanOnPush)", None)
+
+
+eks_private_endpoint = ResourceValidationPolicy(
+    name="eks-private-endpoint-in-prod",
+    description="Prod EKS clusters expose their API on a private endpoint only.",
+    validate=_validate_private_endpoint,
+    enforcement_level=EnforcementLevel.MANDATORY,
+)
+ecr_immutable_scanned = ResourceValidationPolicy(
+    name="ecr-immutable-and-scanned",
+    description="ECR repositories have immutable tags and scan images on push.",
+    validate=_validate_repository,
+    enforcement_level=EnforcementLevel.ADVISORY,
+)
+
+POLICIES = [eks_private_endpoint, ecr_immutable_scanned]

@@ -1,0 +1,546 @@
+"""Serving Deployments (the per-model servers, `app.kubernetes.io/component: model-server`).
+
+What a reviewer checks on every model server: the image is immutable (a digest) and built on the pinned Triton and
+vLLM (§3.9); it asks for whole GPUs and tolerates the GPU taint; it reports started, ready and live, with a startup
+budget that covers the model's configured load time and a Pulumi timeout that waits that long; it reads weights
+from the FSx model cache and downloads nothing at start (§3.4); it does not run as root.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pulumi_policy import (
+    EnforcementLevel,
+    PolicyResource,
+    ResourceValidationArgs,
+    ResourceValidationPolicy,
+    StackValidationArgs,
+    StackValidationPolicy,
+)
+
+from .._props import annotations, as_list, as_number, duration_seconds, get, iter_mappings, k8s_namespace, labels
+from ..compat import CompatError, Pins, load_pins
+from ..context import PolicyContextError, stack_context
+from ..index import StackIndex, is_serving_workload
+from ..models import model_configs
+from ..workload import (
+    DEPLOYMENT,
+    GPU_RESOURCE,
+    containers,
+    effective_security,
+    gpu_limit,
+    is_true,
+    model_identity,
+    pod_spec,
+    pod_template,
+    probe_budget_seconds,
+    serving_containers,
+)
+
+DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
+DOCKER_IMAGE = "docker-build:index:Image"
+FSX_CSI_DRIVER = "fsx.csi.aws.com"
+SERVING_CONTEXT = "serving_image"
+PULUMI_DEFAULT_TIMEOUT_S = 600.0  # the Kubernetes provider's await timeout when customTimeouts are unset
+# What a container must not do at start: fetch weights from S3 or a model hub.
+DOWNLOAD_MARKERS = (
+    "s3://",
+    "huggingface.co",
+    "hf.co/",
+    "huggingface-cli download",
+    "hf download",
+    "snapshot_download",
+    "aws s3 cp",
+    "aws s3 sync",
+    "s5cmd",
+)
+HUB_TOKEN_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACEHUB_API_TOKEN")
+
+
+def _serving(args: ResourceValidationArgs) -> bool:
+    return args.resource_type == DEPLOYMENT and is_serving_workload(args.props)
+
+
+def _cname(container: Mapping[str, Any]) -> str:
+    return str(container.get("name") or "?")
+
+
+# -- image ---------------------------------------------------------------------------------------------------------
+
+
+def _validate_digest(args: ResourceValidationArgs, report) -> None:
+    if not _serving(args):
+        return
+    for container in containers(args.props, init=True):
+        image = str(container.get("image") or "")
+        if not DIGEST.search(image):
+            report(
+                f"Deployment {args.name!r} container {_cname(container)!r} uses image {image!r}: pin it by digest "
+                f"(...@sha256:<64 hex>) so that a node never pulls something other than what was reviewed",
+                None,
+            )
+
+
+_RELEASE = re.compile(r"(\d{2}\.\d{2})")
+_TRITON_REF = re.compile(r"nvcr\.io/nvidia/tritonserver:(\d{2}\.\d{2})")
+
+
+def _pin_kind(key: str) -> str | None:
+    norm = re.sub(r"[^A-Z0-9]+", "_", key.upper())
+    if "TRITON" in norm and any(w in norm for w in ("RELEASE", "VERSION", "TAG")):
+        return "triton_release"
+    if "VLLM" in norm and "VERSION" in norm and "CPU" not in norm:
+        return "vllm_version"
+    if "BACKEND" in norm and "BRANCH" in norm:
+        return "vllm_backend_branch"
+    return None
+
+
+def _stated_pins(items: Iterable[tuple[str, Any]]) -> list[tuple[str, str, str]]:
+    """(kind, stated value, where) for every pin a set of key/value pairs states (build args, env, annotations)."""
+    found = []
+    for key, value in items:
+        if not isinstance(value, str):
+            continue
+        for match in _TRITON_REF.finditer(value):
+            found.append(("triton_release", match.group(1), f"{key}={value}"))
+        kind = _pin_kind(key)
+        if kind == "triton_release":
+            release = _RELEASE.search(value)
+            found.append((kind, release.group(1) if release else value, f"{key}={value}"))
+        elif kind:
+            found.append((kind, value, f"{key}={value}"))
+    return found
+
+
+def _deployment_pin_items(props: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    items: list[tuple[str, Any]] = []
+    items += list(annotations(props).items()) + list(annotations(pod_template(props)).items())
+    for container in containers(props, init=True):
+        items.append((f"{_cname(container)}.image", container.get("image")))
+        for env in iter_mappings(container.get("env")):
+            items.append((str(env.get("name")), env.get("value")))
+    return items
+
+
+def _image_pin_items(image: PolicyResource) -> list[tuple[str, Any]]:
+    build_args = get(image.props, "buildArgs") or {}
+    items = list(build_args.items()) if isinstance(build_args, Mapping) else []
+    return items + [(f"tags[{i}]", t) for i, t in enumerate(as_list(get(image.props, "tags")))]
+
+
+def _built_from_serving_context(image: PolicyResource) -> bool:
+    location = str(get(image.props, "context", "location") or "").rstrip("/")
+    return location == SERVING_CONTEXT or location.endswith("/" + SERVING_CONTEXT)
+
+
+def _validate_pins(args: StackValidationArgs, report) -> None:
+    index = StackIndex(args.resources)
+    serving = [d for d in index.of_type(DEPLOYMENT) if is_serving_workload(d.props)]
+    images = index.of_type(DOCKER_IMAGE)
+    if not serving and not images:
+        return
+    ctx = stack_context(args)
+    try:
+        pins: Pins = load_pins(args.get_config().get("compatFile"))
+    except CompatError as err:
+        report(f"stack {ctx.stack!r}: {err}", None)
+        return
+    expected = pins.as_dict()
+
+    def check(stated: list[tuple[str, str, str]], owner: str, urn: str) -> None:
+        for kind, value, where in stated:
+            if value != expected[kind]:
+                report(
+                    f"{owner} states {kind.replace('_', ' ')} {value!r} ({where}) but compat.toml pins "
+                    f"{expected[kind]!r}",
+                    urn,
+                )
+
+    for image in images:
+        check(_stated_pins(_image_pin_items(image)), f"image {image.name!r}", image.urn)
+    for dep in serving:
+        stated = _stated_pins(_deployment_pin_items(dep.props))
+        check(stated, f"Deployment {dep.name!r}", dep.urn)
+        built = [i for i in images if index.depends_on(dep, i) and _built_from_serving_context(i)]
+        if not built and not any(kind == "triton_release" for kind, _, _ in stated):
+            report(
+                f"Deployment {dep.name!r} runs an image whose Triton release cannot be traced to compat.toml: use "
+                f"the digest of the serving image built in this stack from {SERVING_CONTEXT}/, or state the pins "
+                f"(triton release {pins.triton_release}, vLLM {pins.vllm_version})",
+                dep.urn,
+            )
+
+
+# -- GPUs ----------------------------------------------------------------------------------------------------------
+
+
+def _validate_gpus(args: ResourceValidationArgs, report) -> None:
+    if not _serving(args):
+        return
+    gpu_containers = [c for c in containers(args.props) if gpu_limit(c)]
+    if not gpu_containers:
+        report(
+            f"Deployment {args.name!r} has no container with a {GPU_RESOURCE} limit: a model server must hold its "
+            f"GPUs (resources.limits[{GPU_RESOURCE}])",
+            None,
+        )
+    expected = None
+    model_id, _ = model_identity(args.props)
+    try:
+        model = model_configs(stack_context(args)).get(model_id) if model_id else None
+        expected = model.gpu.count if model else None
+    except PolicyContextError as err:
+        report(str(err), None)
+    for container in gpu_containers:
+        limit = gpu_limit(container)
+        if limit is None or limit != int(limit) or limit < 1:
+            report(f"Deployment {args.name!r} container {_cname(container)!r}: GPU limit {limit} is not a whole "
+                   f"number of GPUs", None)
+        request = as_number(get(container, "resources", "requests", GPU_RESOURCE))
+        if request is not None and request != limit:
+            report(f"Deployment {args.name!r} container {_cname(container)!r}: GPU request {request:g} differs "
+                   f"from its limit {limit:g}; extended resources need equal requests and limits", None)
+        if expected is not None and limit is not None and limit != expected:
+            report(f"Deployment {args.name!r} container {_cname(container)!r}: GPU limit {limit:g} differs from "
+                   f"the model's configured gpu.count {expected}", None)
+    tolerations = list(iter_mappings(pod_spec(args.props).get("tolerations")))
+    tolerated = any(
+        t.get("key") == GPU_RESOURCE and t.get("effect") in ("NoSchedule", None) and t.get("operator") in
+        ("Exists", "Equal", None)
+        for t in tolerations
+    )
+    if gpu_containers and not tolerated:
+        report(f"Deployment {args.name!r} does not tolerate the {GPU_RESOURCE}:NoSchedule taint of the GPU node "
+               f"groups, so its pods can never be scheduled", None)
+
+
+# -- probes and timeouts -------------------------------------------------------------------------------------------
+
+
+def _load_time(args, report) -> tuple[str | None, float | None]:
+    """(model id, its configured loadTimeSeconds), reporting why it is unknown."""
+    model_id, _ = model_identity(args.props)
+    if not model_id:
+        report(f"Deployment {args.name!r} lacks the app.kubernetes.io/name label, so its model (and load time) is "
+               f"unknown", None)
+        return None, None
+    try:
+        models = model_configs(stack_context(args))
+    except PolicyContextError as err:
+        report(str(err), None)
+        return model_id, None
+    if model_id not in models:
+        report(f"Deployment {args.name!r} serves model {model_id!r}, which llm-serving:models does not declare",
+               None)
+        return model_id, None
+    return model_id, float(models[model_id].load_time_seconds)
+
+
+def _startup_budget(container: Mapping[str, Any]) -> float | None:
+    probe = container.get("startupProbe")
+    return probe_budget_seconds(probe) if isinstance(probe, Mapping) else None
+
+
+def _validate_probes(args: ResourceValidationArgs, report) -> None:
+    if not _serving(args):
+        return
+    model_id, load_time = _load_time(args, report)
+    for container in serving_containers(args.props):
+        missing = [p for p in ("startupProbe", "readinessProbe", "livenessProbe") if not container.get(p)]
+        if missing:
+            report(f"Deployment {args.name!r} container {_cname(container)!r} has no {', '.join(missing)}: a model "
+                   f"server needs all three (started, ready for traffic, alive)", None)
+        budget = _startup_budget(container)
+        if budget is not None and load_time is not None and budget < load_time:
+            report(
+                f"Deployment {args.name!r} container {_cname(container)!r}: the startupProbe gives up after "
+                f"{budget:g}s (initialDelaySeconds + failureThreshold x periodSeconds) but model {model_id!r} is "
+                f"configured to load in up to {load_time:g}s (loadTimeSeconds): the kubelet would kill it mid-load",
+                None,
+            )
+
+
+def _validate_timeouts(args: ResourceValidationArgs, report) -> None:
+    if not _serving(args):
+        return
+    budgets = [b for b in (_startup_budget(c) for c in serving_containers(args.props)) if b is not None]
+    if not budgets:
+        return  # no startup probe: serving-probes reports it
+    needed = max(budgets)
+    timeouts = args.opts.custom_timeouts
+    for op in ("create", "update"):
+        given = duration_seconds(getattr(timeouts, f"{op}_seconds", None)) if timeouts is not None else None
+        effective = given if given else PULUMI_DEFAULT_TIMEOUT_S
+        if effective < needed:
+            shown = f"{given:g}s" if given else f"unset (the provider's default {PULUMI_DEFAULT_TIMEOUT_S:g}s)"
+            report(
+                f"Deployment {args.name!r}: Pulumi's {op} timeout is {shown}, shorter than the {needed:g}s its "
+                f"startupProbe allows: a slow but healthy GPU start would fail the update; set customTimeouts "
+                f"{op} to at least the startup budget",
+                None,
+            )
+
+
+# -- model source --------------------------------------------------------------------------------------------------
+
+
+def _fsx_backed(index: StackIndex, namespace: str, claim_name: str) -> tuple[bool, str]:
+    claim = index.k8s_named("PersistentVolumeClaim", namespace, claim_name)
+    if claim is None:
+        return False, f"claim {claim_name!r} is not a PersistentVolumeClaim of this stack (namespace {namespace!r})"
+    volume_name = get(claim.props, "spec", "volumeName")
+    if volume_name:
+        volume = next((v for v in index.k8s("PersistentVolume") if get(v.props, "metadata", "name") == volume_name),
+                      None)
+        if volume is None:
+            return False, f"claim {claim_name!r} binds PersistentVolume {volume_name!r}, which is not in this stack"
+        driver = get(volume.props, "spec", "csi", "driver")
+        if driver != FSX_CSI_DRIVER:
+            return False, f"PersistentVolume {volume_name!r} uses driver {driver!r}, not {FSX_CSI_DRIVER}"
+        return True, ""
+    class_name = get(claim.props, "spec", "storageClassName")
+    storage_class = next(
+        (s for s in index.k8s("StorageClass") if get(s.props, "metadata", "name") == class_name), None
+    )
+    if storage_class is not None and get(storage_class.props, "provisioner") == FSX_CSI_DRIVER:
+        return True, ""
+    return False, f"claim {claim_name!r} is bound neither to an FSx PersistentVolume nor to an FSx StorageClass"
+
+
+def _validate_model_cache(args: StackValidationArgs, report) -> None:
+    index = StackIndex(args.resources)
+    for dep in index.of_type(DEPLOYMENT):
+        if not is_serving_workload(dep.props):
+            continue
+        namespace = k8s_namespace(dep.props)
+        fsx_volumes, problems = set(), []
+        for volume in iter_mappings(pod_spec(dep.props).get("volumes")):
+            claim = get(volume, "persistentVolumeClaim", "claimName")
+            if not claim:
+                continue
+            ok, why = _fsx_backed(index, namespace, claim)
+            if ok:
+                fsx_volumes.add(volume.get("name"))
+                if not is_true(get(volume, "persistentVolumeClaim", "readOnly")):
+                    mounted_ro = all(
+                        is_true(m.get("readOnly"))
+                        for c in containers(dep.props, init=True)
+                        for m in iter_mappings(c.get("volumeMounts"))
+                        if m.get("name") == volume.get("name")
+                    )
+                    if not mounted_ro:
+                        problems.append(f"the model cache volume {volume.get('name')!r} is mounted read-write")
+            else:
+                problems.append(why)
+        mounted = {
+            m.get("name") for c in serving_containers(dep.props) for m in iter_mappings(c.get("volumeMounts"))
+        }
+        if not fsx_volumes & mounted:
+            report(
+                f"Deployment {dep.name!r} does not mount the FSx model cache claim into its server"
+                + (f" ({'; '.join(problems)})" if problems else "")
+                + ": weights must be read from the model cache (§3.4)",
+                dep.urn,
+            )
+        else:
+            for problem in problems:
+                report(f"Deployment {dep.name!r}: {problem}; serving pods mount the model cache read-only", dep.urn)
+
+
+def _strings(container: Mapping[str, Any]) -> Iterable[tuple[str, str]]:
+    for field in ("command", "args"):
+        for i, value in enumerate(as_list(container.get(field))):
+            yield f"{field}[{i}]", str(value)
+    for env in iter_mappings(container.get("env")):
+        if env.get("value") is not None:
+            yield f"env {env.get('name')}", str(env.get("value"))
+
+
+def _validate_no_download(args: ResourceValidationArgs, report) -> None:
+    if not _serving(args):
+        return
+    for container in containers(args.props, init=True):
+        for where, text in _strings(container):
+            hits = [m for m in DOWNLOAD_MARKERS if m in text.lower()]
+            if hits:
+                report(
+                    f"Deployment {args.name!r} container {_cname(container)!r} {where} = {text!r} refers to "
+                    f"{hits[0]!r}: at start the weights come from the model cache path, never from S3 or a hub",
+                    None,
+                )
+        for env in iter_mappings(container.get("env")):
+            name = env.get("name")
+            if name in HUB_TOKEN_VARS:
+                report(f"Deployment {args.name!r} container {_cname(container)!r} sets {name}: a serving pod has no "
+                       f"business holding a model hub token", None)
+            if name == "HF_HUB_OFFLINE" and str(env.get("value")).lower() not in ("1", "true"):
+                report(f"Deployment {args.name!r} container {_cname(container)!r} sets HF_HUB_OFFLINE="
+                       f"{env.get('value')!r}: it must be 1", None)
+
+
+# -- identity ------------------------------------------------------------------------------------------------------
+
+
+def _validate_non_root(args: ResourceValidationArgs, report) -> None:
+    if not _serving(args):
+        return
+    for container in containers(args.props, init=True):
+        name = _cname(container)
+        if not is_true(effective_security(args.props, container, "runAsNonRoot")):
+            report(f"Deployment {args.name!r} container {name!r} does not set securityContext.runAsNonRoot: true "
+                   f"(on the container or the pod)", None)
+        uid = as_number(effective_security(args.props, container, "runAsUser"))
+        if uid == 0:
+            report(f"Deployment {args.name!r} container {name!r} runs as user 0 (root)", None)
+        if is_true(get(container, "securityContext", "privileged")):
+            report(f"Deployment {args.name!r} container {name!r} is privileged", None)
+
+
+# -- advisory ------------------------------------------------------------------------------------------------------
+
+
+def _validate_hardening(args: ResourceValidationArgs, report) -> None:
+    if not _serving(args):
+        return
+    for container in containers(args.props, init=True):
+        name, sc = _cname(container), container.get("securityContext") or {}
+        missing = []
+        if sc.get("allowPrivilegeEscalation") is not False:
+            missing.append("allowPrivilegeEscalation: false")
+        if "ALL" not in as_list(get(sc, "capabilities", "drop")):
+            missing.append("capabilities.drop: [ALL]")
+        seccomp = get(sc, "seccompProfile", "type") or get(pod_spec(args.props), "securityContext",
+                                                            "seccompProfile", "type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            missing.append("seccompProfile: RuntimeDefault")
+        if missing:
+            report(f"Deployment {args.name!r} container {name!r} could also set {', '.join(missing)}", None)
+
+
+def _validate_spread(args: ResourceValidationArgs, report) -> None:
+    if not _serving(args):
+        return
+    keys = [get(c, "topologyKey") for c in iter_mappings(pod_spec(args.props).get("topologySpreadConstraints"))]
+    if "topology.kubernetes.io/zone" not in keys:
+        report(f"Deployment {args.name!r} does not spread its replicas across zones (topologySpreadConstraints on "
+               f"topology.kubernetes.io/zone): one zone's outage would take the model down", None)
+
+
+def _validate_grace(args: ResourceValidationArgs, report) -> None:
+    if not _serving(args):
+        return
+    grace = as_number(pod_spec(args.props).get("terminationGracePeriodSeconds"))
+    if grace is None or grace < 60:
+        report(f"Deployment {args.name!r}: terminationGracePeriodSeconds is {grace if grace is not None else 30:g}s "
+               f"(Kubernetes' default when unset is 30s); long generations need at least 60s to drain", None)
+
+
+def _validate_pdb(args: StackValidationArgs, report) -> None:
+    index = StackIndex(args.resources)
+    budgets = index.k8s("PodDisruptionBudget")
+    for dep in index.of_type(DEPLOYMENT):
+        if not is_serving_workload(dep.props):
+            continue
+        pod_labels = labels(pod_template(dep.props))
+        covered = any(
+            (sel := get(b.props, "spec", "selector", "matchLabels"))
+            and all(pod_labels.get(k) == v for k, v in sel.items())
+            for b in budgets
+        )
+        if not covered:
+            report(f"Deployment {dep.name!r} has no PodDisruptionBudget: a node drain may evict every replica at "
+                   f"once", dep.urn)
+
+
+serving_image_digest = ResourceValidationPolicy(
+    name="serving-image-digest",
+    description="Serving Deployments reference every image by digest.",
+    validate=_validate_digest,
+    enforcement_level=EnforcementLevel.MANDATORY,
+)
+serving_image_pins = StackValidationPolicy(
+    name="serving-image-pins",
+    description="The serving image's Triton release, vLLM version and backend branch equal serving_image/compat.toml.",
+    validate=_validate_pins,
+    enforcement_level=EnforcementLevel.MANDATORY,
+)
+serving_gpu_resources = ResourceValidationPolicy(
+    name="serving-gpu-resources",
+    description="Serving Deployments limit whole GPUs (as configured) and tolerate the GPU taint.",
+    validate=_validate_gpus,
+    enforcement_level=EnforcementLevel.MANDATORY,
+)
+serving_probes = ResourceValidationPolicy(
+    name="serving-probes",
+    description="Model servers have startup, readiness and liveness probes; the startup budget covers the "
+                "model's configured load time.",
+    validate=_validate_probes,
+    enforcement_level=EnforcementLevel.MANDATORY,
+)
+serving_update_timeout = ResourceValidationPolicy(
+    name="serving-update-timeout",
+    description="Pulumi's create/update timeouts of a serving Deployment cover its startup budget.",
+    validate=_validate_timeouts,
+    enforcement_level=EnforcementLevel.MANDATORY,
+)
+serving_model_cache = StackValidationPolicy(
+    name="serving-model-from-fsx",
+    description="Model servers mount the FSx model-cache claim, read-only.",
+    validate=_validate_model_cache,
+    enforcement_level=EnforcementLevel.MANDATORY,
+)
+serving_no_download = ResourceValidationPolicy(
+    name="serving-no-download-at-start",
+    description="Model servers never download weights from S3 or a model hub at start.",
+    validate=_validate_no_download,
+    enforcement_level=EnforcementLevel.MANDATORY,
+)
+serving_non_root = ResourceValidationPolicy(
+    name="serving-non-root",
+    description="Model servers run as a non-root user and are not privileged.",
+    validate=_validate_non_root,
+    enforcement_level=EnforcementLevel.MANDATORY,
+)
+serving_hardening = ResourceValidationPolicy(
+    name="serving-hardening",
+    description="Model servers drop capabilities, forbid privilege escalation and use the runtime seccomp profile.",
+    validate=_validate_hardening,
+    enforcement_level=EnforcementLevel.ADVISORY,
+)
+serving_zone_spread = ResourceValidationPolicy(
+    name="serving-zone-spread",
+    description="Model servers spread their replicas across availability zones.",
+    validate=_validate_spread,
+    enforcement_level=EnforcementLevel.ADVISORY,
+)
+serving_drain_grace = ResourceValidationPolicy(
+    name="serving-drain-grace",
+    description="Model servers get at least 60s to drain in-flight requests on termination.",
+    validate=_validate_grace,
+    enforcement_level=EnforcementLevel.ADVISORY,
+)
+serving_disruption_budget = StackValidationPolicy(
+    name="serving-disruption-budget",
+    description="Every model server Deployment is covered by a PodDisruptionBudget.",
+    validate=_validate_pdb,
+    enforcement_level=EnforcementLevel.ADVISORY,
+)
+
+POLICIES = [
+    serving_image_digest,
+    serving_image_pins,
+    serving_gpu_resources,
+    serving_probes,
+    serving_update_timeout,
+    serving_model_cache,
+    serving_no_download,
+    serving_non_root,
+    serving_hardening,
+    serving_zone_spread,
+    serving_drain_grace,
+    serving_disruption_budget,
+]

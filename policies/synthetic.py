@@ -1,0 +1,266 @@
+"""A compliant synthetic stack, shaped exactly like `infra.mockrun`'s records, for testing rules one by one.
+
+The rule tests start from `compliant_stack()` (which every policy passes, advisory ones included), break one
+thing, and check that the one rule meant to catch it does, with its message. Inputs use the mock runtime's
+shapes: camelCase keys, numbers as floats, policy documents as JSON strings, custom timeouts as duration strings.
+The real program's resources are checked by `tests/infra/test_policies_stacks.py` on every shipped stack.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from infra.mockrun import MockedResource
+
+from .offline import Finding, evaluate
+
+FINGERPRINT_A = "sha256:" + "a" * 64
+FINGERPRINT_B = "sha256:" + "b" * 64
+DIGEST = "sha256:" + "c" * 64
+COMPAT_TOML = """\
+# Test copy with the keys of serving_image/compat.toml that the policies read (ARCHITECTURE §3.9).
+[triton]
+release = "25.10"
+image_tag = "25.10-vllm-python-py3"
+vllm_version = "0.10.2"
+vllm_backend_branch = "r25.10"
+"""
+TAGS = {"team": "ml-platform", "env": "prod"}
+
+
+class SyntheticStack:
+    def __init__(self, stack: str = "prod-us-east-1", project: str = "llm-serving",
+                 config: Mapping[str, Any] | None = None) -> None:
+        self.stack, self.project = stack, project
+        self.config: dict[str, Any] = dict(config or {})
+        self.resources: list[MockedResource] = []
+
+    def urn(self, type_: str, name: str) -> str:
+        return f"urn:pulumi:{self.stack}::{self.project}::{type_}::{name}"
+
+    def add(self, type_: str, name: str, inputs: dict, depends_on: Iterable[str] = (),
+            custom_timeouts: dict | None = None, provider: str | None = None) -> MockedResource:
+        resource = MockedResource(
+            type=type_, name=name, urn=self.urn(type_, name), inputs=inputs, parent=None,
+            dependencies=[self.get(d).urn for d in depends_on], custom_timeouts=custom_timeouts, provider=provider,
+        )
+        self.resources.append(resource)
+        return resource
+
+    def get(self, name: str) -> MockedResource:
+        found = [r for r in self.resources if r.name == name]
+        if len(found) != 1:
+            raise KeyError(f"{len(found)} synthetic resources named {name!r}")
+        return found[0]
+
+    def remove(self, name: str) -> None:
+        gone = self.get(name)
+        self.resources.remove(gone)
+        for r in self.resources:
+            if gone.urn in r.dependencies:
+                r.dependencies.remove(gone.urn)
+
+    def models(self) -> list[dict]:
+        return self.config["llm-serving:models"]
+
+    def evaluate(self, compat_file: Path | str | None = None, policies=None) -> list[Finding]:
+        kwargs = {"policies": policies} if policies is not None else {}
+        return evaluate(self.resources, self.stack, self.project, self.config, compat_file=compat_file, **kwargs)
+
+
+def model(model_id: str = "llama", versions: Iterable[tuple[str, str]] = (("v1", FINGERPRINT_A),),
+          strategy: str = "red-black", **extra: Any) -> dict:
+    entry = {
+        "id": model_id,
+        "replicas": 2,
+        "gpu": {"nodeGroup": "gpu", "count": 1},
+        "strategy": strategy,
+        "versions": [
+            {"version": v, "package": f"s3://models-prod/{model_id}/{v}.tar.gz", "ioFingerprint": fp}
+            for v, fp in versions
+        ],
+        "loadTimeSeconds": 900,
+    }
+    if strategy == "red-black":
+        entry["active"] = next(iter(versions))[0]
+    entry.update(extra)
+    return entry
+
+
+def deployment_inputs(model_id: str, version: str, replicas: int = 2, env: str = "prod") -> dict:
+    pod_labels = {
+        "app.kubernetes.io/name": model_id,
+        "app.kubernetes.io/version": version,
+        "app.kubernetes.io/component": "model-server",
+        "app.kubernetes.io/part-of": "llm-serving",
+        "app.kubernetes.io/managed-by": "pulumi",
+        "team": "ml-platform",
+        "env": env,
+    }
+    hardened = {
+        "runAsNonRoot": True,
+        "runAsUser": 1000.0,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": f"{model_id}-{version}", "namespace": "llm-serving", "labels": dict(pod_labels)},
+        "spec": {
+            "replicas": float(replicas),
+            "selector": {"matchLabels": {"app.kubernetes.io/name": model_id, "app.kubernetes.io/version": version}},
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": {
+                    "securityContext": {"runAsNonRoot": True, "fsGroup": 1000.0},
+                    "terminationGracePeriodSeconds": 120.0,
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                    "topologySpreadConstraints": [{
+                        "maxSkew": 1.0, "topologyKey": "topology.kubernetes.io/zone",
+                        "whenUnsatisfiable": "ScheduleAnyway",
+                        "labelSelector": {"matchLabels": {"app.kubernetes.io/name": model_id}},
+                    }],
+                    "containers": [{
+                        "name": "server",
+                        "image": f"123456789012.dkr.ecr.us-east-1.amazonaws.com/llm-serving@{DIGEST}",
+                        "args": ["--model-package", f"/models/{model_id}/{version}"],
+                        "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
+                        "ports": [{"containerPort": p} for p in (8000.0, 8001.0, 8002.0, 9000.0)],
+                        "resources": {"limits": {"nvidia.com/gpu": "1"}, "requests": {"nvidia.com/gpu": "1"}},
+                        "securityContext": hardened,
+                        "startupProbe": {"httpGet": {"path": "/v2/health/ready", "port": 8000.0},
+                                         "periodSeconds": 10.0, "failureThreshold": 100.0},
+                        "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": 8000.0},
+                                           "periodSeconds": 5.0},
+                        "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": 8000.0},
+                                          "periodSeconds": 10.0},
+                        "volumeMounts": [{"name": "model-cache", "mountPath": "/models", "readOnly": True}],
+                    }],
+                    "volumes": [{"name": "model-cache",
+                                 "persistentVolumeClaim": {"claimName": "model-cache", "readOnly": True}}],
+                },
+            },
+        },
+    }
+
+
+def add_model_version(stack: SyntheticStack, model_id: str, version: str, replicas: int = 2,
+                      weight: int = 100, route: bool = True) -> None:
+    """Deployment, Service, PodDisruptionBudget and (optionally) its own HTTPRoute for one model version."""
+    name = f"{model_id}-{version}"
+    stack.add("kubernetes:apps/v1:Deployment", name, deployment_inputs(model_id, version, replicas),
+              depends_on=["serving-image", "model-cache"], custom_timeouts={"create": "30m", "update": "30m"})
+    selector = {"app.kubernetes.io/name": model_id, "app.kubernetes.io/version": version}
+    stack.add("kubernetes:core/v1:Service", f"{name}-svc", {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "namespace": "llm-serving"},
+        "spec": {"selector": selector, "ports": [{"name": "openai", "port": 9000.0}]},
+    })
+    stack.add("kubernetes:policy/v1:PodDisruptionBudget", f"{name}-pdb", {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": {"name": name, "namespace": "llm-serving"},
+        "spec": {"maxUnavailable": 1.0, "selector": {"matchLabels": selector}},
+    })
+    if route:
+        stack.add("kubernetes:gateway.networking.k8s.io/v1:HTTPRoute", f"{name}-route", {
+            "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+            "metadata": {"name": name, "namespace": "llm-serving"},
+            "spec": {"parentRefs": [{"name": "llm-gateway"}],
+                     "rules": [{"backendRefs": [{"name": name, "port": 9000.0, "weight": float(weight)}]}]},
+        }, depends_on=[name, f"{name}-svc"])
+
+
+def compliant_stack(stack_name: str = "prod-us-east-1") -> SyntheticStack:
+    env = stack_name.split("-", 1)[0]
+    tags = {**TAGS, "env": env}
+    stack = SyntheticStack(stack_name, config={
+        "aws:region": "us-east-1",
+        "llm-serving:environment": env,
+        "llm-serving:models": [model()],
+    })
+    stack.add("aws:kms/key:Key", "models-key", {"enableKeyRotation": True, "tags": tags})
+    stack.add("aws:s3/bucket:Bucket", "models", {"bucket": f"models-{env}-us-east-1", "tags": tags})
+    bucket_arn = f"arn:aws:s3:::models-{env}-us-east-1"
+    stack.add("aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration",
+              "models-sse", {"bucket": f"models-{env}-us-east-1", "rules": [{
+                  "applyServerSideEncryptionByDefault": {"sseAlgorithm": "aws:kms", "kmsMasterKeyId": "arn:key"},
+                  "bucketKeyEnabled": True}]}, depends_on=["models", "models-key"])
+    stack.add("aws:s3/bucketVersioning:BucketVersioning", "models-versioning", {
+        "bucket": f"models-{env}-us-east-1", "versioningConfiguration": {"status": "Enabled"}}, depends_on=["models"])
+    stack.add("aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock", "models-pab", {
+        "bucket": f"models-{env}-us-east-1", "blockPublicAcls": True, "blockPublicPolicy": True,
+        "ignorePublicAcls": True, "restrictPublicBuckets": True}, depends_on=["models"])
+    stack.add("aws:s3/bucketPolicy:BucketPolicy", "models-policy", {
+        "bucket": f"models-{env}-us-east-1",
+        "policy": json.dumps({"Version": "2012-10-17", "Statement": [{
+            "Sid": "DenyInsecureTransport", "Effect": "Deny", "Principal": "*", "Action": "s3:*",
+            "Resource": [bucket_arn, f"{bucket_arn}/*"],
+            "Condition": {"Bool": {"aws:SecureTransport": "false"}}}]}),
+    }, depends_on=["models"])
+    stack.add("aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration", "models-lifecycle", {
+        "bucket": f"models-{env}-us-east-1", "rules": [{
+            "id": "expire-noncurrent", "status": "Enabled", "filter": {},
+            "noncurrentVersionExpiration": {"noncurrentDays": 30.0}}]}, depends_on=["models"])
+
+    stack.add("aws:ec2/securityGroup:SecurityGroup", "nodes-sg", {"vpcId": "vpc-1", "description": "nodes"})
+    stack.add("aws:ec2/securityGroup:SecurityGroup", "fsx-sg", {"vpcId": "vpc-1", "description": "FSx for Lustre"})
+    for name, low, high in (("fsx-lnet", 988.0, 988.0), ("fsx-servers", 1018.0, 1023.0)):
+        stack.add("aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule", name, {
+            "securityGroupId": "sg-fsx", "ipProtocol": "tcp", "fromPort": low, "toPort": high,
+            "referencedSecurityGroupId": "sg-nodes"}, depends_on=["fsx-sg", "nodes-sg"])
+    stack.add("aws:fsx/lustreFileSystem:LustreFileSystem", "model-cache-fs", {
+        "deploymentType": "PERSISTENT_2", "storageCapacity": 2400.0, "perUnitStorageThroughput": 250.0,
+        "subnetIds": "subnet-1", "securityGroupIds": ["sg-fsx"], "kmsKeyId": "arn:key", "tags": tags,
+    }, depends_on=["fsx-sg", "models-key"])
+
+    stack.add("aws:eks/cluster:Cluster", "cluster", {
+        "vpcConfig": {"endpointPrivateAccess": True, "endpointPublicAccess": False, "subnetIds": ["subnet-1"]},
+        "tags": tags})
+    stack.add("aws:eks/nodeGroup:NodeGroup", "gpu", {
+        "clusterName": "cluster", "amiType": "AL2023_x86_64_NVIDIA", "instanceTypes": ["g6e.12xlarge"],
+        "scalingConfig": {"minSize": 1.0, "desiredSize": 2.0, "maxSize": 4.0},
+        "taints": [{"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}],
+        "labels": {"nvidia.com/gpu.present": "true"}, "tags": tags,
+    }, depends_on=["cluster"])
+    stack.add("aws:iam/policy:Policy", "serving-read-models", {"policy": json.dumps({
+        "Version": "2012-10-17", "Statement": [
+            {"Sid": "ReadModels", "Effect": "Allow", "Action": ["s3:GetObject"], "Resource": f"{bucket_arn}/models/*"},
+            {"Sid": "ListModels", "Effect": "Allow", "Action": "s3:ListBucket", "Resource": bucket_arn,
+             "Condition": {"StringLike": {"s3:prefix": ["models/*"]}}},
+            {"Sid": "Decrypt", "Effect": "Allow", "Action": "kms:Decrypt",
+             "Resource": "arn:aws:kms:us-east-1:123456789012:key/1234abcd"},
+            {"Sid": "EcrLogin", "Effect": "Allow", "Action": "ecr:GetAuthorizationToken", "Resource": "*"},
+        ]}), "tags": tags})
+    stack.add("aws:ecr/repository:Repository", "serving-repo", {
+        "imageTagMutability": "IMMUTABLE", "imageScanningConfiguration": {"scanOnPush": True}, "tags": tags})
+    stack.add("docker-build:index:Image", "serving-image", {
+        "context": {"location": "serving_image"}, "push": True,
+        "buildArgs": {"TRITON_IMAGE_TAG": "25.10-vllm-python-py3"},
+        "tags": ["123456789012.dkr.ecr.us-east-1.amazonaws.com/llm-serving:latest"],
+    }, depends_on=["serving-repo"])
+
+    stack.add("kubernetes:core/v1:PersistentVolume", "model-cache-pv", {
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "model-cache"},
+        "spec": {"capacity": {"storage": "2400Gi"}, "accessModes": ["ReadOnlyMany"],
+                 "csi": {"driver": "fsx.csi.aws.com", "volumeHandle": "fs-1",
+                         "volumeAttributes": {"dnsname": "fs-1.fsx", "mountname": "abc"}}},
+    }, depends_on=["model-cache-fs"])
+    stack.add("kubernetes:core/v1:PersistentVolumeClaim", "model-cache", {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "model-cache", "namespace": "llm-serving"},
+        "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": "model-cache",
+                 "resources": {"requests": {"storage": "2400Gi"}}},
+    }, depends_on=["model-cache-pv"])
+    add_model_version(stack, "llama", "v1")
+    return stack
+
+
+def write_compat(directory: Path, text: str = COMPAT_TOML) -> Path:
+    path = Path(directory) / "compat.toml"
+    path.write_text(text)
+    return path
