@@ -1,0 +1,115 @@
+"""The core built with AddressSanitizer and UndefinedBehaviorSanitizer, replaying random batch scripts.
+
+A standalone C++ driver (native/tests/sanitize_driver.cpp) is compiled here with -fsanitize=address,undefined
+and fed scripts of batch operations (specs, tokens, moves, swaps, shrunk histories) over the thread pool,
+bitmask fill and float32/bfloat16 apply. Any sanitizer report aborts it; its printed allowed sets must equal the
+pure-Python reference's, so the sanitized build is held to the same semantics as the extension.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from serving_image.constraints.reference import ReferenceState
+from tests.native.gen import next_token, random_spec, random_vocab, script_line
+
+REPO = Path(__file__).resolve().parents[2]
+NATIVE = REPO / "native"
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory) -> Path:
+    cxx = shutil.which("g++") or shutil.which("c++")
+    assert cxx, "a C++ compiler is needed (the package build needs one too)"
+    out = tmp_path_factory.mktemp("asan") / "sanitize_driver"
+    cmd = [
+        cxx, "-std=c++17", "-O1", "-g", "-fno-omit-frame-pointer",
+        "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+        f"-I{NATIVE / 'include'}",
+        str(NATIVE / "src" / "core.cpp"), str(NATIVE / "src" / "batch.cpp"),
+        str(NATIVE / "tests" / "sanitize_driver.cpp"),
+        "-pthread", "-o", str(out),
+    ]
+    subprocess.run(cmd, check=True, timeout=300)
+    return out
+
+
+def make_script(seed: int) -> tuple[str, list[str]]:
+    """A random script and the reference's expected QUERY lines."""
+    rng = random.Random(seed)
+    vocab, eos = random_vocab(rng)
+    capacity = rng.randint(1, 12)
+    lines = [f"BATCH {vocab} {capacity} {rng.choice((1, 2, 4))}"]
+    rows: dict[int, tuple] = {}  # row -> (spec, history)
+    expected: list[str] = []
+    queries = 0
+    for _ in range(rng.randint(20, 120)):
+        op = rng.random()
+        row = rng.randrange(capacity)
+        if op < 0.15 or not rows:
+            spec = random_spec(rng, vocab, eos)
+            rows[row] = (spec, [])
+            lines.append(script_line(row, spec, eos))
+        elif op < 0.2:
+            rows.pop(row, None)
+            lines.append(f"CLEAR {row}")
+        elif op < 0.26:
+            dst = rng.randrange(capacity)
+            if row in rows:
+                rows[dst] = rows.pop(row)
+            else:
+                rows.pop(dst, None)
+            lines.append(f"MOVE {row} {dst}")
+        elif op < 0.32:
+            other = rng.randrange(capacity)
+            a, b = rows.pop(row, None), rows.pop(other, None)
+            if a is not None:
+                rows[other] = a
+            if b is not None:
+                rows[row] = b
+            lines.append(f"SWAP {row} {other}")
+        elif op < 0.38 and row in rows:
+            k = rng.randint(0, 3)
+            hist = rows[row][1]
+            del hist[max(0, len(hist) - k):]
+            lines.append(f"SHRINK {row} {k}")
+        elif row in rows:
+            spec, hist = rows[row]
+            t = next_token(rng, ReferenceState.replay(spec, eos, hist).allowed(), vocab, eos)
+            hist.append(t)
+            lines.append(f"TOK {row} {t}")
+        if rng.random() < 0.3:
+            queries += 1
+            lines.append("QUERY")
+            for r in sorted(rows):
+                spec, hist = rows[r]
+                allowed = sorted(ReferenceState.replay(spec, eos, hist).allowed())
+                expected.append(f"Q{queries} row {r}:" + "".join(f" {t}" for t in allowed))
+    expected.append(f"DONE {queries}")
+    return "\n".join(lines) + "\n", expected
+
+
+def test_sanitized_core_replays_random_scripts_like_the_reference(driver: Path):
+    for seed in range(60):
+        script, expected = make_script(seed)
+        run = subprocess.run([str(driver)], input=script, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, f"seed {seed}: driver failed\n{run.stderr[-4000:]}"
+        assert "runtime error" not in run.stderr, run.stderr[-4000:]  # UBSan, belt and braces
+        assert run.stdout.splitlines() == expected, f"seed {seed}"
+
+
+def test_sanitized_core_rejects_malformed_machines(driver: Path):
+    """Compilers check their input even though Python validates first: no out-of-bounds on bad specs."""
+    for bad in (
+        "BATCH 64 2 1\nDFA 0 0 0 1 0 1 0 99 0\n",  # token outside the vocabulary
+        "BATCH 64 2 1\nCHOICE 0 0 1 1 5 1 5 1 -1 0\n",  # separator's first token inside a choice
+        "BATCH 64 2 1\nALLOWED 5 0 1 3\n",  # row outside the batch
+    ):
+        run = subprocess.run([str(driver)], input=bad, capture_output=True, text=True, timeout=60)
+        assert run.returncode != 0
+        assert "AddressSanitizer" not in run.stderr and "runtime error" not in run.stderr, run.stderr
