@@ -1,0 +1,67 @@
+"""The serving platform's Pulumi program: one stack per environment and region (ARCHITECTURE §2, §3.6, §4).
+
+    config (validated) -> network -> EKS + node groups -> model storage (S3 + FSx) -> ECR + serving image
+        -> shared Kubernetes objects -> per-model serving -> stack outputs (docs/stack-outputs.md)
+"""
+
+import pulumi
+import pulumi_aws as aws
+
+from infra.cluster import Cluster, ClusterArgs
+from infra.config import from_pulumi_config, triton_pin
+from infra.naming import aws_tags
+from infra.network import Network, NetworkArgs
+from infra.platform import PlatformArgs, ServingPlatform
+from infra.registry import ServingImage, ServingImageArgs
+from infra.serving import ModelServing, ServingContext
+from infra.storage import ModelStorage, ModelStorageArgs
+from llm_serving.stack_outputs import SCHEMA_VERSION, ModelOutputs
+
+cfg = from_pulumi_config()
+pin = triton_pin(cfg.serving)
+stack = pulumi.get_stack()
+tags = aws_tags(stack, cfg.environment)
+cluster_name = f"llm-{cfg.environment}-{cfg.region}"
+
+network = Network("network", NetworkArgs(cluster_name=cluster_name, cidr=cfg.network.cidr, vpc_id=cfg.network.vpc_id,
+                                         private_subnet_ids=cfg.network.private_subnet_ids, tags=tags))
+cluster = Cluster("eks", ClusterArgs(cluster_name=cluster_name, config=cfg.cluster, vpc_id=network.vpc_id,
+                                     private_subnet_ids=network.private_subnet_ids, tags=tags), region=cfg.region)
+storage = ModelStorage("storage", ModelStorageArgs(
+    config=cfg, account_id=aws.get_caller_identity_output().account_id, vpc_id=network.vpc_id,
+    fsx_subnet_id=network.private_subnet_ids[0], node_security_group_id=cluster.node_security_group_id, tags=tags))
+image = ServingImage("serving-image", ServingImageArgs(repository_name=f"llm-serving/{cfg.environment}/model-server",
+                                                       triton_image_tag=pin.image_tag,
+                                                       kms_key_arn=storage.kms_key_arn, tags=tags))
+platform = ServingPlatform("platform", PlatformArgs(
+    config=cfg, provider=cluster.provider, oidc_provider_arn=cluster.oidc_provider_arn,
+    oidc_issuer_url=cluster.oidc_issuer_url, bucket_arn=storage.bucket_arn, kms_key_arn=storage.kms_key_arn,
+    file_system_id=storage.file_system_id, file_system_dns_name=storage.file_system_dns_name,
+    file_system_mount_name=storage.file_system_mount_name, fsx_csi_addon=cluster.fsx_csi_addon, tags=tags))
+
+ctx = ServingContext(stack=cfg, provider=cluster.provider, namespace=platform.namespace,
+                     service_account=platform.service_account, model_cache_claim=platform.model_cache_claim,
+                     gateway_name=platform.gateway_name, image_ref=image.image_ref,
+                     depends_on=[*platform.ready, *cluster.node_groups.values()])
+models = {}
+for model in cfg.models:
+    served = ModelServing(ctx, model).served
+    models[model.id] = ModelOutputs(
+        strategy=served.strategy, region=cfg.region, versions=served.versions, active_version=served.active_version,
+        route_weights=served.route_weights, replicas=served.replicas, endpoints=served.endpoints,
+        version_endpoints=served.version_endpoints,
+    ).model_dump(by_alias=True)
+
+# The client contract (llm_serving/stack_outputs.py, docs/stack-outputs.md).
+pulumi.export("schemaVersion", SCHEMA_VERSION)
+pulumi.export("stack", stack)
+pulumi.export("environment", cfg.environment)
+pulumi.export("region", cfg.region)
+pulumi.export("models", models)
+# For operators and other stacks; not part of the client contract.
+pulumi.export("clusterName", cluster.name)
+pulumi.export("kubeconfig", cluster.kubeconfig)
+pulumi.export("modelBucket", storage.bucket_name)
+pulumi.export("modelCacheFileSystemId", storage.file_system_id)
+pulumi.export("servingImage", image.image_ref)
+pulumi.export("tritonImageTag", {"tag": pin.image_tag, "source": pin.source})

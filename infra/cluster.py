@@ -1,0 +1,189 @@
+"""EKS cluster, its system node group and GPU managed node groups, IRSA's OIDC provider and the Kubernetes provider.
+
+Built from `aws.eks.*` resources inside this component rather than `pulumi_eks`: its components are implemented in
+another language and register as one opaque resource under the mock runtime, hiding the node groups from tests and
+policies (../shared/notes/pulumi-offline.md).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pulumi
+import pulumi_aws as aws
+import pulumi_kubernetes as k8s
+
+from infra.config import ClusterConfig, GpuNodeGroupConfig
+from infra.iam import role_with_policy, service_trust
+from infra.naming import GPU_NODE_GROUP_LABEL, POOL_LABEL
+
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}
+SYSTEM_AMI = "AL2023_x86_64_STANDARD"
+CLUSTER_POLICIES = ["arn:aws:iam::aws:policy/AmazonEKSClusterPolicy"]
+NODE_POLICIES = [
+    "arn:aws:iam::aws:policy/AmazonEKSWorkerNodePolicy",
+    "arn:aws:iam::aws:policy/AmazonEC2ContainerRegistryReadOnly",
+    "arn:aws:iam::aws:policy/AmazonEKS_CNI_Policy",
+]
+ADDONS = ("vpc-cni", "coredns", "kube-proxy")
+
+
+@dataclass(frozen=True)
+class ClusterArgs:
+    cluster_name: str
+    config: ClusterConfig
+    vpc_id: pulumi.Input[str]
+    private_subnet_ids: list[pulumi.Input[str]]
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+def gpu_node_labels(group: GpuNodeGroupConfig) -> dict[str, str]:
+    return {
+        **group.labels,
+        POOL_LABEL: "gpu",
+        GPU_NODE_GROUP_LABEL: group.name,
+        "nvidia.com/gpu.present": "true",
+        # The device plugin DaemonSet selects on this: only AMIs without NVIDIA's plugin get ours.
+        "llm-serving/device-plugin": "program" if group.needs_device_plugin else "ami",
+    }
+
+
+def _kubeconfig(name: pulumi.Output[str], endpoint: pulumi.Output[str], ca: pulumi.Output[str],
+                region: str) -> pulumi.Output[str]:
+    def build(args: list[str]) -> str:
+        cluster, server, cert = args
+        return json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": cluster,
+            "clusters": [{"name": cluster, "cluster": {"server": server, "certificate-authority-data": cert}}],
+            "contexts": [{"name": cluster, "context": {"cluster": cluster, "user": cluster}}],
+            "users": [{"name": cluster, "user": {"exec": {
+                "apiVersion": "client.authentication.k8s.io/v1beta1", "command": "aws",
+                "args": ["eks", "get-token", "--cluster-name", cluster, "--region", region],
+            }}}],
+        })
+    return pulumi.Output.all(name, endpoint, ca).apply(build)
+
+
+class Cluster(pulumi.ComponentResource):
+    name: pulumi.Output[str]
+    node_security_group_id: pulumi.Output[str]
+    oidc_provider_arn: pulumi.Output[str]
+    oidc_issuer_url: pulumi.Output[str]
+    provider: k8s.Provider
+    kubeconfig: pulumi.Output[str]
+    node_groups: dict[str, aws.eks.NodeGroup]
+
+    def __init__(self, name: str, args: ClusterArgs, region: str, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("llm-serving:infra:Cluster", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        cfg = args.config
+
+        cluster_role = role_with_policy(f"{name}-cluster", service_trust("eks.amazonaws.com"), None,
+                                        CLUSTER_POLICIES, args.tags, child)
+        secrets_key = aws.kms.Key(f"{name}-secrets", description=f"EKS secrets envelope key for {args.cluster_name}",
+                                  enable_key_rotation=True, deletion_window_in_days=30, tags=args.tags, opts=child)
+        cluster = aws.eks.Cluster(
+            name,
+            name=args.cluster_name,
+            version=cfg.kubernetes_version,
+            role_arn=cluster_role.arn,
+            vpc_config={
+                "subnet_ids": args.private_subnet_ids,
+                "endpoint_private_access": True,
+                "endpoint_public_access": cfg.endpoint_public_access,
+            },
+            access_config={"authentication_mode": "API", "bootstrap_cluster_creator_admin_permissions": True},
+            encryption_config={"provider": {"key_arn": secrets_key.arn}, "resources": ["secrets"]},
+            enabled_cluster_log_types=["api", "audit", "authenticator", "controllerManager", "scheduler"],
+            tags=args.tags,
+            opts=child,
+        )
+        self.name = cluster.name
+        self.node_security_group_id = cluster.vpc_config.cluster_security_group_id
+        self.oidc_issuer_url = cluster.identities.apply(lambda ids: ids[0]["oidcs"][0]["issuer"])
+        oidc = aws.iam.OpenIdConnectProvider(f"{name}-oidc", url=self.oidc_issuer_url,
+                                             client_id_lists=["sts.amazonaws.com"], tags=args.tags, opts=child)
+        self.oidc_provider_arn = oidc.arn
+
+        node_role = role_with_policy(f"{name}-node", service_trust("ec2.amazonaws.com"), None, NODE_POLICIES,
+                                     args.tags, child)
+        system = aws.eks.NodeGroup(
+            f"{name}-system",
+            cluster_name=cluster.name,
+            node_role_arn=node_role.arn,
+            subnet_ids=args.private_subnet_ids,
+            ami_type=SYSTEM_AMI,
+            instance_types=cfg.system_node_group.instance_types,
+            scaling_config={"min_size": cfg.system_node_group.scaling.min_size,
+                            "max_size": cfg.system_node_group.scaling.max_size,
+                            "desired_size": cfg.system_node_group.scaling.desired_size},
+            labels={POOL_LABEL: "system"},
+            update_config={"max_unavailable": 1},
+            tags=args.tags,
+            opts=child,
+        )
+        self.node_groups = {"system": system}
+        for group in cfg.gpu_node_groups:
+            self.node_groups[group.name] = self._gpu_node_group(name, group, cluster, node_role, args)
+        for addon in ADDONS:
+            aws.eks.Addon(f"{name}-{addon}", cluster_name=cluster.name, addon_name=addon,
+                          resolve_conflicts_on_update="OVERWRITE", tags=args.tags,
+                          opts=pulumi.ResourceOptions(parent=self, depends_on=[system]))
+        # Static provisioning only (one PersistentVolume per file system): the driver mounts, it calls no AWS API,
+        # so it gets no IAM role at all.
+        self.fsx_csi_addon = aws.eks.Addon(f"{name}-aws-fsx-csi-driver", cluster_name=cluster.name,
+                                           addon_name="aws-fsx-csi-driver", resolve_conflicts_on_update="OVERWRITE",
+                                           tags=args.tags, opts=pulumi.ResourceOptions(parent=self,
+                                                                                       depends_on=[system]))
+
+        self.kubeconfig = pulumi.Output.secret(_kubeconfig(cluster.name, cluster.endpoint,
+                                                           cluster.certificate_authority.data, region))
+        self.provider = k8s.Provider(f"{name}-k8s", kubeconfig=self.kubeconfig, enable_server_side_apply=True,
+                                     opts=pulumi.ResourceOptions(parent=self, depends_on=[system]))
+        self.register_outputs({"name": self.name, "oidcProviderArn": self.oidc_provider_arn})
+
+    def _gpu_node_group(self, name: str, group: GpuNodeGroupConfig, cluster: aws.eks.Cluster,
+                        node_role: aws.iam.Role, args: ClusterArgs) -> aws.eks.NodeGroup:
+        child = pulumi.ResourceOptions(parent=self)
+        full = f"{name}-gpu-{group.name}"
+        lt_args: dict = {
+            "block_device_mappings": [{
+                "device_name": "/dev/xvda",
+                "ebs": {"volume_size": group.disk_size_gib, "volume_type": "gp3", "encrypted": "true",
+                        "delete_on_termination": "true"},
+            }],
+            # IMDSv2 only, one hop: pods cannot borrow the node's role (they get theirs through IRSA).
+            "metadata_options": {"http_endpoint": "enabled", "http_tokens": "required",
+                                 "http_put_response_hop_limit": 1},
+            "tag_specifications": [{"resource_type": "instance", "tags": {**args.tags, "Name": full}}],
+        }
+        subnets: list[pulumi.Input[str]] = args.private_subnet_ids
+        if group.efa:
+            # EFA wants the nodes close together: one AZ and a cluster placement group, one EFA interface per node.
+            placement = aws.ec2.PlacementGroup(f"{full}-pg", strategy="cluster", tags=args.tags, opts=child)
+            lt_args["placement"] = {"group_name": placement.name}
+            lt_args["network_interfaces"] = [{"device_index": 0, "network_card_index": 0, "interface_type": "efa",
+                                              "delete_on_termination": "true",
+                                              "security_groups": [cluster.vpc_config.cluster_security_group_id]}]
+            subnets = args.private_subnet_ids[:1]
+        template = aws.ec2.LaunchTemplate(full, update_default_version=True, tags=args.tags, opts=child, **lt_args)
+        return aws.eks.NodeGroup(
+            full,
+            cluster_name=cluster.name,
+            node_group_name_prefix=f"gpu-{group.name}-",
+            node_role_arn=node_role.arn,
+            subnet_ids=subnets,
+            ami_type=group.ami_type,
+            instance_types=group.instance_types,
+            capacity_type="ON_DEMAND",
+            scaling_config={"min_size": group.scaling.min_size, "max_size": group.scaling.max_size,
+                            "desired_size": group.scaling.desired_size},
+            launch_template={"id": template.id, "version": template.latest_version.apply(str)},
+            labels=gpu_node_labels(group),
+            taints=[GPU_TAINT],
+            update_config={"max_unavailable": 1},
+            tags={**args.tags, "k8s.io/cluster-autoscaler/node-template/label/" + GPU_NODE_GROUP_LABEL: group.name},
+            opts=pulumi.ResourceOptions(parent=self, ignore_changes=["scalingConfig.desiredSize"]),
+        )
+

@@ -1,0 +1,418 @@
+"""Typed stack configuration (ARCHITECTURE §3.6), validated once at program start.
+
+Every value a stack file sets is checked here before any resource exists, and a wrong one fails with a message that
+names the full key (`llm-serving:models[1].strategy`) and what is allowed. Nothing is silently dropped: unknown keys
+are errors too. This module has no Pulumi import so that tools (rollout, policies, docs) can validate a stack file
+without the runtime; `from_pulumi_config()` is the program's entry.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PROJECT = "llm-serving"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+COMPAT_TOML = REPO_ROOT / "serving_image" / "compat.toml"
+
+# Keys of the project namespace that the program reads; any other `llm-serving:` key is a typo, and an error.
+TOP_LEVEL_KEYS = ("environment", "homeRegion", "network", "cluster", "modelStorage", "serving", "models")
+
+_ID_RE = r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$"  # a DNS label short enough for "<id>-<version slug>" names
+_VERSION_RE = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,30}[A-Za-z0-9])?$"
+_FINGERPRINT_RE = r"^sha256:[0-9a-f]{64}$"
+_REGION_RE = r"^[a-z]{2}(-gov)?-[a-z]+-\d$"
+
+
+class ConfigError(ValueError):
+    """A stack config value the program cannot use; the message names the key and the allowed values."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(p.capitalize() for p in rest)
+
+
+class _Camel(_Strict):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, alias_generator=_camel)
+
+
+# -- network -----------------------------------------------------------------------------------------------------
+
+
+class NetworkConfig(_Camel):
+    """A new VPC (`cidr`) or an existing one (`vpc_id` with its three private subnets)."""
+
+    cidr: str = "10.0.0.0/16"
+    vpc_id: str | None = Field(default=None, pattern=r"^vpc-[0-9a-f]{8,17}$")
+    private_subnet_ids: list[Annotated[str, Field(pattern=r"^subnet-[0-9a-f]{8,17}$")]] | None = None
+
+    @field_validator("cidr")
+    @classmethod
+    def _check_cidr(cls, v: str) -> str:
+        import ipaddress
+
+        net = ipaddress.ip_network(v, strict=True)
+        if net.prefixlen > 20:
+            raise ValueError(f"must be a /20 or larger block to hold six /24+ subnets, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _existing_vpc_needs_subnets(self) -> NetworkConfig:
+        if self.vpc_id and (not self.private_subnet_ids or len(self.private_subnet_ids) != 3):
+            raise ValueError("privateSubnetIds: an existing vpcId needs exactly 3 private subnet ids, one per AZ")
+        if self.private_subnet_ids and not self.vpc_id:
+            raise ValueError("privateSubnetIds is only allowed together with vpcId")
+        return self
+
+
+# -- cluster -----------------------------------------------------------------------------------------------------
+
+# AMIs whose image already runs NVIDIA's device plugin (Bottlerocket's NVIDIA variants) and those that only carry
+# the driver and container toolkit (EKS-optimized AL2023/AL2 NVIDIA AMIs), for which the program installs it.
+AMIS_WITH_DEVICE_PLUGIN = ("BOTTLEROCKET_x86_64_NVIDIA", "BOTTLEROCKET_ARM_64_NVIDIA")
+AMIS_WITHOUT_DEVICE_PLUGIN = ("AL2023_x86_64_NVIDIA", "AL2023_ARM_64_NVIDIA")
+GpuAmiType = Literal[
+    "AL2023_x86_64_NVIDIA", "AL2023_ARM_64_NVIDIA", "BOTTLEROCKET_x86_64_NVIDIA", "BOTTLEROCKET_ARM_64_NVIDIA"
+]
+# Instance families with NVIDIA GPUs (and, for `efa: true`, those that have EFA interfaces).
+GPU_INSTANCE_FAMILIES = ("g5", "g6", "g6e", "gr6", "p4d", "p4de", "p5", "p5e", "p5en", "p6-b200")
+EFA_INSTANCE_FAMILIES = ("p4d", "p4de", "p5", "p5e", "p5en", "p6-b200", "g6e")
+
+
+class ScalingConfig(_Camel):
+    min_size: int = Field(ge=0, le=1000)
+    max_size: int = Field(ge=1, le=1000)
+    desired_size: int = Field(ge=0, le=1000)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ScalingConfig:
+        if not self.min_size <= self.desired_size <= self.max_size:
+            raise ValueError(
+                f"needs minSize <= desiredSize <= maxSize, got {self.min_size}, {self.desired_size}, {self.max_size}"
+            )
+        return self
+
+
+class SystemNodeGroupConfig(_Camel):
+    instance_types: list[str] = Field(default_factory=lambda: ["m7i.xlarge"], min_length=1)
+    scaling: ScalingConfig = ScalingConfig(min_size=2, max_size=6, desired_size=3)
+
+
+class GpuNodeGroupConfig(_Camel):
+    name: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,18}[a-z0-9])?$")
+    instance_types: list[str] = Field(min_length=1)
+    ami_type: GpuAmiType = "AL2023_x86_64_NVIDIA"
+    gpus_per_node: int = Field(ge=1, le=16)
+    scaling: ScalingConfig
+    efa: bool = False
+    disk_size_gib: int = Field(default=500, ge=100, le=16384)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("instance_types")
+    @classmethod
+    def _gpu_instances(cls, v: list[str]) -> list[str]:
+        for itype in v:
+            if itype.split(".")[0] not in GPU_INSTANCE_FAMILIES:
+                raise ValueError(f"{itype!r} is not an NVIDIA GPU instance type; allowed families: "
+                                 f"{', '.join(GPU_INSTANCE_FAMILIES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _efa_capable(self) -> GpuNodeGroupConfig:
+        if self.efa:
+            bad = [t for t in self.instance_types if t.split(".")[0] not in EFA_INSTANCE_FAMILIES]
+            if bad:
+                raise ValueError(f"efa: true needs EFA-capable instance types ({', '.join(EFA_INSTANCE_FAMILIES)}),"
+                                 f" got {bad}")
+        return self
+
+    @property
+    def needs_device_plugin(self) -> bool:
+        return self.ami_type in AMIS_WITHOUT_DEVICE_PLUGIN
+
+
+class ClusterConfig(_Camel):
+    kubernetes_version: str = Field(default="1.33", pattern=r"^1\.(2[89]|3\d)$")
+    endpoint_public_access: bool = False
+    system_node_group: SystemNodeGroupConfig = SystemNodeGroupConfig()
+    gpu_node_groups: list[GpuNodeGroupConfig] = Field(min_length=1)
+    # "auto": install NVIDIA's device plugin for the node groups whose AMI lacks it; "never": the operator runs it.
+    device_plugin: Literal["auto", "never"] = "auto"
+
+    @model_validator(mode="after")
+    def _unique_groups(self) -> ClusterConfig:
+        names = [g.name for g in self.gpu_node_groups]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"gpuNodeGroups: duplicate names {dupes}")
+        return self
+
+
+# -- model storage -----------------------------------------------------------------------------------------------
+
+
+class FsxConfig(_Camel):
+    # PERSISTENT_2 accepts 1200 GiB or multiples of 2400 GiB.
+    storage_capacity_gib: int = Field(default=2400, ge=1200)
+    per_unit_storage_throughput: Literal[125, 250, 500, 1000] = 250
+
+    @field_validator("storage_capacity_gib")
+    @classmethod
+    def _capacity(cls, v: int) -> int:
+        if v != 1200 and v % 2400:
+            raise ValueError(f"PERSISTENT_2 takes 1200 GiB or a multiple of 2400 GiB, got {v}")
+        return v
+
+
+class ModelStorageConfig(_Camel):
+    # Bucket names are global: "<bucketPrefix>-<env>-<region>", the same rule in every stack, so the home region
+    # can name its replication targets without reading other stacks.
+    bucket_prefix: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{2,30}[a-z0-9]$")
+    model_prefix: str = Field(default="models/", pattern=r"^[a-z0-9][a-z0-9/_-]*/$")
+    noncurrent_version_days: int = Field(default=30, ge=1, le=3650)
+    replica_regions: list[Annotated[str, Field(pattern=_REGION_RE)]] = Field(default_factory=list)
+    fsx: FsxConfig = FsxConfig()
+
+
+# -- serving -----------------------------------------------------------------------------------------------------
+
+
+class ServingConfig(_Camel):
+    namespace: str = Field(default="llm-serving", pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+    domain: str = Field(pattern=r"^([a-z0-9]([a-z0-9-]*[a-z0-9])?\.)+[a-z]{2,}$")
+    gateway_class_name: str = "amazon-vpc-lattice"
+    # Used only while serving_image/compat.toml does not exist yet (§3.9 makes that file the single source).
+    triton_image_tag: str | None = Field(default=None, pattern=r"^\d{2}\.\d{2}-vllm-python-py3$")
+    termination_grace_period_seconds: int = Field(default=120, ge=30, le=3600)
+    prometheus_address: str = "http://prometheus-operated.monitoring.svc:9090"
+    target_queue_depth: int = Field(default=8, ge=1, le=1000)
+
+
+# -- models ------------------------------------------------------------------------------------------------------
+
+
+class ModelVersion(_Camel):
+    version: str = Field(pattern=_VERSION_RE)
+    package: str = Field(pattern=r"^s3://[a-z0-9][a-z0-9.-]+/.+\.tar\.gz$")
+    io_fingerprint: str = Field(pattern=_FINGERPRINT_RE)
+
+
+class GpuShape(_Camel):
+    node_group: str
+    count: int = Field(ge=1, le=16)
+
+
+class AutoscalingConfig(_Camel):
+    max_replicas: int = Field(ge=1, le=1000)
+    target_queue_depth: int | None = Field(default=None, ge=1, le=1000)
+
+
+class ModelConfig(_Camel):
+    id: str = Field(pattern=_ID_RE)
+    replicas: int = Field(ge=1, le=500)
+    gpu: GpuShape
+    strategy: Literal["red-black", "versioned"]
+    versions: list[ModelVersion] = Field(min_length=1)
+    active: str | None = None
+    candidate: str | None = None
+    weight: int | None = Field(default=None, ge=0, le=100)
+    # The startupProbe's budget: how long the engine may take to load the weights from the model cache.
+    load_time_seconds: int = Field(default=600, ge=30, le=7200)
+    autoscaling: AutoscalingConfig | None = None
+
+    @model_validator(mode="after")
+    def _strategy_fields(self) -> ModelConfig:
+        names = [v.version for v in self.versions]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"versions: duplicate versions {dupes}")
+        if self.strategy == "versioned":
+            for key in ("active", "candidate", "weight"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{key}: only a red-black model names {key}; a versioned model serves every "
+                                     f"listed version")
+            return self
+        if self.active is None:
+            raise ValueError(f"active: a red-black model must name its active version, one of {names}")
+        if self.active not in names:
+            raise ValueError(f"active: {self.active!r} is not one of the listed versions {names}")
+        if self.candidate is not None:
+            if self.candidate not in names:
+                raise ValueError(f"candidate: {self.candidate!r} is not one of the listed versions {names}")
+            if self.candidate == self.active:
+                raise ValueError(f"candidate: {self.candidate!r} is the active version; a candidate must differ")
+            if self.weight is None:
+                raise ValueError("weight: a red-black model with a candidate needs the candidate's weight (0-100)")
+        elif self.weight is not None:
+            raise ValueError("weight: only allowed together with candidate")
+        served = {self.active, self.candidate}
+        idle = [n for n in names if n not in served]
+        if idle:
+            raise ValueError(f"versions: {idle} are neither active nor candidate; a red-black model lists only the "
+                             f"versions it serves")
+        if self.autoscaling and self.autoscaling.max_replicas < self.replicas:
+            raise ValueError(f"autoscaling.maxReplicas ({self.autoscaling.max_replicas}) is below replicas "
+                             f"({self.replicas})")
+        return self
+
+    def version(self, name: str) -> ModelVersion:
+        return next(v for v in self.versions if v.version == name)
+
+
+class StackConfig(_Camel):
+    environment: Literal["dev", "prod"]
+    region: str = Field(pattern=_REGION_RE)
+    home_region: str = Field(pattern=_REGION_RE)
+    network: NetworkConfig = NetworkConfig()
+    cluster: ClusterConfig
+    model_storage: ModelStorageConfig
+    serving: ServingConfig
+    models: list[ModelConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> StackConfig:
+        if self.environment == "prod" and self.cluster.endpoint_public_access:
+            raise ValueError("cluster.endpointPublicAccess: prod clusters have a private endpoint only "
+                             "(allowed: false)")
+        ids = [m.id for m in self.models]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"models: duplicate model ids {dupes}")
+        groups = {g.name: g for g in self.cluster.gpu_node_groups}
+        for i, model in enumerate(self.models):
+            group = groups.get(model.gpu.node_group)
+            if group is None:
+                raise ValueError(f"models[{i}].gpu.nodeGroup: {model.gpu.node_group!r} is not a GPU node group; "
+                                 f"allowed: {sorted(groups)}")
+            if model.gpu.count > group.gpus_per_node:
+                raise ValueError(f"models[{i}].gpu.count: {model.gpu.count} GPUs do not fit on one node of "
+                                 f"{group.name!r} ({group.gpus_per_node} GPUs per node)")
+        home_bucket, prefix = self.bucket_name(self.home_region), self.model_storage.model_prefix
+        for i, model in enumerate(self.models):
+            for j, v in enumerate(model.versions):
+                bucket, _, key = v.package.removeprefix("s3://").partition("/")
+                if bucket != home_bucket or not key.startswith(prefix):
+                    raise ValueError(f"models[{i}].versions[{j}].package: {v.package!r} must be under "
+                                     f"s3://{home_bucket}/{prefix} (packages are published once in the home region "
+                                     f"and replicated to the others)")
+        if self.region != self.home_region and self.model_storage.replica_regions:
+            raise ValueError(f"modelStorage.replicaRegions: only the home region ({self.home_region}) replicates")
+        if self.region in self.model_storage.replica_regions:
+            raise ValueError(f"modelStorage.replicaRegions: {self.region} is this stack's own region")
+        return self
+
+    @property
+    def is_home_region(self) -> bool:
+        return self.region == self.home_region
+
+    def bucket_name(self, region: str | None = None) -> str:
+        return f"{self.model_storage.bucket_prefix}-{self.environment}-{region or self.region}"
+
+
+# -- compat pins -------------------------------------------------------------------------------------------------
+
+
+class TritonPin(_Strict):
+    """The serving image's base: from serving_image/compat.toml when it exists, else `serving.tritonImageTag`."""
+
+    image_tag: str
+    source: str
+
+
+def triton_pin(serving: ServingConfig, compat_path: Path = COMPAT_TOML) -> TritonPin:
+    if compat_path.is_file():
+        data = tomllib.loads(compat_path.read_text())
+        triton = data.get("triton") or {}
+        tag = triton.get("image_tag") or (f"{triton['release']}-vllm-python-py3" if "release" in triton else None)
+        if not tag:
+            raise ConfigError(f"{compat_path}: [triton] needs image_tag or release to pin the serving image's base")
+        if serving.triton_image_tag and serving.triton_image_tag != tag:
+            raise ConfigError(f"{PROJECT}:serving.tritonImageTag: {serving.triton_image_tag!r} disagrees with "
+                              f"{compat_path.name} ({tag!r}); remove the key, compat.toml is the single pin")
+        return TritonPin(image_tag=tag, source=str(compat_path.relative_to(REPO_ROOT)))
+    if not serving.triton_image_tag:
+        raise ConfigError(f"{PROJECT}:serving.tritonImageTag: required while serving_image/compat.toml does not "
+                          f"exist (allowed: a Triton NGC tag like '25.10-vllm-python-py3')")
+    return TritonPin(image_tag=serving.triton_image_tag, source=f"{PROJECT}:serving.tritonImageTag")
+
+
+# -- parsing -----------------------------------------------------------------------------------------------------
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = PROJECT
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += (":" if i == 0 else ".") + str(part)
+    return out
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        # Errors raised by model validators carry the offending sub-key first in their message ("active: ...").
+        loc = tuple(p for p in item["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal["))))
+        msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            msg = "unknown key (not part of the stack config schema)"
+        elif "input" in item and item["type"] not in ("missing",) and not isinstance(item["input"], dict | list):
+            msg += f" (got {item['input']!r})"
+        head, sep, rest = msg.partition(": ")
+        if sep and re.fullmatch(r"[A-Za-z][\w.\[\]]*", head):
+            loc = loc + tuple(re.split(r"\.(?![^\[]*\])", head))
+            msg = rest
+        lines.append(f"{_loc(loc)}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_stack_config(values: dict[str, Any], region: str) -> StackConfig:
+    """Validate the project's config values (keys without the `llm-serving:` prefix, values already decoded)."""
+    unknown = sorted(set(values) - set(TOP_LEVEL_KEYS))
+    if unknown:
+        raise ConfigError("\n".join(f"{PROJECT}:{k}: unknown key (allowed: {', '.join(TOP_LEVEL_KEYS)})"
+                                    for k in unknown))
+    try:
+        return StackConfig.model_validate({**values, "region": region})
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+
+
+def from_pulumi_config() -> StackConfig:
+    """Read and validate the running stack's config through Pulumi's config API."""
+    import pulumi
+    from pulumi.runtime import config as runtime_config
+
+    # The engine hands config either through the environment or through set_all_config (mocks, newer hosts).
+    raw = {**runtime_config.get_config_env(), **runtime_config.CONFIG.get()}
+    values: dict[str, Any] = {}
+    prefix = f"{PROJECT}:"
+    for key, value in dict(raw).items():
+        if key.startswith(prefix):
+            name = key[len(prefix):]
+            values[name] = _decode(name, value)
+    region = pulumi.Config("aws").get("region")
+    if not region:
+        raise ConfigError("aws:region: required (the stack's AWS region, e.g. us-east-1)")
+    return parse_stack_config(values, region)
+
+
+def _decode(name: str, value: str) -> Any:
+    if name in ("environment", "homeRegion"):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        raise ConfigError(f"{PROJECT}:{name}: must be a structured (YAML object or list) value, "
+                          f"got {value!r}") from None

@@ -1,0 +1,340 @@
+"""Per model: a Deployment, Service, PodDisruptionBudget and KEDA ScaledObject per served version, and the Gateway
+API routes (HTTPRoute for the OpenAI and KServe HTTP APIs, GRPCRoute for KServe gRPC).
+
+Red-black (ARCHITECTURE §4) inside one update is ordered by resource dependencies:
+
+    candidate Deployment (Pulumi waits until it is ready, timeouts > 10 min)
+        -> HTTPRoute/GRPCRoute weights
+            -> active Deployment/ScaledObject scale-down
+
+so if the candidate never becomes ready the update fails before any route changes: traffic never moves to an
+unhealthy version. The replicas and weights come from `infra.rollout.planner`. Versioned models get one
+Deployment/Service/route set per version, each with its own hostname.
+
+Autoscaling: KEDA ScaledObjects with a Prometheus trigger on `vllm:num_requests_waiting` (scraped from the merged
+metrics on port 8002). Chosen over an HPA with an external metric because KEDA queries PromQL directly: no
+prometheus-adapter rule set to keep in sync with the metric names, and the query (a sum over one version's pods)
+lives next to the Deployment it scales. The planner's replicas are the ScaledObject's floor, so autoscaling can add
+capacity under load but can never undo a red-black split.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from infra.config import ModelConfig, StackConfig
+from infra.naming import GPU_NODE_GROUP_LABEL, instance_name, model_labels, selector_labels, version_slug
+from infra.rollout.planner import VersionShare, plan_red_black
+
+PORTS = {"kserve-http": 8000, "kserve-grpc": 8001, "metrics": 8002, "openai": 9000}
+MODEL_CACHE_MOUNT = "/mnt/model-cache"
+PROBE_PERIOD_SECONDS = 10
+PRESTOP_SLEEP_SECONDS = 15  # lets the gateway drop the pod from its endpoints before SIGTERM
+DEFAULT_TIMEOUT_MINUTES = 10  # the Kubernetes provider's own default, which a GPU start routinely exceeds
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """What every model's resources share on one cluster."""
+
+    stack: StackConfig
+    provider: k8s.Provider
+    namespace: str
+    service_account: str
+    model_cache_claim: str
+    gateway_name: str
+    image_ref: pulumi.Input[str]
+    depends_on: list[pulumi.Resource]
+
+
+def deployment_timeouts(model: ModelConfig) -> pulumi.CustomTimeouts:
+    """Longer than the provider's 10-minute default: the model's load budget, plus node scale-up and image pull."""
+    minutes = max(DEFAULT_TIMEOUT_MINUTES * 2, math.ceil(model.load_time_seconds / 60) + 15)
+    return pulumi.CustomTimeouts(create=f"{minutes}m", update=f"{minutes}m", delete="15m")
+
+
+def package_path(stack: StackConfig, package_uri: str) -> str:
+    """Where a package published under the bucket's model prefix appears on the model cache (the FSx data
+    repository association maps `s3://<bucket>/<modelPrefix>` to the file system, mounted at MODEL_CACHE_MOUNT)."""
+    key = package_uri.split("/", 3)[3]
+    return f"{MODEL_CACHE_MOUNT}/{key.removeprefix(stack.model_storage.model_prefix)}"
+
+
+def hostnames(stack: StackConfig, model_id: str, version: str | None = None) -> tuple[str, str]:
+    """(HTTP hostname, gRPC hostname) of a model's route, or of one version's route for a versioned model."""
+    label = model_id if version is None else f"{model_id}-{version_slug(version)}"
+    return f"{label}.{stack.serving.domain}", f"{label}.grpc.{stack.serving.domain}"
+
+
+def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, replicas: int) -> dict:
+    stack = ctx.stack
+    labels = model_labels(model.id, version)
+    group = next(g for g in stack.cluster.gpu_node_groups if g.name == model.gpu.node_group)
+    gpus = model.gpu.count
+    pkg = model.version(version)
+    startup_failures = math.ceil(model.load_time_seconds / PROBE_PERIOD_SECONDS)
+    container = {
+        "name": "model-server",
+        "image": ctx.image_ref,
+        "imagePullPolicy": "IfNotPresent",
+        "env": [
+            {"name": "LLM_SERVING_MODEL_ID", "value": model.id},
+            {"name": "LLM_SERVING_MODEL_VERSION", "value": version},
+            {"name": "LLM_SERVING_PACKAGE", "value": package_path(stack, pkg.package)},
+            {"name": "LLM_SERVING_IO_FINGERPRINT", "value": pkg.io_fingerprint},
+            {"name": "LLM_SERVING_MODEL_CACHE", "value": MODEL_CACHE_MOUNT},
+            {"name": "PROMETHEUS_MULTIPROC_DIR", "value": "/var/run/llm-serving/metrics"},
+            {"name": "HF_HUB_OFFLINE", "value": "1"},
+        ],
+        "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in PORTS.items()],
+        # §3.2/§3.7: ready only once the engine is; the startup probe's budget is the model's load time.
+        "startupProbe": {"httpGet": {"path": "/v2/health/ready", "port": "kserve-http"},
+                         "periodSeconds": PROBE_PERIOD_SECONDS, "failureThreshold": startup_failures,
+                         "timeoutSeconds": 5},
+        "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": "kserve-http"},
+                           "periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "kserve-http"},
+                          "periodSeconds": 10, "failureThreshold": 6, "timeoutSeconds": 5},
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        "resources": {
+            "requests": {"cpu": str(8 * gpus), "memory": f"{64 * gpus}Gi", "nvidia.com/gpu": str(gpus)},
+            "limits": {"memory": f"{96 * gpus}Gi", "nvidia.com/gpu": str(gpus)},
+        },
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [
+            {"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT, "readOnly": True},
+            {"name": "scratch", "mountPath": "/tmp"},
+            {"name": "run", "mountPath": "/var/run/llm-serving"},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+    }
+    return {
+        "replicas": replicas,
+        "revisionHistoryLimit": 3,
+        "selector": {"matchLabels": selector_labels(model.id, version)},
+        # An image change rolls pod by pod, each new pod ready before an old one leaves: one GPU of surge at most.
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        "template": {
+            "metadata": {"labels": labels, "annotations": {
+                "prometheus.io/scrape": "true", "prometheus.io/port": str(PORTS["metrics"]),
+                "prometheus.io/path": "/metrics"}},
+            "spec": {
+                "serviceAccountName": ctx.service_account,
+                "automountServiceAccountToken": True,  # IRSA's web identity token
+                "terminationGracePeriodSeconds": stack.serving.termination_grace_period_seconds,
+                "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                                    "seccompProfile": {"type": "RuntimeDefault"}},
+                "nodeSelector": {GPU_NODE_GROUP_LABEL: group.name},
+                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                "topologySpreadConstraints": [
+                    {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                     "whenUnsatisfiable": "ScheduleAnyway",
+                     "labelSelector": {"matchLabels": selector_labels(model.id, version)}},
+                    {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+                     "labelSelector": {"matchLabels": selector_labels(model.id, version)}},
+                ],
+                "containers": [container],
+                "volumes": [
+                    {"name": "model-cache",
+                     "persistentVolumeClaim": {"claimName": ctx.model_cache_claim, "readOnly": True}},
+                    {"name": "scratch", "emptyDir": {"sizeLimit": "10Gi"}},
+                    {"name": "run", "emptyDir": {"sizeLimit": "1Gi"}},
+                    {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{16 * gpus}Gi"}},
+                ],
+            },
+        },
+    }
+
+
+def scaled_object_spec(ctx: ServingContext, model: ModelConfig, share: VersionShare, deployment_name: str) -> dict:
+    target = (model.autoscaling.target_queue_depth if model.autoscaling and model.autoscaling.target_queue_depth
+              else ctx.stack.serving.target_queue_depth)
+    query = (f'sum(vllm:num_requests_waiting{{namespace="{ctx.namespace}",'
+             f'app_kubernetes_io_instance="{instance_name(model.id, share.version)}"}})')
+    return {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment_name},
+        "minReplicaCount": share.replicas,
+        "maxReplicaCount": share.max_replicas,
+        "pollingInterval": 15,
+        # GPU pods take minutes to start: scale down slowly so a short lull does not throw warm replicas away.
+        "cooldownPeriod": 600,
+        "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {
+            "scaleDown": {"stabilizationWindowSeconds": 600, "policies": [{"type": "Pods", "value": 1,
+                                                                          "periodSeconds": 300}]},
+        }}},
+        "triggers": [{"type": "prometheus", "metricType": "AverageValue", "metadata": {
+            "serverAddress": ctx.stack.serving.prometheus_address, "query": query, "threshold": str(target),
+        }}],
+    }
+
+
+class ModelVersionServing(pulumi.ComponentResource):
+    """One (model, version): Deployment, Service, PodDisruptionBudget, ScaledObject."""
+
+    def __init__(self, name: str, ctx: ServingContext, model: ModelConfig, share: VersionShare,
+                 scale_after: list[pulumi.Resource], opts: pulumi.ResourceOptions | None = None):
+        """`scale_after`: what must be done before this version's replicas change (the routes, for an active
+        version that gives up replicas to a candidate)."""
+        super().__init__("llm-serving:serving:ModelVersion", name, None, opts)
+        version = share.version
+        k8s_name = instance_name(model.id, version)
+        labels = model_labels(model.id, version)
+        meta = {"name": k8s_name, "namespace": ctx.namespace, "labels": labels}
+        base = pulumi.ResourceOptions(parent=self, provider=ctx.provider, depends_on=list(ctx.depends_on))
+        scaling = pulumi.ResourceOptions(parent=self, provider=ctx.provider,
+                                         depends_on=[*ctx.depends_on, *scale_after])
+        self.deployment = k8s.apps.v1.Deployment(
+            f"{name}-deployment",
+            metadata={**meta, "annotations": {
+                # Server-side apply: the HPA that KEDA drives also writes spec.replicas; at each update Pulumi
+                # sets the planner's value (the ScaledObject's floor) again.
+                "pulumi.com/patchForce": "true"}},
+            spec=deployment_spec(ctx, model, version, share.replicas),
+            opts=pulumi.ResourceOptions.merge(scaling,
+                                              pulumi.ResourceOptions(custom_timeouts=deployment_timeouts(model))),
+        )
+        self.service = k8s.core.v1.Service(
+            f"{name}-service",
+            metadata=meta,
+            spec={"type": "ClusterIP", "selector": selector_labels(model.id, version), "ports": [
+                {"name": "kserve-http", "port": PORTS["kserve-http"], "targetPort": "kserve-http"},
+                {"name": "kserve-grpc", "port": PORTS["kserve-grpc"], "targetPort": "kserve-grpc",
+                 "appProtocol": "kubernetes.io/h2c"},
+                {"name": "metrics", "port": PORTS["metrics"], "targetPort": "metrics"},
+                {"name": "openai", "port": PORTS["openai"], "targetPort": "openai"},
+            ]},
+            opts=base,
+        )
+        self.pdb = k8s.policy.v1.PodDisruptionBudget(
+            f"{name}-pdb",
+            metadata=meta,
+            # maxUnavailable (not minAvailable) so that a version scaled to zero never blocks a node drain.
+            spec={"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(model.id, version)}},
+            opts=base,
+        )
+        self.scaled_object = None
+        if share.max_replicas > 0:
+            self.scaled_object = k8s.apiextensions.CustomResource(
+                f"{name}-scaledobject",
+                api_version="keda.sh/v1alpha1",
+                kind="ScaledObject",
+                metadata=meta,
+                spec=scaled_object_spec(ctx, model, share, k8s_name),
+                opts=pulumi.ResourceOptions(parent=self, provider=ctx.provider,
+                                            depends_on=[*ctx.depends_on, *scale_after, self.deployment]),
+            )
+        self.register_outputs({"deployment": k8s_name})
+
+
+def _routes(name: str, ctx: ServingContext, model: ModelConfig, label_version: str, host: tuple[str, str],
+            backends: list[tuple[str, int]], parent: pulumi.Resource,
+            depends_on: list[pulumi.Resource]) -> list[pulumi.Resource]:
+    """HTTPRoute (OpenAI on 9000 under /v1, KServe HTTP on 8000 under /v2) and GRPCRoute (KServe gRPC, 8001)."""
+    meta = {"namespace": ctx.namespace, "labels": model_labels(model.id, label_version)}
+    parent_ref = [{"name": ctx.gateway_name, "sectionName": "openai"}]
+    opts = pulumi.ResourceOptions(parent=parent, provider=ctx.provider, depends_on=[*ctx.depends_on, *depends_on])
+
+    def refs(port: int) -> list[dict]:
+        return [{"name": svc, "port": port, "weight": weight} for svc, weight in backends]
+
+    http = k8s.apiextensions.CustomResource(
+        f"{name}-http", api_version="gateway.networking.k8s.io/v1", kind="HTTPRoute",
+        metadata={**meta, "name": f"{name}-http"},
+        spec={"parentRefs": parent_ref, "hostnames": [host[0]], "rules": [
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/v1"}}], "backendRefs": refs(PORTS["openai"])},
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/v2"}}],
+             "backendRefs": refs(PORTS["kserve-http"])},
+        ]},
+        opts=opts)
+    grpc = k8s.apiextensions.CustomResource(
+        f"{name}-grpc", api_version="gateway.networking.k8s.io/v1", kind="GRPCRoute",
+        metadata={**meta, "name": f"{name}-grpc"},
+        spec={"parentRefs": [{"name": ctx.gateway_name, "sectionName": "grpc"}], "hostnames": [host[1]],
+              "rules": [{"matches": [{"method": {"service": "inference.GRPCInferenceService"}}],
+                         "backendRefs": refs(PORTS["kserve-grpc"])}]},
+        opts=opts)
+    return [http, grpc]
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the program exports for one model (the stack outputs' per-model shape, llm_serving.stack_outputs)."""
+
+    strategy: str
+    versions: list[str]
+    active_version: str
+    route_weights: dict[str, int]
+    replicas: dict[str, int]
+    endpoints: dict[str, str]
+    version_endpoints: dict[str, dict[str, str]]
+
+
+def endpoints(host: tuple[str, str]) -> dict[str, str]:
+    return {"openai": f"https://{host[0]}/v1", "kserve_http": f"https://{host[0]}", "grpc": f"{host[1]}:443"}
+
+
+class ModelServing(pulumi.ComponentResource):
+    served: ServedModel
+
+    def __init__(self, ctx: ServingContext, model: ModelConfig, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("llm-serving:serving:Model", model.id, None, opts)
+        if model.strategy == "red-black":
+            self.served = self._red_black(ctx, model)
+        else:
+            self.served = self._versioned(ctx, model)
+        self.register_outputs({"activeVersion": self.served.active_version})
+
+    def _red_black(self, ctx: ServingContext, model: ModelConfig) -> ServedModel:
+        plan = plan_red_black(model.active, model.replicas, model.candidate, model.weight,
+                              model.autoscaling.max_replicas if model.autoscaling else None)
+        host = hostnames(ctx.stack, model.id)
+        if plan.candidate is None:
+            active = ModelVersionServing(instance_name(model.id, plan.active.version), ctx, model, plan.active, [],
+                                         pulumi.ResourceOptions(parent=self))
+            _routes(model.id, ctx, model, plan.active.version, host,
+                    [(instance_name(model.id, plan.active.version), 100)], self,
+                    [active.deployment, active.service])
+        else:
+            # §4's order: the candidate must be ready before the routes move, the routes before the active shrinks.
+            candidate = ModelVersionServing(instance_name(model.id, plan.candidate.version), ctx, model,
+                                            plan.candidate, [], pulumi.ResourceOptions(parent=self))
+            backends = [(instance_name(model.id, s.version), s.weight) for s in plan.shares]
+            routes = _routes(model.id, ctx, model, plan.active.version, host, backends, self,
+                             [candidate.deployment, candidate.service])
+            ModelVersionServing(instance_name(model.id, plan.active.version), ctx, model, plan.active, routes,
+                                pulumi.ResourceOptions(parent=self))
+        return ServedModel(
+            strategy="red-black",
+            versions=[s.version for s in plan.shares],
+            active_version=plan.active.version,
+            route_weights={s.version: s.weight for s in plan.shares},
+            replicas={s.version: s.replicas for s in plan.shares},
+            endpoints=endpoints(host),
+            version_endpoints={},
+        )
+
+    def _versioned(self, ctx: ServingContext, model: ModelConfig) -> ServedModel:
+        version_endpoints = {}
+        for v in model.versions:
+            share = VersionShare(v.version, model.replicas, 100,
+                                 model.autoscaling.max_replicas if model.autoscaling else model.replicas)
+            name = instance_name(model.id, v.version)
+            served = ModelVersionServing(name, ctx, model, share, [], pulumi.ResourceOptions(parent=self))
+            host = hostnames(ctx.stack, model.id, v.version)
+            _routes(name, ctx, model, v.version, host, [(name, 100)], served, [served.deployment, served.service])
+            version_endpoints[v.version] = endpoints(host)
+        newest = model.versions[-1].version
+        return ServedModel(
+            strategy="versioned",
+            versions=[v.version for v in model.versions],
+            active_version=newest,
+            route_weights={v.version: 100 for v in model.versions},
+            replicas={v.version: model.replicas for v in model.versions},
+            endpoints=version_endpoints[newest],
+            version_endpoints=version_endpoints,
+        )
