@@ -5,7 +5,6 @@
 """
 
 import pulumi
-import pulumi_aws as aws
 
 from infra.cluster import Cluster, ClusterArgs
 from infra.config import from_pulumi_config, triton_pin
@@ -20,7 +19,7 @@ from llm_serving.stack_outputs import SCHEMA_VERSION, ModelOutputs
 cfg = from_pulumi_config()
 pin = triton_pin(cfg.serving)
 stack = pulumi.get_stack()
-tags = aws_tags(stack, cfg.environment)
+tags = aws_tags(stack, cfg.environment, cfg.team)
 cluster_name = f"llm-{cfg.environment}-{cfg.region}"
 
 network = Network("network", NetworkArgs(cluster_name=cluster_name, cidr=cfg.network.cidr, vpc_id=cfg.network.vpc_id,
@@ -28,7 +27,7 @@ network = Network("network", NetworkArgs(cluster_name=cluster_name, cidr=cfg.net
 cluster = Cluster("eks", ClusterArgs(cluster_name=cluster_name, config=cfg.cluster, vpc_id=network.vpc_id,
                                      private_subnet_ids=network.private_subnet_ids, tags=tags), region=cfg.region)
 storage = ModelStorage("storage", ModelStorageArgs(
-    config=cfg, account_id=aws.get_caller_identity_output().account_id, vpc_id=network.vpc_id,
+    config=cfg, vpc_id=network.vpc_id,
     fsx_subnet_id=network.private_subnet_ids[0], node_security_group_id=cluster.node_security_group_id, tags=tags))
 image = ServingImage("serving-image", ServingImageArgs(repository_name=f"llm-serving/{cfg.environment}/model-server",
                                                        triton_image_tag=pin.image_tag,
@@ -62,6 +61,7 @@ pulumi.export("models", models)
 pulumi.export("clusterName", cluster.name)
 pulumi.export("kubeconfig", cluster.kubeconfig)
 pulumi.export("modelBucket", storage.bucket_name)
+pulumi.export("modelKmsKeyArn", storage.kms_key_arn)  # the home region's replicaRegions[].kmsKeyArn
 pulumi.export("modelCacheFileSystemId", storage.file_system_id)
 pulumi.export("servingImage", image.image_ref)
 pulumi.export("tritonImageTag", {"tag": pin.image_tag, "source": pin.source})

@@ -21,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPAT_TOML = REPO_ROOT / "serving_image" / "compat.toml"
 
 # Keys of the project namespace that the program reads; any other `llm-serving:` key is a typo, and an error.
-TOP_LEVEL_KEYS = ("environment", "homeRegion", "network", "cluster", "modelStorage", "serving", "models")
+TOP_LEVEL_KEYS = ("environment", "team", "homeRegion", "network", "cluster", "modelStorage", "serving", "models")
 
 _ID_RE = r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$"  # a DNS label short enough for "<id>-<version slug>" names
 _VERSION_RE = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,30}[A-Za-z0-9])?$"
@@ -174,13 +174,27 @@ class FsxConfig(_Camel):
         return v
 
 
+class ReplicaRegion(_Camel):
+    """A region the home bucket replicates to, and the key that region's stack encrypts its bucket with (its
+    `modelKmsKeyArn` output): replicas are encrypted with it, and IAM names it exactly."""
+
+    region: str = Field(pattern=_REGION_RE)
+    kms_key_arn: str = Field(pattern=r"^arn:aws:kms:[a-z0-9-]+:\d{12}:key/(mrk-[0-9a-f]{32}|[0-9a-f-]{36})$")
+
+    @model_validator(mode="after")
+    def _same_region(self) -> ReplicaRegion:
+        if self.kms_key_arn.split(":")[3] != self.region:
+            raise ValueError(f"kmsKeyArn: the key must be in {self.region}, got {self.kms_key_arn}")
+        return self
+
+
 class ModelStorageConfig(_Camel):
     # Bucket names are global: "<bucketPrefix>-<env>-<region>", the same rule in every stack, so the home region
     # can name its replication targets without reading other stacks.
     bucket_prefix: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{2,30}[a-z0-9]$")
     model_prefix: str = Field(default="models/", pattern=r"^[a-z0-9][a-z0-9/_-]*/$")
     noncurrent_version_days: int = Field(default=30, ge=1, le=3650)
-    replica_regions: list[Annotated[str, Field(pattern=_REGION_RE)]] = Field(default_factory=list)
+    replica_regions: list[ReplicaRegion] = Field(default_factory=list)
     fsx: FsxConfig = FsxConfig()
 
 
@@ -271,6 +285,7 @@ class ModelConfig(_Camel):
 
 class StackConfig(_Camel):
     environment: Literal["dev", "prod"]
+    team: str = Field(default="ml-platform", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")  # cost allocation tag/label
     region: str = Field(pattern=_REGION_RE)
     home_region: str = Field(pattern=_REGION_RE)
     network: NetworkConfig = NetworkConfig()
@@ -307,7 +322,7 @@ class StackConfig(_Camel):
                                      f"and replicated to the others)")
         if self.region != self.home_region and self.model_storage.replica_regions:
             raise ValueError(f"modelStorage.replicaRegions: only the home region ({self.home_region}) replicates")
-        if self.region in self.model_storage.replica_regions:
+        if self.region in [r.region for r in self.model_storage.replica_regions]:
             raise ValueError(f"modelStorage.replicaRegions: {self.region} is this stack's own region")
         return self
 

@@ -115,7 +115,8 @@ class PlatformMocks(pulumi.runtime.Mocks):
                 "bucketRegionalDomainName": f"{bucket}.s3.{region}.amazonaws.com",
             }
         if typ == "aws:kms/key:Key":
-            key_id = _short_hash(name, length=32)
+            h = _short_hash(typ, name, region, length=32)
+            key_id = f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
             return {"id": key_id, "keyId": key_id, "arn": f"arn:aws:kms:{region}:{ACCOUNT_ID}:key/{key_id}"}
         if typ == "aws:fsx/lustreFileSystem:LustreFileSystem":
             fs_id = f"fs-{_short_hash(name)}"

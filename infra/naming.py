@@ -41,5 +41,11 @@ def platform_labels(component: str) -> dict[str, str]:
             "app.kubernetes.io/component": component}
 
 
-def aws_tags(stack: str, environment: str, **extra: str) -> dict[str, str]:
-    return {"llm-serving:stack": stack, "llm-serving:environment": environment, "managed-by": MANAGED_BY, **extra}
+def aws_tags(stack: str, environment: str, team: str, **extra: str) -> dict[str, str]:
+    """Every AWS resource's tags: `team` and `env` are the cost allocation tags GPU-hours are charged by."""
+    return {"team": team, "env": environment, "llm-serving:stack": stack, "managed-by": MANAGED_BY, **extra}
+
+
+def cost_labels(team: str, environment: str, model_id: str) -> dict[str, str]:
+    """Pod labels that EKS split cost allocation turns into cost allocation tags."""
+    return {"team": team, "env": environment, "model": model_id}

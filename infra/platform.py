@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pulumi
-import pulumi_aws as aws
 import pulumi_kubernetes as k8s
 
 from infra.config import StackConfig
@@ -189,7 +188,3 @@ class ServingPlatform(pulumi.ComponentResource):
                 },
             },
             opts=pulumi.ResourceOptions(parent=self, provider=provider))
-
-
-def account_id() -> pulumi.Output[str]:
-    return aws.get_caller_identity_output().account_id

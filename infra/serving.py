@@ -27,7 +27,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.config import ModelConfig, StackConfig
-from infra.naming import GPU_NODE_GROUP_LABEL, instance_name, model_labels, selector_labels, version_slug
+from infra.naming import GPU_NODE_GROUP_LABEL, cost_labels, instance_name, model_labels, selector_labels, version_slug
 from infra.rollout.planner import VersionShare, plan_red_black
 
 PORTS = {"kserve-http": 8000, "kserve-grpc": 8001, "metrics": 8002, "openai": 9000}
@@ -120,7 +120,7 @@ def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, repli
         # An image change rolls pod by pod, each new pod ready before an old one leaves: one GPU of surge at most.
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
         "template": {
-            "metadata": {"labels": labels, "annotations": {
+            "metadata": {"labels": {**labels, **cost_labels(stack.team, stack.environment, model.id)}, "annotations": {
                 "prometheus.io/scrape": "true", "prometheus.io/port": str(PORTS["metrics"]),
                 "prometheus.io/path": "/metrics"}},
             "spec": {

@@ -18,7 +18,6 @@ FSX_MOUNT_PATH = "/models"  # where the data repository association exposes the 
 @dataclass(frozen=True)
 class ModelStorageArgs:
     config: StackConfig
-    account_id: pulumi.Input[str]
     vpc_id: pulumi.Input[str]
     fsx_subnet_id: pulumi.Input[str]
     node_security_group_id: pulumi.Input[str]
@@ -89,12 +88,8 @@ class ModelStorage(pulumi.ComponentResource):
         published once is in every region's bucket before a rollout there names it)."""
         cfg = args.config
         child = pulumi.ResourceOptions(parent=self)
-        regions = cfg.model_storage.replica_regions
-        dest_buckets = [f"arn:aws:s3:::{cfg.bucket_name(r)}" for r in regions]
-        account = pulumi.Output.from_input(args.account_id)
-        alias = kms_alias(cfg)
-        # KMS grants cannot name a key by alias in IAM; the replica keys are pinned by the alias condition instead.
-        dest_keys = [account.apply(lambda a, r=r: f"arn:aws:kms:{r}:{a}:key/*") for r in regions]
+        replicas = cfg.model_storage.replica_regions
+        dest_buckets = [f"arn:aws:s3:::{cfg.bucket_name(r.region)}" for r in replicas]
         policy = policy_document(
             {"Sid": "ReadSource", "Effect": "Allow",
              "Action": ["s3:GetReplicationConfiguration", "s3:ListBucket"], "Resource": [bucket.arn]},
@@ -107,8 +102,7 @@ class ModelStorage(pulumi.ComponentResource):
              "Resource": [f"{b}/*" for b in dest_buckets]},
             {"Sid": "DecryptSource", "Effect": "Allow", "Action": ["kms:Decrypt"], "Resource": [key.arn]},
             {"Sid": "EncryptReplicas", "Effect": "Allow", "Action": ["kms:Encrypt", "kms:GenerateDataKey"],
-             "Resource": dest_keys,
-             "Condition": {"ForAnyValue:StringEquals": {"kms:ResourceAliases": [alias]}}},
+             "Resource": [r.kms_key_arn for r in replicas]},
         )
         role = role_with_policy(f"{name}-replication", service_trust("s3.amazonaws.com"), policy, (), args.tags,
                                 child)
@@ -117,16 +111,15 @@ class ModelStorage(pulumi.ComponentResource):
             bucket=bucket.id,
             role=role.arn,
             rules=[{
-                "id": f"to-{region}", "status": "Enabled", "priority": i, "filter": {"prefix": ""},
+                "id": f"to-{replica.region}", "status": "Enabled", "priority": i, "filter": {"prefix": ""},
                 "delete_marker_replication": {"status": "Enabled"},
                 "source_selection_criteria": {"sse_kms_encrypted_objects": {"status": "Enabled"}},
                 "destination": {
                     "bucket": dest,
                     "storage_class": "STANDARD",
-                    "encryption_configuration": {"replica_kms_key_id": account.apply(
-                        lambda a, r=region: f"arn:aws:kms:{r}:{a}:{alias}")},
+                    "encryption_configuration": {"replica_kms_key_id": replica.kms_key_arn},
                 },
-            } for i, (region, dest) in enumerate(zip(regions, dest_buckets, strict=True))],
+            } for i, (replica, dest) in enumerate(zip(replicas, dest_buckets, strict=True))],
             opts=pulumi.ResourceOptions(parent=bucket, depends_on=[versioning]),
         )
 
