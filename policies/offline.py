@@ -206,8 +206,8 @@ def render(findings: Sequence[Finding], stack: str, resource_count: int, console
         console.print(f"[bold green]{title}: every policy passes[/]")
         return
     table = Table(title=title, show_lines=True, expand=True)
-    table.add_column("policy", style="bold", no_wrap=True)
-    table.add_column("enforcement", no_wrap=True)
+    table.add_column("policy", style="bold", overflow="fold")
+    table.add_column("enforcement", overflow="fold")
     table.add_column("resource", overflow="fold")
     table.add_column("message", overflow="fold", ratio=3)
     style = {MANDATORY: "bold red", ERROR: "bold magenta"}

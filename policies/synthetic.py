@@ -177,14 +177,16 @@ def add_model_version(stack: SyntheticStack, model_id: str, version: str, replic
 
 def compliant_stack(stack_name: str = "prod-us-east-1") -> SyntheticStack:
     env = stack_name.split("-", 1)[0]
-    tags = {**TAGS, "env": env}
+    def tags() -> dict:  # a fresh dict per resource, so a test can change one resource's tags
+        return {**TAGS, "env": env}
+
     stack = SyntheticStack(stack_name, config={
         "aws:region": "us-east-1",
         "llm-serving:environment": env,
         "llm-serving:models": [model()],
     })
-    stack.add("aws:kms/key:Key", "models-key", {"enableKeyRotation": True, "tags": tags})
-    stack.add("aws:s3/bucket:Bucket", "models", {"bucket": f"models-{env}-us-east-1", "tags": tags})
+    stack.add("aws:kms/key:Key", "models-key", {"enableKeyRotation": True, "tags": tags()})
+    stack.add("aws:s3/bucket:Bucket", "models", {"bucket": f"models-{env}-us-east-1", "tags": tags()})
     bucket_arn = f"arn:aws:s3:::models-{env}-us-east-1"
     stack.add("aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration",
               "models-sse", {"bucket": f"models-{env}-us-east-1", "rules": [{
@@ -215,17 +217,17 @@ def compliant_stack(stack_name: str = "prod-us-east-1") -> SyntheticStack:
             "referencedSecurityGroupId": "sg-nodes"}, depends_on=["fsx-sg", "nodes-sg"])
     stack.add("aws:fsx/lustreFileSystem:LustreFileSystem", "model-cache-fs", {
         "deploymentType": "PERSISTENT_2", "storageCapacity": 2400.0, "perUnitStorageThroughput": 250.0,
-        "subnetIds": "subnet-1", "securityGroupIds": ["sg-fsx"], "kmsKeyId": "arn:key", "tags": tags,
+        "subnetIds": "subnet-1", "securityGroupIds": ["sg-fsx"], "kmsKeyId": "arn:key", "tags": tags(),
     }, depends_on=["fsx-sg", "models-key"])
 
     stack.add("aws:eks/cluster:Cluster", "cluster", {
         "vpcConfig": {"endpointPrivateAccess": True, "endpointPublicAccess": False, "subnetIds": ["subnet-1"]},
-        "tags": tags})
+        "tags": tags()})
     stack.add("aws:eks/nodeGroup:NodeGroup", "gpu", {
         "clusterName": "cluster", "amiType": "AL2023_x86_64_NVIDIA", "instanceTypes": ["g6e.12xlarge"],
         "scalingConfig": {"minSize": 1.0, "desiredSize": 2.0, "maxSize": 4.0},
         "taints": [{"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}],
-        "labels": {"nvidia.com/gpu.present": "true"}, "tags": tags,
+        "labels": {"nvidia.com/gpu.present": "true"}, "tags": tags(),
     }, depends_on=["cluster"])
     stack.add("aws:iam/policy:Policy", "serving-read-models", {"policy": json.dumps({
         "Version": "2012-10-17", "Statement": [
@@ -235,9 +237,9 @@ def compliant_stack(stack_name: str = "prod-us-east-1") -> SyntheticStack:
             {"Sid": "Decrypt", "Effect": "Allow", "Action": "kms:Decrypt",
              "Resource": "arn:aws:kms:us-east-1:123456789012:key/1234abcd"},
             {"Sid": "EcrLogin", "Effect": "Allow", "Action": "ecr:GetAuthorizationToken", "Resource": "*"},
-        ]}), "tags": tags})
+        ]}), "tags": tags()})
     stack.add("aws:ecr/repository:Repository", "serving-repo", {
-        "imageTagMutability": "IMMUTABLE", "imageScanningConfiguration": {"scanOnPush": True}, "tags": tags})
+        "imageTagMutability": "IMMUTABLE", "imageScanningConfiguration": {"scanOnPush": True}, "tags": tags()})
     stack.add("docker-build:index:Image", "serving-image", {
         "context": {"location": "serving_image"}, "push": True,
         "buildArgs": {"TRITON_IMAGE_TAG": "25.10-vllm-python-py3"},
@@ -264,3 +266,24 @@ def write_compat(directory: Path, text: str = COMPAT_TOML) -> Path:
     path = Path(directory) / "compat.toml"
     path.write_text(text)
     return path
+
+
+def fired(findings: Iterable[Finding]) -> set[str]:
+    """The names of the policies that reported something."""
+    return {f.policy for f in findings}
+
+
+def messages(findings: Iterable[Finding], policy: str) -> list[str]:
+    return [f.message for f in findings if f.policy == policy]
+
+
+def inputs_of(stack: SyntheticStack, name: str) -> dict:
+    return stack.get(name).inputs
+
+
+def container(stack: SyntheticStack, deployment: str = "llama-v1") -> dict:
+    return stack.get(deployment).inputs["spec"]["template"]["spec"]["containers"][0]
+
+
+def pod(stack: SyntheticStack, deployment: str = "llama-v1") -> dict:
+    return stack.get(deployment).inputs["spec"]["template"]["spec"]

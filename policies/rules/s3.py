@@ -155,7 +155,8 @@ def _validate_kms(args: StackValidationArgs, report) -> None:
     index = StackIndex(args.resources)
     for bucket in index.of_type(*BUCKET_TYPES):
         algorithms = _sse_algorithms(index, bucket)
-        if algorithms and not set(algorithms) & set(KMS_ALGORITHMS):
+        # Only when the encryption itself is valid (s3-bucket-encryption reports the rest).
+        if algorithms and set(algorithms) <= set(ENCRYPTION_ALGORITHMS) and not set(algorithms) & set(KMS_ALGORITHMS):
             report(
                 f"{_label(bucket)} is encrypted with {', '.join(sorted(set(algorithms)))} only: use aws:kms with a "
                 f"customer-managed key so that access to the weights is auditable and revocable in KMS",

@@ -1,0 +1,278 @@
+"""Serving Deployment rules: each against the compliant synthetic stack and one broken setting."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.synthetic import (
+    COMPAT_TOML,
+    compliant_stack,
+    container,
+    fired,
+    inputs_of,
+    messages,
+    pod,
+    write_compat,
+)
+
+
+@pytest.fixture
+def compat(tmp_path):
+    return write_compat(tmp_path)
+
+
+def _check(stack, compat, policy, message):
+    findings = stack.evaluate(compat)
+    assert fired(findings) == {policy}, [(f.policy, f.message) for f in findings]
+    assert any(message in m for m in messages(findings, policy)), messages(findings, policy)
+
+
+def test_only_model_servers_are_judged(compat):
+    """A Deployment without the model-server component label (a gateway, a controller) is not a model server."""
+    stack = compliant_stack()
+    stack.add("kubernetes:apps/v1:Deployment", "gateway", {
+        "metadata": {"name": "gateway", "labels": {"app.kubernetes.io/name": "gateway"}},
+        "spec": {"template": {"metadata": {"labels": {"app": "gw"}},
+                              "spec": {"containers": [{"name": "gw", "image": "envoy:latest"}]}}}})
+    assert stack.evaluate(compat) == []
+
+
+# -- image ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("image", ["repo/llm-serving:latest", "repo/llm-serving@sha256:abc", "repo/llm-serving"])
+def test_image_by_digest(image, compat):
+    stack = compliant_stack()
+    container(stack)["image"] = image
+    _check(stack, compat, "serving-image-digest", f"uses image {image!r}: pin it by digest")
+
+
+def test_init_container_image_by_digest(compat):
+    stack = compliant_stack()
+    pod(stack)["initContainers"] = [{"name": "warm", "image": "busybox:1.36", "securityContext": {
+        "runAsNonRoot": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"}}}]
+    _check(stack, compat, "serving-image-digest", "container 'warm' uses image 'busybox:1.36'")
+
+
+def test_build_arg_disagreeing_with_compat(compat):
+    stack = compliant_stack()
+    inputs_of(stack, "serving-image")["buildArgs"]["TRITON_IMAGE_TAG"] = "25.09-vllm-python-py3"
+    _check(stack, compat, "serving-image-pins",
+           "states triton release '25.09' (TRITON_IMAGE_TAG=25.09-vllm-python-py3) but compat.toml pins '25.10'")
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "kind"),
+    [("VLLM_VERSION", "0.9.2", "vllm version"), ("VLLM_BACKEND_BRANCH", "r25.09", "vllm backend branch"),
+     ("BASE_IMAGE", "nvcr.io/nvidia/tritonserver:24.12-vllm-python-py3", "triton release")],
+)
+def test_deployment_env_disagreeing_with_compat(name, value, kind, compat):
+    stack = compliant_stack()
+    container(stack)["env"].append({"name": name, "value": value})
+    _check(stack, compat, "serving-image-pins", f"Deployment 'llama-v1' states {kind}")
+
+
+def test_pins_follow_compat_file(tmp_path):
+    """The same stack fails once compat.toml moves to another release: the policy reads the file, not a copy."""
+    stack = compliant_stack()
+    assert stack.evaluate(write_compat(tmp_path)) == []
+    moved = write_compat(tmp_path, COMPAT_TOML.replace("25.10", "25.11"))
+    assert fired(stack.evaluate(moved)) == {"serving-image-pins"}
+
+
+def test_image_not_traceable_to_compat(compat):
+    stack = compliant_stack()
+    stack.get("llama-v1").dependencies.remove(stack.get("serving-image").urn)
+    _check(stack, compat, "serving-image-pins", "whose Triton release cannot be traced to compat.toml")
+
+
+def test_missing_compat_file_fails_the_check(tmp_path):
+    stack = compliant_stack()
+    findings = stack.evaluate(tmp_path / "absent.toml")
+    assert fired(findings) == {"serving-image-pins"}
+    assert "not found, so the image pins cannot be checked" in findings[0].message
+
+
+def test_compat_file_without_a_pin_names_the_key(tmp_path):
+    stack = compliant_stack()
+    text = "\n".join(line for line in COMPAT_TOML.splitlines() if not line.startswith("vllm_backend_branch"))
+    findings = stack.evaluate(write_compat(tmp_path, text))
+    assert "no vLLM backend branch (looked for" in findings[0].message
+
+
+# -- GPUs ----------------------------------------------------------------------------------------------------------
+
+
+def test_gpu_limit_required(compat):
+    stack = compliant_stack()
+    container(stack)["resources"] = {"limits": {"cpu": "8"}}
+    _check(stack, compat, "serving-gpu-resources", "has no container with a nvidia.com/gpu limit")
+
+
+def test_gpu_request_must_equal_limit(compat):
+    stack = compliant_stack()
+    container(stack)["resources"]["requests"]["nvidia.com/gpu"] = "2"
+    _check(stack, compat, "serving-gpu-resources", "GPU request 2 differs from its limit 1")
+
+
+def test_gpu_limit_matches_configured_count(compat):
+    stack = compliant_stack()
+    container(stack)["resources"] = {"limits": {"nvidia.com/gpu": "2"}}
+    _check(stack, compat, "serving-gpu-resources", "GPU limit 2 differs from the model's configured gpu.count 1")
+
+
+def test_gpu_toleration_required(compat):
+    stack = compliant_stack()
+    pod(stack)["tolerations"] = []
+    _check(stack, compat, "serving-gpu-resources", "does not tolerate the nvidia.com/gpu:NoSchedule taint")
+
+
+# -- probes and timeouts -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("probe", ["startupProbe", "readinessProbe", "livenessProbe"])
+def test_each_probe_required(probe, compat):
+    stack = compliant_stack()
+    del container(stack)[probe]
+    _check(stack, compat, "serving-probes", f"has no {probe}")
+
+
+def test_startup_budget_below_configured_load_time(compat):
+    stack = compliant_stack()
+    stack.models()[0]["loadTimeSeconds"] = 1800
+    stack.get("llama-v1").custom_timeouts.update({"create": "1h", "update": "1h"})
+    _check(stack, compat, "serving-probes", "gives up after 1000s (initialDelaySeconds + failureThreshold x "
+                                            "periodSeconds) but model 'llama' is configured to load in up to 1800s")
+
+
+def test_startup_budget_uses_kubernetes_defaults(compat):
+    stack = compliant_stack()
+    container(stack)["startupProbe"] = {"httpGet": {"path": "/v2/health/ready", "port": 8000.0}}
+    _check(stack, compat, "serving-probes", "gives up after 30s")
+
+
+def test_undeclared_model(compat):
+    stack = compliant_stack()
+    stack.models()[0]["id"] = "other"
+    findings = stack.evaluate(compat)
+    assert any("serves model 'llama', which llm-serving:models does not declare" in m
+               for m in messages(findings, "serving-probes"))
+
+
+@pytest.mark.parametrize(
+    ("timeouts", "shown"),
+    [(None, "create timeout is unset (the provider's default 600s)"), ({"create": "30m", "update": "10m"},
+                                                                       "update timeout is 600s")],
+)
+def test_pulumi_timeout_covers_startup(timeouts, shown, compat):
+    stack = compliant_stack()
+    deployment = stack.get("llama-v1")
+    deployment.custom_timeouts.clear()
+    deployment.custom_timeouts.update(timeouts or {})
+    _check(stack, compat, "serving-update-timeout", shown)
+
+
+# -- model source --------------------------------------------------------------------------------------------------
+
+
+def test_model_cache_must_be_mounted(compat):
+    stack = compliant_stack()
+    container(stack)["volumeMounts"] = []
+    _check(stack, compat, "serving-model-from-fsx", "does not mount the FSx model cache claim into its server")
+
+
+def test_model_cache_claim_must_be_fsx(compat):
+    stack = compliant_stack()
+    inputs_of(stack, "model-cache-pv")["spec"]["csi"]["driver"] = "ebs.csi.aws.com"
+    _check(stack, compat, "serving-model-from-fsx", "uses driver 'ebs.csi.aws.com', not fsx.csi.aws.com")
+
+
+def test_model_cache_via_fsx_storage_class(compat):
+    stack = compliant_stack()
+    claim = inputs_of(stack, "model-cache")["spec"]
+    del claim["volumeName"]
+    claim["storageClassName"] = "fsx"
+    stack.add("kubernetes:storage.k8s.io/v1:StorageClass", "fsx-sc",
+              {"metadata": {"name": "fsx"}, "provisioner": "fsx.csi.aws.com"})
+    assert stack.evaluate(compat) == []
+
+
+def test_model_cache_read_only(compat):
+    stack = compliant_stack()
+    pod(stack)["volumes"][0]["persistentVolumeClaim"]["readOnly"] = False
+    container(stack)["volumeMounts"][0]["readOnly"] = False
+    _check(stack, compat, "serving-model-from-fsx", "the model cache volume 'model-cache' is mounted read-write")
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "marker"),
+    [("args", "s3://models-prod/llama/v1.tar.gz", "s3://"),
+     ("args", "meta-llama/Llama-3.1-8B@https://huggingface.co", "huggingface.co"),
+     ("command", "aws s3 sync s3://b/m /models", "s3://")],
+)
+def test_no_download_at_start(where, value, marker, compat):
+    stack = compliant_stack()
+    container(stack)[where] = [value]
+    _check(stack, compat, "serving-no-download-at-start", f"refers to {marker!r}")
+
+
+def test_no_hub_token_and_offline_hub(compat):
+    stack = compliant_stack()
+    container(stack)["env"] = [{"name": "HF_TOKEN", "value": "x"}, {"name": "HF_HUB_OFFLINE", "value": "0"}]
+    findings = stack.evaluate(compat)
+    shown = messages(findings, "serving-no-download-at-start")
+    assert any("sets HF_TOKEN" in m for m in shown) and any("HF_HUB_OFFLINE='0'" in m for m in shown)
+
+
+# -- identity ------------------------------------------------------------------------------------------------------
+
+
+def test_non_root_required(compat):
+    stack = compliant_stack()
+    del pod(stack)["securityContext"]["runAsNonRoot"]
+    del container(stack)["securityContext"]["runAsNonRoot"]
+    _check(stack, compat, "serving-non-root", "does not set securityContext.runAsNonRoot: true")
+
+
+def test_container_overrides_pod(compat):
+    stack = compliant_stack()
+    container(stack)["securityContext"]["runAsNonRoot"] = False
+    _check(stack, compat, "serving-non-root", "does not set securityContext.runAsNonRoot: true")
+
+
+def test_root_uid_and_privileged(compat):
+    stack = compliant_stack()
+    container(stack)["securityContext"].update({"runAsUser": 0.0, "privileged": True})
+    findings = stack.evaluate(compat)
+    shown = messages(findings, "serving-non-root")
+    assert any("runs as user 0 (root)" in m for m in shown) and any("is privileged" in m for m in shown)
+
+
+# -- advisory ------------------------------------------------------------------------------------------------------
+
+
+def test_hardening_advice(compat):
+    stack = compliant_stack()
+    container(stack)["securityContext"] = {"runAsNonRoot": True}
+    _check(stack, compat, "serving-hardening", "could also set allowPrivilegeEscalation: false, capabilities.drop: "
+                                               "[ALL], seccompProfile: RuntimeDefault")
+    assert all(f.enforcement == "advisory" for f in stack.evaluate(compat))
+
+
+def test_zone_spread_advice(compat):
+    stack = compliant_stack()
+    pod(stack)["topologySpreadConstraints"] = []
+    _check(stack, compat, "serving-zone-spread", "does not spread its replicas across zones")
+
+
+def test_drain_grace_advice(compat):
+    stack = compliant_stack()
+    del pod(stack)["terminationGracePeriodSeconds"]
+    _check(stack, compat, "serving-drain-grace", "terminationGracePeriodSeconds is 30s")
+
+
+def test_disruption_budget_advice(compat):
+    stack = compliant_stack()
+    stack.remove("llama-v1-pdb")
+    _check(stack, compat, "serving-disruption-budget", "has no PodDisruptionBudget")
