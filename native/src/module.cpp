@@ -19,6 +19,7 @@ struct History {
   py::object tokens;  // a list, or None when the caller advances the row by hand
   size_t consumed = 0;
   int64_t last = -1;  // the last token consumed: a different value at that position means a rewritten history
+  bool masked = false;  // masked by fill_apply since the last sync
 };
 
 class Engine {
@@ -78,11 +79,16 @@ class Engine {
       PyObject* list = h.tokens.ptr();
       const auto len = static_cast<size_t>(PyList_GET_SIZE(list));
       cons::RowState& st = batch_.state(r);
+      const size_t before = h.consumed;
+      bool was_masked = h.masked;
+      h.masked = false;
       if (len < h.consumed || (h.consumed > 0 && read(list, h.consumed - 1) != h.last)) {
         st.reset(st.m);
         h.consumed = 0;
         h.last = -1;
         ++rebuilt;
+        ++rebuilds_;
+        was_masked = false;
       }
       while (h.consumed < len) {
         const int64_t t = read(list, h.consumed);
@@ -91,6 +97,9 @@ class Engine {
         h.last = t;
         ++h.consumed;
       }
+      // Masked last step yet nothing new: the engine threw that sample away (a partial prefill; or an async
+      // placeholder still pending). Counted so that tests can observe chunked prefill from the inside.
+      if (was_masked && h.consumed == before) ++stalls_;
     }
     return rebuilt;
   }
@@ -153,6 +162,7 @@ class Engine {
     if (rows.empty()) return 0;
     if (dtype != "float32" && dtype != "bfloat16")
       throw py::value_error("unsupported logits dtype " + dtype + " (float32 or bfloat16)");
+    for (int32_t r : rows) histories_[static_cast<size_t>(r)].masked = true;
     py::gil_scoped_release release;
     batch_.fill(rows.data(), static_cast<int64_t>(rows.size()), threads);
     if (dtype == "float32")
@@ -194,6 +204,10 @@ class Engine {
 
   cons::Batch batch_;
   std::vector<History> histories_;
+
+ public:
+  int64_t stalls_ = 0;    // rows masked whose next sync found no new token
+  int64_t rebuilds_ = 0;  // rows replayed because their history shrank or changed
 };
 
 }  // namespace
@@ -266,5 +280,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("row_stride"), py::arg("dtype"), py::arg("threads") = 0)
       .def("allowed", &Engine::allowed, py::arg("row"))
       .def("finished", &Engine::finished, py::arg("row"))
-      .def("consumed", &Engine::consumed, py::arg("row"));
+      .def("consumed", &Engine::consumed, py::arg("row"))
+      .def_readonly("stalls", &Engine::stalls_)
+      .def_readonly("rebuilds", &Engine::rebuilds_);
 }

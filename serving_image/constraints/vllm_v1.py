@@ -1,7 +1,8 @@
 """vLLM batch logits processor (V1 interface: the CPU build and GPU runs with VLLM_USE_V2_MODEL_RUNNER=0).
 
-Loaded by vLLM from the `vllm.logits_processors` entry point, or by import path
-(`serving_image.constraints.vllm_v1:ConstraintLogitsProcessor`). A request is constrained by
+vLLM loads it through `serving_image.constraints.vllm_processor:ConstraintLogitsProcessor` (the
+`vllm.logits_processors` entry point, one class for both runners), or by import path
+(`serving_image.constraints.vllm_v1:ConstraintLogitsProcessorV1`). A request is constrained by
 `SamplingParams.extra_args["constraint"]` (ARCHITECTURE §3.5).
 
 The state of a row is a function of the request's output token list alone (vLLM's own list, which grows in
@@ -16,15 +17,17 @@ place), never of how many times `apply` ran:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from serving_image.constraints.engine import ConstraintBatch, compile_spec
-from serving_image.constraints.spec import ConstraintError, validate_constraint
+from serving_image.constraints.spec import AllowedTokensSpec, ConstraintError, validate_constraint
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -36,6 +39,9 @@ CONSTRAINT_KEY = "constraint"
 # Threads of the core's pool; 0 = every hardware thread. The engine's own intra-op threads are idle while
 # the processor runs (it sits between the forward pass and the sampler), so sharing the cores is fine.
 THREADS_ENV = "LLM_SERVING_CONSTRAINT_THREADS"
+# When set, a directory where each processor keeps `<pid>.json` up to date with its counters (tests, diagnosis):
+# the processor lives in vLLM's engine-core process, out of the caller's reach.
+STATS_ENV = "LLM_SERVING_CONSTRAINT_STATS_DIR"
 
 
 def constraint_of(params: SamplingParams) -> object | None:
@@ -50,7 +56,22 @@ def model_eos(vllm_config: VllmConfig) -> int | None:
     return eos
 
 
-class ConstraintLogitsProcessor(LogitsProcessor):
+def compile_for_request(spec: object, params: SamplingParams, vocab_size: int, default_eos: int | None):
+    """Validate a request's spec against the served vocabulary and compile it, in the worker."""
+    eos = params.eos_token_id if params.eos_token_id is not None else default_eos
+    try:
+        if eos is None:
+            raise ConstraintError("constraint", "the model has no end-of-sequence token to end the output with")
+        return compile_spec(validate_constraint(spec, vocab_size, eos), vocab_size, eos)
+    except ConstraintError as exc:
+        # Only reachable when a caller skipped the front-ends' validation (which knows the vocabulary): raising
+        # here would kill the engine for every request in flight, so this request ends at once (only eos).
+        logger.error("constraint rejected in the worker, the request ends now: %s", exc)
+        fallback = eos if eos is not None else 0
+        return compile_spec(AllowedTokensSpec(tokens=(fallback,)), vocab_size, fallback)
+
+
+class ConstraintLogitsProcessorV1(LogitsProcessor):
     """Masks every constrained row of the batch to the tokens its constraint allows next."""
 
     @classmethod
@@ -68,25 +89,31 @@ class ConstraintLogitsProcessor(LogitsProcessor):
         capacity = vllm_config.scheduler_config.max_num_seqs
         self.batch = ConstraintBatch(self.vocab_size, capacity, int(os.environ.get(THREADS_ENV, "0")))
         self.device = device
-        self.rebuilt = 0  # rows replayed because their history shrank or changed (observability, tests)
         self.readded = 0  # rows added with a non-empty output list (preempted requests coming back)
+        self.constrained_added = 0
+        self.steps = 0
+        self.max_rows = 0  # most constrained rows masked in one step
+        stats_dir = os.environ.get(STATS_ENV)
+        self._stats_path = Path(stats_dir) / f"{os.getpid()}.json" if stats_dir else None
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "constrained_added": self.constrained_added,
+            "readded": self.readded,
+            "steps": self.steps,
+            "max_rows": self.max_rows,
+            "stalls": self.batch.core.stalls,  # masked, then no new token: a sample the engine discarded
+            "rebuilds": self.batch.core.rebuilds,  # histories that shrank or changed, replayed
+        }
+
+    def _write_stats(self) -> None:
+        assert self._stats_path is not None
+        tmp = self._stats_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.stats()))
+        tmp.replace(self._stats_path)
 
     def is_argmax_invariant(self) -> bool:
         return False  # it masks tokens, greedy decoding included
-
-    def _machine(self, params: SamplingParams, spec: object):
-        eos = params.eos_token_id if params.eos_token_id is not None else self.default_eos
-        try:
-            if eos is None:
-                raise ConstraintError("constraint", "the model has no end-of-sequence token to end the output with")
-            return compile_spec(validate_constraint(spec, self.vocab_size, eos), self.vocab_size, eos)
-        except ConstraintError as exc:
-            # Only reachable when a caller skipped the front-ends' validation (which knows the vocabulary): raising
-            # here would kill the engine for every request, so the request ends at once with only eos allowed.
-            logger.error("constraint rejected in the worker, the request ends now: %s", exc)
-            fallback = eos if eos is not None else 0
-            return compile_spec(validate_constraint({"kind": "allowed_tokens", "tokens": [fallback]}, None, None),
-                                self.vocab_size, fallback)
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is not None:
@@ -97,7 +124,9 @@ class ConstraintLogitsProcessor(LogitsProcessor):
                 if spec is None:
                     self.batch.clear_row(index)  # the index may still hold a previous request's state
                     continue
-                self.batch.set_row(index, self._machine(params, spec), output_ids)
+                machine = compile_for_request(spec, params, self.vocab_size, self.default_eos)
+                self.batch.set_row(index, machine, output_ids)
+                self.constrained_added += 1
                 if output_ids:
                     self.readded += 1
             for src, dst, direction in batch_update.moved:
@@ -105,10 +134,14 @@ class ConstraintLogitsProcessor(LogitsProcessor):
                     self.batch.swap_rows(src, dst)
                 else:
                     self.batch.move_row(src, dst)
-        self.rebuilt += self.batch.sync()
+        self.batch.sync()
+        if self._stats_path is not None and batch_update is not None:
+            self._write_stats()
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if self.batch.num_constrained() == 0:
             return logits
-        self.batch.fill_apply(logits)
+        rows = self.batch.fill_apply(logits)
+        self.steps += 1
+        self.max_rows = max(self.max_rows, rows)
         return logits

@@ -1,0 +1,150 @@
+"""The V1 batch logits processor driven with vLLM's own BatchUpdate objects and a real VllmConfig (demo model),
+outside a running engine, so every ordering case (removed, added, moved; one-way moves and swaps; re-adds with
+shorter histories; -1 placeholders) is exercised deterministically. The engine end to end is
+tests/serving/test_constraints_e2e.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+from serving_image.constraints.reference import ReferenceState
+from serving_image.constraints.spec import validate_constraint
+from serving_image.constraints.vllm_processor import ConstraintLogitsProcessor
+
+DFA = {"kind": "token_dfa", "start": 0, "accept": [2], "edges": [[0, 17, 1], [1, 42, 2], [1, 17, 1]]}
+CHOICES = {"kind": "choice_sequence", "choices": [[5, 9], [5, 11, 12], [7]], "separator": [3],
+           "min_items": 1, "max_items": 3, "unique": True}
+ALLOWED = {"kind": "allowed_tokens", "tokens": [5, 7, 9]}
+
+
+@pytest.fixture(scope="module")
+def vllm_config(demo_model_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(demo_model_dir), max_model_len=256, max_num_seqs=4).create_engine_config()
+
+
+@pytest.fixture
+def proc(vllm_config):
+    return ConstraintLogitsProcessor(vllm_config, torch.device("cpu"), False)
+
+
+def params(spec=None) -> SamplingParams:
+    p = SamplingParams(max_tokens=32, extra_args=None if spec is None else {"constraint": spec})
+    p._eos_token_id = 1  # what vLLM's input processor sets from the model before the request reaches the worker
+    return p
+
+
+def update(size, removed=(), added=(), moved=()):
+    return BatchUpdate(batch_size=size, removed=list(removed), added=list(added), moved=list(moved))
+
+
+def finite(proc, rows, vocab) -> list[list[int]]:
+    logits = torch.zeros(rows, vocab)
+    proc.apply(logits)
+    return [torch.isfinite(logits[r]).nonzero().flatten().tolist() for r in range(rows)]
+
+
+def expected(spec, out, eos=1):
+    known = out[: out.index(-1)] if -1 in out else out
+    return sorted(ReferenceState.replay(validate_constraint(spec, None, None), eos, known).allowed())
+
+
+def test_rows_follow_their_output_lists_through_every_batch_change(proc, vllm_config):
+    vocab = vllm_config.model_config.get_vocab_size()
+    everything = list(range(vocab))
+    a, b, c = [], [], []  # the engine's own output lists, growing in place
+    proc.update_state(update(3, added=[(0, params(DFA), [1, 2], a), (1, params(), [3], b),
+                                       (2, params(CHOICES), [4], c)]))
+    assert finite(proc, 3, vocab) == [expected(DFA, a), everything, expected(CHOICES, c)]
+
+    # decode steps: the lists grow; apply() calls alone never advance a row
+    a.append(17)
+    c.append(5)
+    proc.update_state(None)
+    assert finite(proc, 3, vocab) == [expected(DFA, a), everything, expected(CHOICES, c)]
+    assert finite(proc, 3, vocab) == [expected(DFA, a), everything, expected(CHOICES, c)]
+
+    # removed, then added at the freed index, then moved: the order vLLM documents
+    a.append(42)
+    c.append(9)
+    d = []
+    proc.update_state(update(3, removed=[1], added=[(1, params(ALLOWED), [9], d)],
+                             moved=[(0, 2, MoveDirectionality.SWAP)]))
+    assert finite(proc, 3, vocab) == [expected(CHOICES, c), expected(ALLOWED, d), expected(DFA, a)]
+
+    # one-way move into a hole left by a removal
+    proc.update_state(update(2, removed=[0], moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL)]))
+    assert finite(proc, 2, vocab)[0] == expected(DFA, a) == [1]
+    assert not proc.impl.batch.core.constrained(2)
+
+    # preempted and re-added elsewhere with a shorter, new history list: replayed
+    proc.update_state(update(1, removed=[0]))
+    resumed = [17]
+    proc.update_state(update(2, added=[(1, params(DFA), [1, 2], resumed)], moved=[(1, 0, MoveDirectionality.SWAP)]))
+    assert finite(proc, 2, vocab)[0] == expected(DFA, resumed) == [17, 42]
+    assert proc.impl.readded == 1
+
+    # async scheduling: a -1 placeholder is not a token, until the engine writes the real one in place
+    resumed.append(-1)
+    proc.update_state(None)
+    assert finite(proc, 2, vocab)[0] == [17, 42]
+    resumed[-1] = 42
+    proc.update_state(None)
+    assert finite(proc, 2, vocab)[0] == [1]
+
+    # the history shrank between steps (no batch update): detected and replayed
+    del resumed[1:]
+    proc.update_state(None)
+    assert finite(proc, 2, vocab)[0] == [17, 42]
+    assert proc.impl.batch.core.rebuilds >= 1
+
+
+def test_a_row_reused_by_an_unconstrained_request_is_released(proc, vllm_config):
+    vocab = vllm_config.model_config.get_vocab_size()
+    proc.update_state(update(1, added=[(0, params(ALLOWED), [1], [])]))
+    assert finite(proc, 1, vocab)[0] == [1, 5, 7, 9]
+    proc.update_state(update(1, added=[(0, params(), [1], [])]))  # replaced without a removal
+    assert finite(proc, 1, vocab)[0] == list(range(vocab))
+
+
+def test_bfloat16_logits(proc, vllm_config):
+    vocab = vllm_config.model_config.get_vocab_size()
+    proc.update_state(update(1, added=[(0, params(CHOICES), [1], [5])]))
+    logits = torch.zeros(1, vocab, dtype=torch.bfloat16)
+    proc.apply(logits)
+    assert torch.isfinite(logits[0].float()).nonzero().flatten().tolist() == [9, 11]
+
+
+def test_validate_params_names_the_field():
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.sample.logits_processor import validate_logits_processors_parameters
+
+    bad = params({"kind": "token_dfa", "start": 0, "accept": [1], "edges": [[0, 5, 1], [0, "x", 1]]})
+    with pytest.raises(ValueError, match=r"constraint\.edges\[1\]\[1\]: must be an integer, got a string"):
+        ConstraintLogitsProcessor.validate_params(bad)
+    # the same through vLLM's own admission hook (what makes the API answer 400)
+    with pytest.raises(VLLMValidationError, match=r"constraint\.edges\[1\]\[1\]"):
+        validate_logits_processors_parameters([ConstraintLogitsProcessor], bad)
+    ConstraintLogitsProcessor.validate_params(params(DFA))
+    ConstraintLogitsProcessor.validate_params(params())
+
+
+def test_worker_rejects_out_of_vocabulary_specs_by_ending_the_request(proc, vllm_config, caplog):
+    """validate_params cannot know the vocabulary; the worker does: such a row allows only eos (and logs why)
+    instead of killing the engine for every request."""
+    vocab = vllm_config.model_config.get_vocab_size()
+    proc.update_state(update(1, added=[(0, params({"kind": "allowed_tokens", "tokens": [vocab + 5]}), [1], [])]))
+    assert finite(proc, 1, vocab)[0] == [1]
+    assert f"constraint.tokens[0]: token id {vocab + 5} is outside the vocabulary" in caplog.text
+
+
+def test_entry_point_is_accepted_by_both_model_runners_loaders():
+    from vllm.v1.sample.logits_processor import _load_logitsprocs_plugins
+    from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs_plugins
+
+    assert ConstraintLogitsProcessor in _load_logitsprocs_plugins()
+    assert ConstraintLogitsProcessor in _load_v2_logitsprocs_plugins()
