@@ -1,0 +1,157 @@
+"""The policy pack on the real program: every shipped stack passes, and the rules see the program's own shapes.
+
+Each stack runs under Pulumi's mock runtime with the real provider SDKs (`infra.mockrun`; no cloud account exists
+here). The first test is the CI gate (`make test`): no mandatory violation on any shipped stack, against the real
+`serving_image/compat.toml`. The second breaks one thing at a time in the real prod-us-east-1 run and checks that
+the rule meant to catch it does, so a rule cannot pass the shipped stacks by never matching their resources.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+
+import pytest
+
+from infra.mockrun import run_stack, shipped_stacks
+from policies.catalog import ALL_POLICIES
+from policies.offline import evaluate
+from policies.synthetic import write_compat
+
+STACKS = shipped_stacks()
+SENSITIVITY_STACK = "prod-us-east-1"
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {}
+
+
+def _run(runs, stack):
+    if stack not in runs:
+        runs[stack] = run_stack(stack)
+    return runs[stack]
+
+
+def test_stacks_are_shipped():
+    assert {"dev-us-east-1", "prod-us-east-1", "prod-us-west-2", "prod-eu-west-1"} <= set(STACKS)
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_shipped_stack_has_no_mandatory_violation(stack, runs):
+    run = _run(runs, stack)
+    findings = evaluate(run.resources, run.stack, run.project, run.config)
+    blocking = [f"{f.policy} on {f.resource}: {f.message}" for f in findings if f.blocking]
+    assert blocking == []
+
+
+# -- sensitivity on the real program's resources -------------------------------------------------------------------
+
+
+def _of(resources, type_):
+    found = [r for r in resources if r.type == type_]
+    assert found, f"the program registered no {type_}"
+    return found
+
+
+def _serving(resources):
+    return [r for r in _of(resources, "kubernetes:apps/v1:Deployment")
+            if r.inputs["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component") == "model-server"]
+
+
+def _server(resources):
+    return _serving(resources)[0].inputs["spec"]["template"]["spec"]["containers"][0]
+
+
+def _red_black_with_candidate(config):
+    return next(m for m in config["llm-serving:models"] if m.get("candidate"))
+
+
+def _drop(resources, type_):
+    resources[:] = [r for r in resources if r.type != type_]
+
+
+def _policy_doc(resource, edit: Callable[[dict], None]):
+    doc = json.loads(resource.inputs["policy"])
+    edit(doc)
+    resource.inputs["policy"] = json.dumps(doc)
+
+
+def _candidate_deployment(resources, config):
+    model = _red_black_with_candidate(config)
+    return next(d for d in _serving(resources)
+                if d.inputs["metadata"]["labels"]["app.kubernetes.io/version"] == model["candidate"]
+                and d.inputs["metadata"]["labels"]["app.kubernetes.io/name"] == model["id"])
+
+
+def _gpu_groups(resources):
+    return [g for g in _of(resources, "aws:eks/nodeGroup:NodeGroup") if "NVIDIA" in g.inputs.get("amiType", "")]
+
+
+def _routes_stop_waiting_for(resources, deployment):
+    for route in resources:
+        if route.type.endswith(("HTTPRoute", "GRPCRoute")) and deployment.urn in route.dependencies:
+            route.dependencies.remove(deployment.urn)
+
+
+MUTATIONS: dict[str, Callable] = {
+    "s3-bucket-encryption": lambda res, cfg: _drop(
+        res, "aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration"),
+    "s3-bucket-versioning": lambda res, cfg: _of(res, "aws:s3/bucketVersioning:BucketVersioning")[0].inputs[
+        "versioningConfiguration"].update(status="Suspended"),
+    "s3-public-access-block": lambda res, cfg: _of(
+        res, "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock")[0].inputs.update(restrictPublicBuckets=False),
+    "s3-tls-only": lambda res, cfg: _policy_doc(_of(res, "aws:s3/bucketPolicy:BucketPolicy")[0],
+                                                lambda doc: doc["Statement"][0].update(Effect="Allow")),
+    "fsx-persistent-2-in-prod": lambda res, cfg: _of(res, "aws:fsx/lustreFileSystem:LustreFileSystem")[0].inputs
+    .update(deploymentType="SCRATCH_2"),
+    "fsx-encryption": lambda res, cfg: _of(res, "aws:fsx/lustreFileSystem:LustreFileSystem")[0].inputs
+    .pop("kmsKeyId"),
+    "fsx-lustre-ports-only": lambda res, cfg: _of(
+        res, "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule")[0].inputs.update(toPort=2049),
+    "gpu-nodes-nvidia-ami": lambda res, cfg: _gpu_groups(res)[0].inputs.update(amiType="AL2_x86_64_GPU"),
+    "gpu-nodes-taint": lambda res, cfg: _gpu_groups(res)[0].inputs.update(taints=[]),
+    "gpu-nodes-approved-instance-types": lambda res, cfg: _gpu_groups(res)[0].inputs.update(
+        instanceTypes=["g4dn.xlarge"]),
+    "gpu-nodes-size-cap": lambda res, cfg: _gpu_groups(res)[0].inputs["scalingConfig"].update(maxSize=500),
+    "iam-no-wildcard-s3-ecr-kms": lambda res, cfg: _policy_doc(
+        _of(res, "aws:iam/rolePolicy:RolePolicy")[0], lambda doc: doc["Statement"][0].update(Resource="*")),
+    "serving-image-digest": lambda res, cfg: _server(res).update(image="registry.example/llm-serving:latest"),
+    "serving-image-pins": lambda res, cfg: _of(res, "docker-build:index:Image")[0].inputs["buildArgs"].update(
+        TRITON_IMAGE_TAG="24.01-vllm-python-py3"),
+    "serving-gpu-resources": lambda res, cfg: [r.pop("nvidia.com/gpu", None)
+                                               for r in _server(res)["resources"].values()],
+    "serving-probes": lambda res, cfg: _server(res).pop("livenessProbe"),
+    "serving-update-timeout": lambda res, cfg: _serving(res)[0].custom_timeouts.update(update="2m"),
+    "serving-model-from-fsx": lambda res, cfg: _server(res).update(volumeMounts=[]),
+    "serving-no-download-at-start": lambda res, cfg: _server(res)["env"].append(
+        {"name": "MODEL_URI", "value": "s3://bucket/models/m.tar.gz"}),
+    "serving-non-root": lambda res, cfg: _server(res)["securityContext"].update(runAsNonRoot=False),
+    "rollout-versioned-only-on-io-change": lambda res, cfg: _red_black_with_candidate(cfg)["versions"][-1].update(
+        ioFingerprint="sha256:" + "e" * 64),
+    "rollout-weight-only-to-replicas": lambda res, cfg: _routes_stop_waiting_for(res, _candidate_deployment(res, cfg)),
+    "rollout-newest-version-kept": lambda res, cfg: res.remove(_candidate_deployment(res, cfg)),
+    "eks-private-endpoint-in-prod": lambda res, cfg: _of(res, "aws:eks/cluster:Cluster")[0].inputs[
+        "vpcConfig"].update(endpointPublicAccess=True),
+}
+
+
+def test_every_mandatory_rule_has_a_mutation():
+    mandatory = {p.name for p in ALL_POLICIES if p.enforcement_level.value == "mandatory"}
+    assert mandatory == set(MUTATIONS)
+
+
+@pytest.mark.parametrize("policy", sorted(MUTATIONS))
+def test_rule_catches_a_break_in_the_real_program(policy, runs, tmp_path):
+    run = _run(runs, SENSITIVITY_STACK)
+    # Pins as the program built them, so this test is about the rules' reach, not about compat.toml's content
+    # (test_shipped_stack_has_no_mandatory_violation checks the real file).
+    tag = _of(run.resources, "docker-build:index:Image")[0].inputs["buildArgs"]["TRITON_IMAGE_TAG"]
+    compat = write_compat(tmp_path, f'[triton]\nimage_tag = "{tag}"\nvllm_version = "x"\nvllm_backend_branch = "y"\n')
+    resources, config = copy.deepcopy(run.resources), copy.deepcopy(run.config)
+    before = evaluate(resources, run.stack, run.project, config, compat_file=compat)
+    assert not [f for f in before if f.blocking]
+    MUTATIONS[policy](resources, config)
+    after = evaluate(resources, run.stack, run.project, config, compat_file=compat)
+    assert policy in {f.policy for f in after if f.blocking}, [(f.policy, f.message) for f in after]
