@@ -27,6 +27,7 @@ test: serving-env infra-env
 plan: infra-env
 	@if [ -f infra/plan.py ]; then $(INFRA)/bin/python -m infra.plan; \
 	else echo "make plan arrives with the infrastructure issue (#7): no stack program yet."; fi
+	$(INFRA)/bin/python -m policies.offline
 
 bench: serving-env
 	@if [ -f bench/run.py ]; then $(SERVING)/bin/python -m bench.run; \
