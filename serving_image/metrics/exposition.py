@@ -31,6 +31,7 @@ _SUFFIXES = {
 }
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\\n]|\\.)*)"\s*')
+_META = re.compile(r"#[ \t]+(HELP|TYPE)[ \t]+([^ \t]+)(?:[ \t]+(.*))?$")
 _ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 
 Labels = tuple[tuple[str, str], ...]
@@ -128,14 +129,16 @@ def parse_text(text: str) -> list[Family]:
     families: list[Family] = []
     current: Family | None = None
     by_name: dict[str, Family] = {}
-    for lineno, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
+    # Lines end at "\n" only (str.splitlines would also split inside label values at \u2028, \x1c, ...).
+    for lineno, raw in enumerate(text.split("\n"), start=1):
+        line = raw.strip(" \t\r")
         if not line:
             continue
         if line.startswith("#"):
-            parts = line.split(None, 3)
-            if len(parts) < 3 or parts[1] not in ("HELP", "TYPE"):
+            meta = _META.match(line)
+            if not meta:
                 continue  # a plain comment
+            parts = ["#", meta.group(1), meta.group(2)] + ([meta.group(3)] if meta.group(3) is not None else [])
             name = parts[2]
             if not _NAME.fullmatch(name):
                 raise ExpositionError(f"line {lineno}: invalid metric name {name!r} in {parts[1]}")
@@ -150,7 +153,7 @@ def parse_text(text: str) -> list[Family]:
             if parts[1] == "HELP":
                 family.help = _unescape(parts[3]) if len(parts) == 4 else ""
             else:
-                kind = parts[3].strip() if len(parts) == 4 else ""
+                kind = parts[3] if len(parts) == 4 else ""
                 if kind not in TYPES:
                     raise ExpositionError(f"line {lineno}: unknown type {kind!r} for {name!r}")
                 if family.samples:

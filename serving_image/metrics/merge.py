@@ -4,8 +4,8 @@ Sources are given in priority order (the proxy's own metrics, then vLLM's multip
 Rules, in order:
 1. Families of the same name from the same source are one family (0.0.4 lets untyped samples repeat a name).
 2. A series (sample name + labels) seen twice within a family keeps its first value; the repeat is counted.
-3. A family from a lower-priority source whose name or any sample name is already taken by a higher-priority
-   source is left out as a whole and counted as shadowed. Example: Triton's vLLM backend exports 8 `vllm:*`
+3. A family whose name or any sample name is already taken (by a higher-priority source, or by an earlier family
+   of the same source) is left out as a whole and counted as shadowed. Example: Triton's vLLM backend exports 8 `vllm:*`
    families itself; the same families from vLLM's own files are a superset of those series (every label vLLM
    sets), and adding both would double every sum() in the dashboards.
 """
@@ -57,14 +57,11 @@ def merge(sources: list[tuple[str, list[Family]]]) -> MergeReport:
     for source, families in sources:
         combined, duplicates = _combine(families)
         report.duplicate_series += duplicates
-        accepted = []
         for family in combined:
             names = family.sample_names() | {family.name}
-            if names & taken:
+            if names & taken:  # taken by a higher-priority source, or by an earlier family of this one
                 report.shadowed.append((source, family.name))
                 continue
-            accepted.append(family)
-        for family in accepted:
-            taken |= family.sample_names() | {family.name}
-        report.families.extend(accepted)
+            taken |= names
+            report.families.append(family)
     return report
