@@ -1,18 +1,26 @@
 """Reading resource inputs the way the engine hands them to a policy.
 
-Inputs arrive with camelCase keys, numbers as floats (the mock runtime and the engine both send JSON numbers),
-and documents such as IAM policies either as a JSON string or as an already-decoded object. These helpers read
-them without guessing: a missing key is `None`, never a silently invented default.
+Inputs arrive wrapped in pulumi_policy's unknown-checking proxies (a Mapping and a Sequence, not dict and list;
+reading a value unknown during preview raises UnknownValueError, which the analyzer reports), with camelCase
+keys, numbers as floats (the mock runtime and the engine both send JSON numbers), and documents such as IAM
+policies either as a JSON string or as an already-decoded object. These helpers read them without guessing: a
+missing key is `None`, never a silently invented default.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 _DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s)?\s*$")
+
+
+def is_sequence(value: Any) -> bool:
+    """A JSON array. Under `pulumi preview` the analyzer hands props wrapped in pulumi_policy's unknown-checking
+    proxies, whose arrays are `Sequence`s but not lists: never test for `list` here."""
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes)
 
 
 def get(obj: Any, *path: str | int) -> Any:
@@ -20,7 +28,7 @@ def get(obj: Any, *path: str | int) -> Any:
     cur = obj
     for step in path:
         if isinstance(step, int):
-            if not isinstance(cur, list | tuple) or not -len(cur) <= step < len(cur):
+            if not is_sequence(cur) or not -len(cur) <= step < len(cur):
                 return None
             cur = cur[step]
         else:
@@ -34,7 +42,7 @@ def as_list(value: Any) -> list[Any]:
     """A JSON 'string or list' field (IAM Action/Resource, for example) as a list."""
     if value is None:
         return []
-    if isinstance(value, list | tuple):
+    if is_sequence(value):
         return list(value)
     return [value]
 

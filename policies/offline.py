@@ -34,6 +34,7 @@ from pulumi_policy import (
     StackValidationPolicy,
 )
 from pulumi_policy.policy import _NotApplicableError
+from pulumi_policy.proxy import unknown_checking_proxy
 
 from ._props import duration_seconds
 from .catalog import ALL_POLICIES, enforcement
@@ -93,15 +94,19 @@ def _decoded(value: Any) -> Any:
 
 def to_policy_resources(resources: Sequence[ResourceLike]) -> list[PolicyResource]:
     """The analyzer's view of the stack: PolicyResources linked to their parents and dependencies."""
+    # Props wrapped exactly as the CLI's analyzer wraps them, so rules meet the same Mapping/Sequence proxies here
+    # as under `pulumi preview`.
     providers = {
-        r.urn: PolicyProviderResource(r.type, {k: _decoded(v) for k, v in r.inputs.items()}, r.urn, r.name)
+        r.urn: PolicyProviderResource(
+            r.type, unknown_checking_proxy({k: _decoded(v) for k, v in r.inputs.items()}), r.urn, r.name
+        )
         for r in resources
         if r.type.startswith("pulumi:providers:")
     }
     out = [
         PolicyResource(
             resource_type=r.type,
-            props=copy.deepcopy(r.inputs),
+            props=unknown_checking_proxy(copy.deepcopy(r.inputs)),
             urn=r.urn,
             name=r.name,
             opts=PolicyResourceOptions(False, [], None, [], _timeouts(r.custom_timeouts), [], r.parent),
@@ -139,6 +144,7 @@ def evaluate(
     if compat_file is not None:
         policy_config["compatFile"] = str(compat_file)
     stack_resources = to_policy_resources(resources)
+    raw_inputs = {r.urn: r.inputs for r in resources}
     findings: list[Finding] = []
 
     for policy in policies:
@@ -166,14 +172,15 @@ def evaluate(
                 resource=subject.name if subject else "(stack)",
                 resource_type=subject.resource_type if subject else "",
                 urn=subject.urn if subject else None,
-                message=f"the rule raised {type(err).__name__}: {err}",
+                # UnknownValueError keeps its text in .message (its str() is empty).
+                message=f"the rule raised {type(err).__name__}: {getattr(err, 'message', None) or err}",
             ))
 
         if isinstance(policy, ResourceValidationPolicy):
             for res in stack_resources:
                 args = ResourceValidationArgs(
-                    res.resource_type, copy.deepcopy(dict(res.props)), res.urn, res.name, res.opts, res.provider,
-                    copy.deepcopy(policy_config),
+                    res.resource_type, unknown_checking_proxy(copy.deepcopy(raw_inputs[res.urn])), res.urn,
+                    res.name, res.opts, res.provider, copy.deepcopy(policy_config),
                 )
                 try:
                     _run(policy.validate(args, reporter(res)))

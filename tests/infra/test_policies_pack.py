@@ -122,6 +122,23 @@ def test_a_crashing_rule_is_a_blocking_finding(compat):
     assert findings[0].message == "the rule raised RuntimeError: boom"
 
 
+def test_rules_see_the_analyzers_proxies_and_unknowns_fail_loudly(compat):
+    """Props reach the rules wrapped in pulumi_policy's unknown-checking proxies, as under `pulumi preview`: a value
+    that is unknown cannot be checked, and the runner says so instead of passing the rule."""
+    from pulumi_policy.proxy import UNKNOWN_STRING_VALUE
+
+    stack = compliant_stack()
+    seen = []
+    probe = ResourceValidationPolicy(name="probe", description="records props", enforcement_level=EnforcementLevel.
+                                     ADVISORY, validate=lambda args, report: seen.append(type(args.props).__name__))
+    stack.evaluate(compat, policies=[probe])
+    assert set(seen) == {"_DictProxy"}
+    inputs_of(stack, "llama-v1")["spec"]["template"]["spec"]["containers"][0]["image"] = UNKNOWN_STRING_VALUE
+    errors = [f for f in stack.evaluate(compat) if f.enforcement == "error"]
+    assert errors and errors[0].resource == "llama-v1"
+    assert "can't be known during preview" in errors[0].message
+
+
 def test_not_applicable_is_not_a_finding(compat):
     skip = StackValidationPolicy(name="skip", description="n/a", validate=lambda a, r: a.not_applicable("none"),
                                  enforcement_level=EnforcementLevel.MANDATORY)
