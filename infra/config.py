@@ -209,6 +209,7 @@ class ServingConfig(_Camel):
     triton_image_tag: str | None = Field(default=None, pattern=r"^\d{2}\.\d{2}-vllm-python-py3$")
     termination_grace_period_seconds: int = Field(default=120, ge=30, le=3600)
     prometheus_address: str = "http://prometheus-operated.monitoring.svc:9090"
+    monitoring_namespace: str = Field(default="monitoring", pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
     target_queue_depth: int = Field(default=8, ge=1, le=1000)
 
 

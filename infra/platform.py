@@ -156,6 +156,13 @@ class ServingPlatform(pulumi.ComponentResource):
         """NVIDIA's device plugin, on the GPU nodes whose AMI does not run it (the EKS AL2023 NVIDIA AMIs ship the
         driver and the container toolkit, not the plugin; Bottlerocket's NVIDIA variants run it themselves)."""
         labels = {"app.kubernetes.io/name": "nvidia-device-plugin", **platform_labels("device-plugin")}
+        # It talks to the kubelet over a local socket only: no ingress at all.
+        k8s.networking.v1.NetworkPolicy(
+            f"{name}-nvidia-device-plugin",
+            metadata={"name": "nvidia-device-plugin", "namespace": "kube-system", "labels": labels},
+            spec={"podSelector": {"matchLabels": {"app.kubernetes.io/name": "nvidia-device-plugin"}},
+                  "policyTypes": ["Ingress"], "ingress": []},
+            opts=pulumi.ResourceOptions(parent=self, provider=provider))
         return k8s.apps.v1.DaemonSet(
             f"{name}-nvidia-device-plugin",
             metadata={"name": "nvidia-device-plugin", "namespace": "kube-system", "labels": labels},
@@ -175,7 +182,7 @@ class ServingPlatform(pulumi.ComponentResource):
                             "image": DEVICE_PLUGIN_IMAGE,
                             "imagePullPolicy": "IfNotPresent",
                             "env": [{"name": "FAIL_ON_INIT_ERROR", "value": "false"}],
-                            "securityContext": {"allowPrivilegeEscalation": False,
+                            "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                                 "capabilities": {"drop": ["ALL"]}},
                             "resources": {"requests": {"cpu": "50m", "memory": "64Mi"},
                                           "limits": {"cpu": "200m", "memory": "128Mi"}},

@@ -34,6 +34,7 @@ PORTS = {"kserve-http": 8000, "kserve-grpc": 8001, "metrics": 8002, "openai": 90
 MODEL_CACHE_MOUNT = "/mnt/model-cache"
 PROBE_PERIOD_SECONDS = 10
 PRESTOP_SLEEP_SECONDS = 15  # lets the gateway drop the pod from its endpoints before SIGTERM
+RUN_AS_UID = 10001  # above the host's system and user ranges (the serving image's user)
 DEFAULT_TIMEOUT_MINUTES = 10  # the Kubernetes provider's own default, which a GPU start routinely exceeds
 
 
@@ -125,9 +126,12 @@ def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, repli
                 "prometheus.io/path": "/metrics"}},
             "spec": {
                 "serviceAccountName": ctx.service_account,
-                "automountServiceAccountToken": True,  # IRSA's web identity token
+                # IRSA's web identity token comes in its own projected volume (EKS's pod identity webhook); the
+                # Kubernetes API token is not needed by the model server.
+                "automountServiceAccountToken": False,
                 "terminationGracePeriodSeconds": stack.serving.termination_grace_period_seconds,
-                "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_UID, "runAsGroup": RUN_AS_UID,
+                                    "fsGroup": RUN_AS_UID,
                                     "seccompProfile": {"type": "RuntimeDefault"}},
                 "nodeSelector": {GPU_NODE_GROUP_LABEL: group.name},
                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
@@ -173,6 +177,23 @@ def scaled_object_spec(ctx: ServingContext, model: ModelConfig, share: VersionSh
     }
 
 
+def network_policy_spec(ctx: ServingContext, model_id: str, version: str) -> dict:
+    """Ingress only on the serving ports (from the gateway, whose data plane depends on the gateway class) and on
+    the metrics port only from the monitoring namespace. Egress is not restricted: the pods reach STS (IRSA) and
+    the Lustre servers, whose addresses are not stable."""
+    serving_ports = [{"protocol": "TCP", "port": PORTS[p]} for p in ("kserve-http", "kserve-grpc", "openai")]
+    return {
+        "podSelector": {"matchLabels": selector_labels(model_id, version)},
+        "policyTypes": ["Ingress"],
+        "ingress": [
+            {"ports": serving_ports},
+            {"ports": [{"protocol": "TCP", "port": PORTS["metrics"]}],
+             "from": [{"namespaceSelector": {"matchLabels": {
+                 "kubernetes.io/metadata.name": ctx.stack.serving.monitoring_namespace}}}]},
+        ],
+    }
+
+
 class ModelVersionServing(pulumi.ComponentResource):
     """One (model, version): Deployment, Service, PodDisruptionBudget, ScaledObject."""
 
@@ -215,6 +236,12 @@ class ModelVersionServing(pulumi.ComponentResource):
             metadata=meta,
             # maxUnavailable (not minAvailable) so that a version scaled to zero never blocks a node drain.
             spec={"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(model.id, version)}},
+            opts=base,
+        )
+        self.network_policy = k8s.networking.v1.NetworkPolicy(
+            f"{name}-netpol",
+            metadata=meta,
+            spec=network_policy_spec(ctx, model.id, version),
             opts=base,
         )
         self.scaled_object = None

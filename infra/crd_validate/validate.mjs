@@ -1,0 +1,30 @@
+// Validates custom resources against their CRDs' JSON schemas, with the validators that @kubernetes-models
+// generates from the upstream CRDs (Gateway API v1, KEDA v2). Reads a JSON array of manifests on stdin and prints
+// a JSON array of {index, kind, name, errors}: a kind this file does not know is an error, never a pass.
+import { Gateway } from "@kubernetes-models/gateway-api/gateway.networking.k8s.io/v1/Gateway";
+import { GRPCRoute } from "@kubernetes-models/gateway-api/gateway.networking.k8s.io/v1/GRPCRoute";
+import { HTTPRoute } from "@kubernetes-models/gateway-api/gateway.networking.k8s.io/v1/HTTPRoute";
+import { ScaledObject } from "@kubernetes-models/keda/keda.sh/v1alpha1/ScaledObject";
+
+const MODELS = new Map(
+  [Gateway, GRPCRoute, HTTPRoute, ScaledObject].map((m) => [`${m.apiVersion}/${m.kind}`, m]),
+);
+
+let input = "";
+for await (const chunk of process.stdin) input += chunk;
+const results = JSON.parse(input).map((manifest, index) => {
+  const key = `${manifest.apiVersion}/${manifest.kind}`;
+  const name = manifest.metadata?.name ?? "";
+  const Model = MODELS.get(key);
+  if (!Model) {
+    return { index, kind: manifest.kind, name, errors: [`no CRD schema for ${key} (known: ${[...MODELS.keys()].join(", ")})`] };
+  }
+  try {
+    new Model(manifest).validate();
+    return { index, kind: manifest.kind, name, errors: [] };
+  } catch (err) {
+    const details = (err.errors ?? []).map((e) => `${e.instancePath || "<root>"}: ${e.message}${e.params ? " " + JSON.stringify(e.params) : ""}`);
+    return { index, kind: manifest.kind, name, errors: details.length ? details : [String(err.message ?? err)] };
+  }
+});
+process.stdout.write(JSON.stringify(results));
