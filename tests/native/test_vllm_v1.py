@@ -20,11 +20,6 @@ CHOICES = {"kind": "choice_sequence", "choices": [[5, 9], [5, 11, 12], [7]], "se
 ALLOWED = {"kind": "allowed_tokens", "tokens": [5, 7, 9]}
 
 
-@pytest.fixture(scope="module")
-def vllm_config(demo_model_dir):
-    from vllm.engine.arg_utils import EngineArgs
-
-    return EngineArgs(model=str(demo_model_dir), max_model_len=256, max_num_seqs=4).create_engine_config()
 
 
 @pytest.fixture
