@@ -126,7 +126,7 @@ def test_gzip_when_asked(mpdir, writers):
 
 
 def _slow(handler):
-    time.sleep(3)
+    time.sleep(60)  # far beyond the proxy's deadline and the test client's timeout
     send(handler, 200, b"nv_inference_count 1\n")
 
 
@@ -134,7 +134,7 @@ def _trickle(handler):
     handler.send_response(200)
     handler.send_header("Content-Type", "text/plain")
     handler.end_headers()
-    for _ in range(30):  # one byte every 0.1 s: each read is quick, the whole body is not
+    for _ in range(600):  # one byte every 0.1 s for a minute: each read is quick, the whole body is not
         handler.wfile.write(b"#")
         handler.wfile.flush()
         time.sleep(0.1)
@@ -159,9 +159,8 @@ def test_bad_upstream_still_answers_200_with_vllm_metrics_and_upstream_down(mpdi
     handle = _proxy(mpdir, upstream.url, upstream_timeout_s=0.5, upstream_max_bytes=64 * 1024)
     try:
         with caplog.at_level(logging.WARNING, logger="serving_image.metrics.proxy"):
-            started = time.monotonic()
-            status, _, text = get(handle.url)
-            elapsed = time.monotonic() - started
+            # If the proxy waited for this upstream, the client's timeout (20 s) would fail the test.
+            status, _, text = get(handle.url, timeout=20)
     finally:
         handle.stop()
         upstream.stop()
@@ -172,7 +171,6 @@ def test_bad_upstream_still_answers_200_with_vllm_metrics_and_upstream_down(mpdi
     assert values[f'llm_serving_metrics_upstream_scrape_errors_total{{reason="{reason}"}}'] == 1
     assert not any(name.startswith("nv_") or name.startswith("x") for name in values)  # nothing half-parsed
     assert any(f"({reason})" in record.getMessage() for record in caplog.records), caplog.text
-    assert elapsed < 3, "the upstream deadline must bound the scrape"  # generous: the deadline is 0.5 s
 
 
 def test_upstream_down_then_back(mpdir, writers, caplog):

