@@ -94,6 +94,7 @@ class MetricsProxy:
         self._state = _State()
         self._fetch_lock = threading.Lock()
         self._inflight: Future[UpstreamResult] | None = None
+        self._reap_lock = threading.Lock()  # concurrent scrapes would race to remove the same dead files
 
     # --- upstream, shared by concurrent scrapes ---
     def _fetch_shared(self) -> UpstreamResult:
@@ -144,7 +145,8 @@ class MetricsProxy:
         for attempt in (1, 2):
             try:
                 if self.config.reap_dead_processes:
-                    reap_dead_processes(directory)
+                    with self._reap_lock:
+                        reap_dead_processes(directory)
                 families = collect_multiproc(directory)
                 with self._state.lock:
                     self._state.multiproc_files = float(sum(1 for p in Path(directory).glob("*.db")))
