@@ -222,6 +222,8 @@ def compliant_stack(stack_name: str = "prod-us-east-1") -> SyntheticStack:
 
     stack.add("aws:eks/cluster:Cluster", "cluster", {
         "vpcConfig": {"endpointPrivateAccess": True, "endpointPublicAccess": False, "subnetIds": ["subnet-1"]},
+        "encryptionConfig": {"provider": {"keyArn": "arn:key"}, "resources": ["secrets"]},
+        "enabledClusterLogTypes": ["api", "audit", "authenticator"],
         "tags": tags()})
     stack.add("aws:eks/nodeGroup:NodeGroup", "gpu", {
         "clusterName": "cluster", "amiType": "AL2023_x86_64_NVIDIA", "instanceTypes": ["g6e.12xlarge"],
@@ -238,6 +240,13 @@ def compliant_stack(stack_name: str = "prod-us-east-1") -> SyntheticStack:
              "Resource": "arn:aws:kms:us-east-1:123456789012:key/1234abcd"},
             {"Sid": "EcrLogin", "Effect": "Allow", "Action": "ecr:GetAuthorizationToken", "Resource": "*"},
         ]}), "tags": tags()})
+    oidc = "oidc.eks.us-east-1.amazonaws.com/id/ABC"
+    stack.add("aws:iam/role:Role", "model-server", {"assumeRolePolicy": json.dumps({
+        "Version": "2012-10-17", "Statement": [{
+            "Effect": "Allow", "Action": "sts:AssumeRoleWithWebIdentity",
+            "Principal": {"Federated": f"arn:aws:iam::123456789012:oidc-provider/{oidc}"},
+            "Condition": {"StringEquals": {f"{oidc}:sub": "system:serviceaccount:llm-serving:model-server",
+                                           f"{oidc}:aud": "sts.amazonaws.com"}}}]}), "tags": tags()})
     stack.add("aws:ecr/repository:Repository", "serving-repo", {
         "imageTagMutability": "IMMUTABLE", "imageScanningConfiguration": {"scanOnPush": True}, "tags": tags()})
     stack.add("docker-build:index:Image", "serving-image", {

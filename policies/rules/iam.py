@@ -130,6 +130,45 @@ def _validate_attachments(args: ResourceValidationArgs, report) -> None:
             )
 
 
+_SERVICE_ACCOUNT = re.compile(r"^system:serviceaccount:[a-z0-9-]+:[a-z0-9.-]+$")
+
+
+def trust_problems(statement: Mapping[str, Any]) -> list[str]:
+    """What lets more than one Kubernetes service account (or anyone) assume a role through IRSA."""
+    if statement.get("Effect") != "Allow":
+        return []
+    principal = statement.get("Principal")
+    if principal == "*" or (isinstance(principal, Mapping) and "*" in as_list(principal.get("AWS"))):
+        return ["the trust policy lets any principal assume the role"]
+    if "sts:AssumeRoleWithWebIdentity" not in as_list(statement.get("Action")):
+        return []
+    equals = get(statement, "Condition", "StringEquals") or {}
+    subs = [v for k, vs in equals.items() if str(k).endswith(":sub") for v in as_list(vs)]
+    auds = [v for k, vs in equals.items() if str(k).endswith(":aud") for v in as_list(vs)]
+    problems = []
+    if not subs:
+        problems.append("no StringEquals condition on the OIDC provider's :sub, so every service account of the "
+                        "cluster may assume the role")
+    problems += [f"{sub!r} is not one service account (system:serviceaccount:<namespace>:<name>)"
+                 for sub in subs if not _SERVICE_ACCOUNT.match(str(sub))]
+    if auds != ["sts.amazonaws.com"]:
+        problems.append(f"the :aud condition must be exactly sts.amazonaws.com (got {auds or 'none'})")
+    return problems
+
+
+def _validate_trust(args: ResourceValidationArgs, report) -> None:
+    if args.resource_type != ROLE or get(args.props, "assumeRolePolicy") is None:
+        return
+    try:
+        doc = json_document(get(args.props, "assumeRolePolicy"))
+    except ValueError as err:
+        report(f"role {args.name!r}: assumeRolePolicy is not valid JSON: {err}", None)
+        return
+    for i, statement in enumerate(iter_mappings(get(doc, "Statement"))):
+        for problem in trust_problems(statement):
+            report(f"role {args.name!r} trust statement {statement.get('Sid') or f'#{i}'}: {problem}", None)
+
+
 iam_no_wildcards = ResourceValidationPolicy(
     name="iam-no-wildcard-s3-ecr-kms",
     description="Identity policies name their S3, ECR and KMS actions and resources: no wildcards.",
@@ -137,4 +176,11 @@ iam_no_wildcards = ResourceValidationPolicy(
     enforcement_level=EnforcementLevel.MANDATORY,
 )
 
-POLICIES = [iam_no_wildcards]
+iam_irsa_trust = ResourceValidationPolicy(
+    name="iam-irsa-trust-scoped",
+    description="Roles assumed through IRSA trust exactly one Kubernetes service account, with the STS audience.",
+    validate=_validate_trust,
+    enforcement_level=EnforcementLevel.MANDATORY,
+)
+
+POLICIES = [iam_no_wildcards, iam_irsa_trust]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pulumi_policy import EnforcementLevel, ResourceValidationArgs, ResourceValidationPolicy
 
-from .._props import as_bool, get
+from .._props import as_bool, as_list, get, iter_mappings
 from ..context import stack_context
 
 CLUSTER = "aws:eks/cluster:Cluster"
 REPOSITORY = "aws:ecr/repository:Repository"
+KMS_KEY = "aws:kms/key:Key"
 
 
 def _validate_private_endpoint(args: ResourceValidationArgs, report) -> None:
@@ -39,6 +40,31 @@ def _validate_repository(args: ResourceValidationArgs, report) -> None:
                f"(imageScanningConfiguration.scanOnPush)", None)
 
 
+AUDIT_LOG_TYPES = ("api", "audit", "authenticator")
+
+
+def _validate_cluster_hardening(args: ResourceValidationArgs, report) -> None:
+    if args.resource_type != CLUSTER:
+        return
+    resources = [r for c in iter_mappings(get(args.props, "encryptionConfig")) for r in as_list(c.get("resources"))]
+    if "secrets" not in resources:
+        report(f"EKS cluster {args.name!r} does not envelope-encrypt Kubernetes secrets with a KMS key "
+               f"(encryptionConfig resources: [secrets])", None)
+    logs = [str(t) for t in as_list(get(args.props, "enabledClusterLogTypes"))]
+    missing = [t for t in AUDIT_LOG_TYPES if t not in logs]
+    if missing:
+        report(f"EKS cluster {args.name!r} does not ship control plane logs {', '.join(missing)}: who changed "
+               f"what in the cluster cannot be traced", None)
+
+
+def _validate_key_rotation(args: ResourceValidationArgs, report) -> None:
+    if args.resource_type != KMS_KEY:
+        return
+    spec = get(args.props, "customerMasterKeySpec") or get(args.props, "keySpec") or "SYMMETRIC_DEFAULT"
+    if spec == "SYMMETRIC_DEFAULT" and as_bool(get(args.props, "enableKeyRotation")) is not True:
+        report(f"KMS key {args.name!r} does not rotate (enableKeyRotation)", None)
+
+
 eks_private_endpoint = ResourceValidationPolicy(
     name="eks-private-endpoint-in-prod",
     description="Prod EKS clusters expose their API on a private endpoint only.",
@@ -52,4 +78,17 @@ ecr_immutable_scanned = ResourceValidationPolicy(
     enforcement_level=EnforcementLevel.ADVISORY,
 )
 
-POLICIES = [eks_private_endpoint, ecr_immutable_scanned]
+eks_cluster_hardening = ResourceValidationPolicy(
+    name="eks-secrets-encryption-and-audit-logs",
+    description="EKS clusters encrypt secrets with KMS and ship api/audit/authenticator logs.",
+    validate=_validate_cluster_hardening,
+    enforcement_level=EnforcementLevel.ADVISORY,
+)
+kms_key_rotation = ResourceValidationPolicy(
+    name="kms-key-rotation",
+    description="Symmetric KMS keys rotate automatically.",
+    validate=_validate_key_rotation,
+    enforcement_level=EnforcementLevel.ADVISORY,
+)
+
+POLICIES = [eks_private_endpoint, ecr_immutable_scanned, eks_cluster_hardening, kms_key_rotation]

@@ -68,6 +68,25 @@ def _routes(index: StackIndex) -> list[PolicyResource]:
     return [r for kind in ROUTE_KINDS for r in index.k8s(kind)]
 
 
+def _autoscaler_floors(index: StackIndex, dep: PolicyResource) -> list[tuple[PolicyResource, float]]:
+    """(autoscaler, the fewest replicas it may leave) for every KEDA ScaledObject or HPA that targets `dep`."""
+    name, namespace = get(dep.props, "metadata", "name"), k8s_namespace(dep.props)
+    found = []
+    for kind, key, default in (("ScaledObject", "minReplicaCount", 0.0), ("HorizontalPodAutoscaler", "minReplicas",
+                                                                          1.0)):
+        for scaler in index.k8s(kind):
+            target = get(scaler.props, "spec", "scaleTargetRef") or {}
+            if (
+                k8s_namespace(scaler.props) == namespace
+                and target.get("name") == name
+                and (target.get("kind") or "Deployment") == "Deployment"
+            ):
+                floor = as_number(get(scaler.props, "spec", key))
+                # KEDA's minReplicaCount defaults to 0 (scale to zero), an HPA's minReplicas to 1.
+                found.append((scaler, default if floor is None else floor))
+    return found
+
+
 def _ordered_safely(index: StackIndex, route: PolicyResource, dep: PolicyResource, actives: set) -> bool:
     """Traffic may reach `dep` through `route` only once Pulumi has waited for `dep` to be ready: the route depends
     on it. The one exception is a red-black model's active version, which §4 scales down after the route changes
@@ -108,6 +127,11 @@ def _validate_weights(args: StackValidationArgs, report) -> None:
                 if sum(replicas(d.props) for d in deployments) <= 0:
                     names = ", ".join(d.name for d in deployments)
                     report(f"{target}, whose Deployment(s) {names} have 0 replicas", route.urn)
+                for dep in deployments:
+                    for scaler, floor in _autoscaler_floors(index, dep):
+                        if floor <= 0:
+                            report(f"{target}, but {scaler.name!r} may scale Deployment {dep.name!r} to zero "
+                                   f"(minimum {floor:g}) while it holds that weight", route.urn)
                 for dep in deployments:
                     if replicas(dep.props) > 0 and not _ordered_safely(index, route, dep, actives):
                         report(
@@ -155,6 +179,25 @@ def _validate_newest(args: StackValidationArgs, report) -> None:
                    f"model keeps a Deployment, Service and route per version", None)
 
 
+def _validate_surge(args: StackValidationArgs, report) -> None:
+    models = _models(args, report)
+    if not models:
+        return
+    index = StackIndex(args.resources)
+    for model in models.values():
+        if model.strategy != "red-black":
+            continue  # versioned models overlap on purpose; the rollout tool reports that cost
+        deployments = [
+            d for d in index.of_type(DEPLOYMENT) if is_serving_workload(d.props) and model_identity(d.props)[0] ==
+            model.id
+        ]
+        total = sum(replicas(d.props) for d in deployments)
+        if total > model.replicas + 1:
+            shown = ", ".join(f"{d.name}={replicas(d.props):g}" for d in deployments)
+            report(f"model {model.id!r} runs {total:g} replicas ({shown}) for replicas: {model.replicas}: a red-black "
+                   f"step may add at most one replica of surge (§4), never a second full copy of its GPUs", None)
+
+
 rollout_strategy_fits_io = StackValidationPolicy(
     name="rollout-versioned-only-on-io-change",
     description="A model is versioned only when the I/O fingerprint changes between versions; red-black otherwise.",
@@ -174,4 +217,11 @@ rollout_newest_kept = StackValidationPolicy(
     enforcement_level=EnforcementLevel.MANDATORY,
 )
 
-POLICIES = [rollout_strategy_fits_io, rollout_weight_to_replicas, rollout_newest_kept]
+rollout_gpu_surge = StackValidationPolicy(
+    name="rollout-gpu-surge-bound",
+    description="A red-black model runs at most its replicas plus one during a rollout.",
+    validate=_validate_surge,
+    enforcement_level=EnforcementLevel.MANDATORY,
+)
+
+POLICIES = [rollout_strategy_fits_io, rollout_weight_to_replicas, rollout_newest_kept, rollout_gpu_surge]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from policies.rules.iam import statement_problems
-from policies.synthetic import compliant_stack, fired, messages, write_compat
+from policies.rules.iam import statement_problems, trust_problems
+from policies.synthetic import compliant_stack, fired, inputs_of, messages, write_compat
 
 POLICY = "iam-no-wildcard-s3-ecr-kms"
 
@@ -88,3 +88,52 @@ def test_invalid_document_is_reported(compat):
     stack = compliant_stack()
     stack.add("aws:iam/rolePolicy:RolePolicy", "broken", {"role": "r", "policy": "{nope"})
     assert any("is not valid JSON" in m for m in messages(stack.evaluate(compat), POLICY))
+
+
+# -- IRSA trust ----------------------------------------------------------------------------------------------------
+
+OIDC = "oidc.eks.us-east-1.amazonaws.com/id/ABC"
+
+
+def _web_identity(condition):
+    return {"Effect": "Allow", "Action": "sts:AssumeRoleWithWebIdentity",
+            "Principal": {"Federated": f"arn:aws:iam::1:oidc-provider/{OIDC}"}, "Condition": condition}
+
+
+@pytest.mark.parametrize(
+    ("condition", "problem"),
+    [
+        ({"StringEquals": {f"{OIDC}:aud": "sts.amazonaws.com"}}, "every service account of the cluster"),
+        ({"StringLike": {f"{OIDC}:sub": "system:serviceaccount:*"}}, "every service account of the cluster"),
+        ({"StringEquals": {f"{OIDC}:sub": "system:serviceaccount:llm-serving:*", f"{OIDC}:aud": "sts.amazonaws.com"}},
+         "is not one service account"),
+        ({"StringEquals": {f"{OIDC}:sub": "system:serviceaccount:llm-serving:model-server"}},
+         "the :aud condition must be exactly sts.amazonaws.com (got none)"),
+    ],
+    ids=["no-sub", "string-like-wildcard", "namespace-wildcard", "no-aud"],
+)
+def test_irsa_trust_problems(condition, problem):
+    found = trust_problems(_web_identity(condition))
+    assert any(problem in p for p in found), found
+
+
+def test_trust_open_to_everyone():
+    assert trust_problems({"Effect": "Allow", "Principal": {"AWS": "*"}, "Action": "sts:AssumeRole"}) == [
+        "the trust policy lets any principal assume the role"]
+
+
+def test_service_trust_is_fine():
+    assert trust_problems({"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"},
+                           "Action": "sts:AssumeRole"}) == []
+
+
+def test_irsa_role_with_loose_trust(compat):
+    stack = compliant_stack()
+    doc = json.loads(inputs_of(stack, "model-server")["assumeRolePolicy"])
+    doc["Statement"][0]["Condition"]["StringEquals"][f"{OIDC}:sub"] = "system:serviceaccount:llm-serving:*"
+    inputs_of(stack, "model-server")["assumeRolePolicy"] = json.dumps(doc)
+    findings = stack.evaluate(compat)
+    assert fired(findings) == {"iam-irsa-trust-scoped"}
+    assert messages(findings, "iam-irsa-trust-scoped") == [
+        "role 'model-server' trust statement #0: 'system:serviceaccount:llm-serving:*' is not one service account "
+        "(system:serviceaccount:<namespace>:<name>)"]

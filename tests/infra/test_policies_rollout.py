@@ -183,3 +183,50 @@ def test_invalid_model_config_is_reported_with_the_key(compat):
     findings = stack.evaluate(compat)
     assert any("llm-serving:models[0].strategy" in f.message for f in findings)
     assert any(f.policy == "rollout-newest-version-kept" and f.enforcement == "mandatory" for f in findings)
+
+
+# -- autoscalers and the GPU surge bound ---------------------------------------------------------------------------
+
+
+def _scaled_object(stack, deployment, **spec):
+    stack.add("kubernetes:keda.sh/v1alpha1:ScaledObject", f"{deployment}-scaler", {
+        "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
+        "metadata": {"name": deployment, "namespace": "llm-serving"},
+        "spec": {"scaleTargetRef": {"name": deployment}, "maxReplicaCount": 4.0, **spec}})
+
+
+def test_autoscaler_with_a_floor_is_fine(compat):
+    stack = compliant_stack()
+    _scaled_object(stack, "llama-v1", minReplicaCount=1.0)
+    assert stack.evaluate(compat) == []
+
+
+@pytest.mark.parametrize("spec", [{}, {"minReplicaCount": 0.0}], ids=["keda-default", "explicit-zero"])
+def test_autoscaler_may_scale_weighted_version_to_zero(spec, compat):
+    stack = compliant_stack()
+    _scaled_object(stack, "llama-v1", **spec)
+    findings = stack.evaluate(compat)
+    assert fired(findings) == {"rollout-weight-only-to-replicas"}
+    assert "may scale Deployment 'llama-v1' to zero (minimum 0) while it holds that weight" in findings[0].message
+
+
+def test_hpa_defaults_to_one_replica(compat):
+    stack = compliant_stack()
+    stack.add("kubernetes:autoscaling/v2:HorizontalPodAutoscaler", "llama-v1-hpa", {
+        "metadata": {"name": "llama-v1", "namespace": "llm-serving"},
+        "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "llama-v1"},
+                 "maxReplicas": 4.0}})
+    assert stack.evaluate(compat) == []
+
+
+def test_red_black_surge_bound(compat):
+    stack = red_black_in_progress(weight=25, candidate_replicas=2)  # 2 + 2 for replicas: 2
+    findings = stack.evaluate(compat)
+    assert fired(findings) == {"rollout-gpu-surge-bound"}
+    assert messages(findings, "rollout-gpu-surge-bound") == [
+        "model 'llama' runs 4 replicas (llama-v1=2, llama-v2=2) for replicas: 2: a red-black step may add at most "
+        "one replica of surge (§4), never a second full copy of its GPUs"]
+
+
+def test_versioned_overlap_is_not_a_surge(compat):
+    assert "rollout-gpu-surge-bound" not in fired(versioned().evaluate(compat))

@@ -89,6 +89,14 @@ def _gpu_groups(resources):
     return [g for g in _of(resources, "aws:eks/nodeGroup:NodeGroup") if "NVIDIA" in g.inputs.get("amiType", "")]
 
 
+def _loosen_irsa_trust(resources):
+    role = next(r for r in _of(resources, "aws:iam/role:Role") if "AssumeRoleWithWebIdentity" in r.inputs.get(
+        "assumeRolePolicy", ""))
+    doc = json.loads(role.inputs["assumeRolePolicy"])
+    doc["Statement"][0]["Condition"] = {"StringLike": {"x:sub": "system:serviceaccount:*"}}
+    role.inputs["assumeRolePolicy"] = json.dumps(doc)
+
+
 def _routes_stop_waiting_for(resources, deployment):
     for route in resources:
         if route.type.endswith(("HTTPRoute", "GRPCRoute")) and deployment.urn in route.dependencies:
@@ -132,6 +140,8 @@ MUTATIONS: dict[str, Callable] = {
         ioFingerprint="sha256:" + "e" * 64),
     "rollout-weight-only-to-replicas": lambda res, cfg: _routes_stop_waiting_for(res, _candidate_deployment(res, cfg)),
     "rollout-newest-version-kept": lambda res, cfg: res.remove(_candidate_deployment(res, cfg)),
+    "rollout-gpu-surge-bound": lambda res, cfg: _candidate_deployment(res, cfg).inputs["spec"].update(replicas=8),
+    "iam-irsa-trust-scoped": lambda res, cfg: _loosen_irsa_trust(res),
     "eks-private-endpoint-in-prod": lambda res, cfg: _of(res, "aws:eks/cluster:Cluster")[0].inputs[
         "vpcConfig"].update(endpointPublicAccess=True),
 }
