@@ -285,3 +285,9 @@ def test_kms_rotation_advice(compat):
                                                                     "(enableKeyRotation)"]
     inputs_of(stack, "models-key")["customerMasterKeySpec"] = "RSA_2048"  # asymmetric keys cannot rotate
     assert stack.evaluate(compat) == []
+
+
+def test_readme_lists_every_policy_with_its_enforcement():
+    text = (REPO / "policies" / "README.md").read_text()
+    for policy in ALL_POLICIES:
+        assert f"| `{policy.name}` | {policy.enforcement_level.value} |" in text, policy.name
