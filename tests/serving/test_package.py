@@ -10,7 +10,6 @@ import hashlib
 import io
 import json
 import tarfile
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import pytest
 from llm_serving.manifest import MANIFEST_NAME, Backend, ServingMode, parse_manifest
 from llm_serving.package import PackageError, PackageSpec, build_package, open_package
 from llm_serving.tensor_contract import VLLM_IO_FINGERPRINT
+from tests.serving.wheels import make_wheel
 
 CONFIG_PBTXT = """
 name: "ranker"
@@ -45,18 +45,8 @@ def model_dir(tmp_path: Path) -> Path:
 
 
 def _wheel(name: str, *, files: dict[str, str] | None = None, requires: list[str] | None = None) -> bytes:
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w") as archive:
-        dist = f"{name}-0.1.dist-info"
-        meta = ["Metadata-Version: 2.1", f"Name: {name}", "Version: 0.1"]
-        meta += [f"Requires-Dist: {r}" for r in requires or []]
-        archive.writestr(f"{dist}/METADATA", "\n".join(meta) + "\n")
-        archive.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        archive.writestr(f"{dist}/entry_points.txt", f"[vllm.general_plugins]\n{name} = {name}:register\n")
-        for path, text in (files or {f"{name}/__init__.py": "def register():\n    pass\n"}).items():
-            archive.writestr(path, text)
-        archive.writestr(f"{dist}/RECORD", "")
-    return buffer.getvalue()
+    return make_wheel(name, files=files or {f"{name}/__init__.py": "def register():\n    pass\n"}, requires=requires,
+                      entry_points={"vllm.general_plugins": {name: f"{name}:register"}})
 
 
 def _sha(data: bytes) -> str:

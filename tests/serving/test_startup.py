@@ -1,0 +1,322 @@
+"""The startup procedure (ARCHITECTURE §3.7) run for real: the entrypoint as a child process, on a published
+package of the demo model, with a plugin wheel, a stale metrics file, and the real vLLM engine.
+
+One engine for the whole module: the server starts once and every test talks to it with the official `openai`
+client; the last test stops it with SIGINT and checks that nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import psutil
+import pytest
+
+from llm_serving.package import PackageSpec, build_package
+from llm_serving.store import LocalStore
+from tests.serving.wheels import make_wheel, wheel_filename
+
+ENGINE_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 128 * 1024 * 1024}
+START_TIMEOUT_S = 300
+
+PLUGIN_SOURCE = '''
+import os, pathlib
+
+def register():
+    # vLLM calls general plugins in every process it starts; leave a trace per process.
+    marker = os.environ.get("LLM_SERVING_TEST_PLUGIN_DIR")
+    if marker:
+        pathlib.Path(marker, f"loaded-{os.getpid()}").write_text("ok")
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, log_path: Path, ports: dict[str, int], plugin_dir: Path,
+                 multiproc_dir: Path, early_connect: list[str]):
+        self.proc = proc
+        self.log_path = log_path
+        self.ports = ports
+        self.plugin_dir = plugin_dir
+        self.multiproc_dir = multiproc_dir
+        self.early_connect = early_connect
+        self.url = f"http://127.0.0.1:{ports['openai']}"
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+def _publish_demo(demo_model_dir: Path, root: Path) -> Path:
+    plugin = root / wheel_filename("demo-plugin")
+    plugin.write_bytes(make_wheel("demo-plugin", files={"demo_plugin.py": PLUGIN_SOURCE},
+                                  entry_points={"vllm.general_plugins": {"demo_plugin": "demo_plugin:register"}}))
+    package = build_package(PackageSpec(demo_model_dir, "demo-tiny", "1.0.0", engine_args=ENGINE_ARGS,
+                                        plugins=(plugin,)), root / "demo.tar.gz")
+    published = LocalStore(root / "store", root / "model-cache").publish(package)
+    return Path(published.model_cache_uri)
+
+
+def start_server(package: Path, workdir: Path, *, extra_env: dict | None = None) -> Server:
+    ports = {"openai": _free_port(), "metrics": _free_port(), "frontend": _free_port()}
+    plugin_dir = workdir / "plugin-trace"
+    plugin_dir.mkdir(parents=True)
+    multiproc = workdir / "prom"
+    multiproc.mkdir()
+    (multiproc / "counter_999999.db").write_bytes(b"stale")  # must be emptied by step 3
+    log_path = workdir / "server.log"
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(multiproc), LLM_SERVING_TEST_PLUGIN_DIR=str(plugin_dir),
+               HF_HUB_OFFLINE="1", **(extra_env or {}))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "serving_image.startup", str(package), "--workdir", str(workdir / "run"),
+             "--host", "127.0.0.1", "--openai-port", str(ports["openai"]), "--metrics-port", str(ports["metrics"]),
+             "--frontend-metrics-port", str(ports["frontend"])],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+    early: list[str] = []
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-5000:]}")
+        engine_done = "start-engine: done" in log_path.read_text()
+        if _accepts(ports["openai"]):
+            if not engine_done:
+                early.append("openai port accepted before the engine was ready")
+            try:
+                if httpx.get(f"http://127.0.0.1:{ports['openai']}/health/ready", timeout=2).status_code == 200:
+                    return Server(proc, log_path, ports, plugin_dir, multiproc, early)
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"server not ready after {START_TIMEOUT_S}s:\n{log_path.read_text()[-5000:]}")
+
+
+@pytest.fixture(scope="module")
+def server(demo_model_dir: Path, tmp_path_factory) -> Server:
+    root = tmp_path_factory.mktemp("startup")
+    package = _publish_demo(demo_model_dir, root)
+    srv = start_server(package, root)
+    yield srv
+    if srv.proc.poll() is None:
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_each_step_is_logged_in_order_with_its_duration(server: Server):
+    log = server.log()
+    done = [(m.group(1), float(m.group(2))) for m in
+            re.finditer(r"startup step \d/5 ([a-z-]+): done in (\d+\.\d+)s", log)]
+    assert [name for name, _ in done] == ["unpack-and-verify", "install-plugins", "clear-metrics-dir",
+                                          "start-engine", "open-ports"]
+    assert all(seconds >= 0 for _, seconds in done)
+    assert re.search(r"startup complete in \d+\.\d+s", log)
+
+
+def test_ports_open_only_after_the_engine_is_ready(server: Server):
+    assert server.early_connect == []
+    log = server.log()
+    assert log.index("start-engine: done") < log.index("open-ports: starting")
+
+
+def test_package_was_verified_and_stale_metrics_removed(server: Server):
+    log = server.log()
+    assert re.search(r"unpack-and-verify: done .*demo-tiny 1\.0\.0, backend vllm, \d+ files verified", log)
+    assert "removed 1 stale file(s)" in log
+    assert not (server.multiproc_dir / "counter_999999.db").exists()
+
+
+def test_plugin_installed_and_loaded_by_vllm_through_its_entry_point(server: Server):
+    assert "entry points: vllm.general_plugins:demo_plugin" in server.log()
+    # vLLM itself called register() (in the server process and in the engine processes it spawned).
+    traces = list(server.plugin_dir.glob("loaded-*"))
+    assert len(traces) >= 2, traces
+
+
+def test_models_endpoint(client: openai.OpenAI):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["demo-tiny"]
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_json_schema_response_format_gives_schema_valid_json(client: openai.OpenAI, strict: bool):
+    for attempt in range(3):
+        response = client.chat.completions.create(
+            model="demo-tiny",
+            messages=[{"role": "user", "content": f"Describe a person, attempt {attempt}"}],
+            max_tokens=200,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "person", "schema": SCHEMA, "strict": strict}},
+        )
+        choice = response.choices[0]
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_json_object_response_format(client: openai.OpenAI):
+    response = client.chat.completions.create(
+        model="demo-tiny", messages=[{"role": "user", "content": "json please"}], max_tokens=200,
+        response_format={"type": "json_object"})
+    assert response.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(response.choices[0].message.content), dict)
+
+
+def test_completions_and_usage(client: openai.OpenAI):
+    response = client.completions.create(model="demo-tiny", prompt="The platform", max_tokens=7,
+                                         temperature=0)
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == 7
+    assert response.usage.prompt_tokens > 0
+    again = client.completions.create(model="demo-tiny", prompt="The platform", max_tokens=7, temperature=0)
+    assert again.choices[0].text == response.choices[0].text  # greedy is deterministic
+
+
+def test_streaming_chat_with_usage(client: openai.OpenAI):
+    stream = client.chat.completions.create(
+        model="demo-tiny", messages=[{"role": "user", "content": "stream"}], max_tokens=12, stream=True,
+        stream_options={"include_usage": True}, temperature=0)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    full = client.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "stream"}],
+                                          max_tokens=12, temperature=0)
+    assert text == full.choices[0].message.content
+
+
+def test_streaming_completion_matches_non_streaming(client: openai.OpenAI):
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="demo-tiny", prompt="Metrics", max_tokens=10, stream=True, temperature=0) if c.choices)
+    plain = client.completions.create(model="demo-tiny", prompt="Metrics", max_tokens=10, temperature=0)
+    assert streamed == plain.choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
+        ({"totally_made_up": 1}, "totally_made_up"),
+    ],
+)
+def test_fields_not_honoured_are_refused_naming_the_field(client: openai.OpenAI, extra: dict, param: str):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=4, extra_body=extra)
+    error = info.value.body
+    assert error["param"] == param and param in error["message"]
+    assert info.value.status_code == 400
+
+
+def test_bad_values_are_refused_naming_the_field(client: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "x"}],
+                                       temperature=7)
+    assert info.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=100_000)
+    assert info.value.body["param"] == "max_tokens" and "context window" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "x"}],
+                                       response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    assert info.value.body["param"] == "response_format.json_schema.schema"
+
+
+def test_unknown_model_is_404(client: openai.OpenAI):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+    assert info.value.body["code"] == "model_not_found"
+
+
+def test_metrics_proxy_serves_vllm_and_frontend_metrics(server: Server, client: openai.OpenAI):
+    client.completions.create(model="demo-tiny", prompt="count me", max_tokens=3)
+    body = httpx.get(f"http://127.0.0.1:{server.ports['metrics']}/metrics", timeout=10).text
+    assert re.search(r'^nv_inference_request_success\{model="demo-tiny",version="1.0.0"\} [1-9]', body, re.M)
+    assert re.search(r"^vllm:generation_tokens_total\{.*\} [1-9]", body, re.M)
+
+
+def test_sigint_stops_everything(server: Server):
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    assert children, "vLLM's engine processes should be children of the server"
+    os.killpg(server.proc.pid, signal.SIGINT)
+    assert server.proc.wait(timeout=60) == 0, server.log()[-3000:]
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert alive == []
+    for port in server.ports.values():
+        assert not _accepts(port)
+
+
+# -- failures: each names its step, exits non-zero, and never opens a port ----------------------------------------
+
+
+def _run_to_failure(package: Path, workdir: Path) -> tuple[int, str]:
+    port = _free_port()
+    result = subprocess.run(
+        [sys.executable, "-m", "serving_image.startup", str(package), "--workdir", str(workdir),
+         "--host", "127.0.0.1", "--openai-port", str(port), "--metrics-port", str(_free_port()),
+         "--frontend-metrics-port", str(_free_port())],
+        capture_output=True, text=True, timeout=240, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert not _accepts(port)
+    return result.returncode, result.stderr
+
+
+def test_corrupted_package_is_refused_naming_the_file(demo_model_dir: Path, tmp_path: Path):
+    package = build_package(PackageSpec(demo_model_dir, "demo-tiny", "2", engine_args=ENGINE_ARGS),
+                            tmp_path / "demo.tar.gz")
+    cache = Path(LocalStore(tmp_path / "store", tmp_path / "cache").publish(package).model_cache_uri)
+    weights = cache / "weights" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit on the model cache between publish and start
+    weights.write_bytes(bytes(data))
+    code, log = _run_to_failure(cache, tmp_path / "run")
+    assert code == 11
+    assert "startup failed at step 1 'unpack-and-verify'" in log
+    assert "weights/model.safetensors: checksum mismatch" in log
+
+
+def test_unknown_engine_argument_fails_the_engine_step(demo_model_dir: Path, tmp_path: Path):
+    package = build_package(PackageSpec(demo_model_dir, "demo-tiny", "3",
+                                        engine_args={**ENGINE_ARGS, "max_modle_len": 64}), tmp_path / "pkg")
+    code, log = _run_to_failure(package, tmp_path / "run")
+    assert code == 14
+    assert "startup failed at step 4 'start-engine'" in log and "engine.args.max_modle_len" in log
