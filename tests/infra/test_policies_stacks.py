@@ -65,7 +65,9 @@ def _server(resources):
 
 
 def _red_black_with_candidate(config):
-    return next(m for m in config["llm-serving:models"] if m.get("candidate"))
+    found = [m for m in config["llm-serving:models"] if m.get("candidate")]
+    assert found, f"{SENSITIVITY_STACK} no longer ships a red-black rollout in progress; pick a stack that does"
+    return found[0]
 
 
 def _drop(resources, type_):
