@@ -27,19 +27,26 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+# Tags pydantic inserts into a location after a discriminated union's field (the `type` values).
+_TYPE_LABELS = {"str", "int", "float", "bool", "none", "dict", "list", "bytes"}
+_UNION_TAGS = {"response_format": {"text", "json_object", "json_schema"}}
+
+
 def _loc(loc: tuple) -> str:
     """Pydantic's location as the field path a client would write: messages[0].content, response_format.type."""
     out = ""
+    previous = None
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("ResponseFormatText", "ResponseFormatJsonObject", "ResponseFormatJsonSchema", "str",
-                      "list[TextPart]", "list[str]", "list[int]", "function-after[_check_prompt(), union[str,"):
-            continue  # union-branch labels pydantic inserts; not part of the client's path
-        elif isinstance(part, str) and ("[" in part or part.startswith(("function-", "union", "literal"))):
-            continue
+        elif previous in _UNION_TAGS and part in _UNION_TAGS[previous]:
+            pass  # the union branch, not a field
+        elif isinstance(part, str) and ("[" in part or part in _TYPE_LABELS
+                                        or part.startswith(("function-", "union", "literal"))):
+            pass  # union-branch labels such as "list[TextPart]" or "function-after[...]"
         else:
             out += f".{part}" if out else str(part)
+        previous = part
     return out
 
 

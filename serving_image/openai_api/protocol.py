@@ -24,6 +24,16 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v):
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"content[{i}].type {kind!r} is not supported: this model takes text parts only")
+        return v
+
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
