@@ -225,12 +225,17 @@ def compliant_stack(stack_name: str = "prod-us-east-1") -> SyntheticStack:
         "encryptionConfig": {"provider": {"keyArn": "arn:key"}, "resources": ["secrets"]},
         "enabledClusterLogTypes": ["api", "audit", "authenticator"],
         "tags": tags()})
+    stack.add("aws:ec2/launchTemplate:LaunchTemplate", "nodes-lt", {
+        "metadataOptions": {"httpEndpoint": "enabled", "httpTokens": "required", "httpPutResponseHopLimit": 1.0},
+        "blockDeviceMappings": [{"deviceName": "/dev/xvda", "ebs": {"encrypted": "true", "volumeSize": 500.0}}],
+        "tags": tags()})
     stack.add("aws:eks/nodeGroup:NodeGroup", "gpu", {
+        "launchTemplate": {"id": "lt-1", "version": "1"},
         "clusterName": "cluster", "amiType": "AL2023_x86_64_NVIDIA", "instanceTypes": ["g6e.12xlarge"],
         "scalingConfig": {"minSize": 1.0, "desiredSize": 2.0, "maxSize": 4.0},
         "taints": [{"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}],
         "labels": {"nvidia.com/gpu.present": "true"}, "tags": tags(),
-    }, depends_on=["cluster"])
+    }, depends_on=["cluster", "nodes-lt"])
     stack.add("aws:iam/policy:Policy", "serving-read-models", {"policy": json.dumps({
         "Version": "2012-10-17", "Statement": [
             {"Sid": "ReadModels", "Effect": "Allow", "Action": ["s3:GetObject"], "Resource": f"{bucket_arn}/models/*"},

@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import re
 
-from pulumi_policy import EnforcementLevel, ResourceValidationArgs, ResourceValidationPolicy
+from pulumi_policy import (
+    EnforcementLevel,
+    ResourceValidationArgs,
+    ResourceValidationPolicy,
+    StackValidationArgs,
+    StackValidationPolicy,
+)
 
-from .._props import as_list, as_number, get, iter_mappings
+from .._props import as_bool, as_list, as_number, get, iter_mappings
 from ..context import stack_context
+from ..index import StackIndex
 
 NODE_GROUP = "aws:eks/nodeGroup:NodeGroup"
+LAUNCH_TEMPLATE = "aws:ec2/launchTemplate:LaunchTemplate"
 GPU_TAINT_KEY = "nvidia.com/gpu"
 # EKS-optimised accelerated AMIs with the NVIDIA driver and container toolkit. AL2_x86_64_GPU is left out on
 # purpose: Amazon Linux 2 AMIs for EKS stopped receiving updates in November 2025.
@@ -131,6 +139,32 @@ def _validate_size(args: ResourceValidationArgs, report) -> None:
         )
 
 
+def _validate_node_metadata(args: StackValidationArgs, report) -> None:
+    index = StackIndex(args.resources)
+    for group in index.of_type(NODE_GROUP):
+        if get(group.props, "launchTemplate") is None:
+            report(f"node group {group.name!r} uses EKS's default launch template, which leaves the instance metadata "
+                   f"service reachable from pods (hop limit 2): give it a launch template with httpTokens required "
+                   f"and httpPutResponseHopLimit 1, so pods get credentials only through IRSA", group.urn)
+            continue
+        template = index.referenced(group, (LAUNCH_TEMPLATE,), "launchTemplate", ("name",))
+        if template is None:
+            continue  # a template from outside this stack: nothing here to read
+        metadata = get(template.props, "metadataOptions") or {}
+        if get(metadata, "httpTokens") != "required":
+            report(f"node group {group.name!r}: launch template {template.name!r} allows IMDSv1 (metadataOptions."
+                   f"httpTokens is {get(metadata, 'httpTokens')!r}, not 'required')", group.urn)
+        hops = as_number(get(metadata, "httpPutResponseHopLimit"))
+        if hops != 1:
+            report(f"node group {group.name!r}: launch template {template.name!r} lets pods reach the node's "
+                   f"credentials (httpPutResponseHopLimit {'unset' if hops is None else f'{hops:g}'}, needs 1)",
+                   group.urn)
+        for mapping in iter_mappings(get(template.props, "blockDeviceMappings")):
+            if as_bool(get(mapping, "ebs", "encrypted")) is not True:
+                report(f"node group {group.name!r}: launch template {template.name!r} volume "
+                       f"{mapping.get('deviceName')!r} is not encrypted", group.urn)
+
+
 gpu_nvidia_ami = ResourceValidationPolicy(
     name="gpu-nodes-nvidia-ami",
     description="GPU node groups use an EKS-optimised NVIDIA AMI type.",
@@ -156,4 +190,11 @@ gpu_size_cap = ResourceValidationPolicy(
     enforcement_level=EnforcementLevel.MANDATORY,
 )
 
-POLICIES = [gpu_nvidia_ami, gpu_taint, gpu_instance_types, gpu_size_cap]
+nodes_metadata = StackValidationPolicy(
+    name="nodes-imdsv2-and-encrypted-disks",
+    description="Node groups use a launch template with IMDSv2, hop limit 1 and encrypted volumes.",
+    validate=_validate_node_metadata,
+    enforcement_level=EnforcementLevel.ADVISORY,
+)
+
+POLICIES = [gpu_nvidia_ami, gpu_taint, gpu_instance_types, gpu_size_cap, nodes_metadata]

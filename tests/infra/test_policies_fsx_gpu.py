@@ -117,7 +117,8 @@ def test_cpu_node_group_is_not_judged_as_gpu(compat):
     stack.add("aws:eks/nodeGroup:NodeGroup", "system", {
         "clusterName": "cluster", "amiType": "AL2023_x86_64_STANDARD", "instanceTypes": ["m7i.xlarge"],
         "scalingConfig": {"minSize": 2.0, "desiredSize": 3.0, "maxSize": 60.0},
-        "tags": {"team": "ml-platform", "env": "prod"}})
+        "launchTemplate": {"id": "lt-1", "version": "1"},
+        "tags": {"team": "ml-platform", "env": "prod"}}, depends_on=["nodes-lt"])
     assert stack.evaluate(compat) == []
 
 
@@ -170,3 +171,27 @@ def test_unknown_environment_is_reported_not_guessed(compat):
     findings = stack.evaluate(compat)
     errors = [f for f in findings if f.enforcement == "error"]
     assert errors and all("cannot tell its environment" in f.message for f in errors)
+
+
+# -- node metadata service and disks (advisory) --------------------------------------------------------------------
+
+
+def test_default_launch_template_leaves_imds_to_pods(compat):
+    stack = compliant_stack()
+    del inputs_of(stack, "gpu")["launchTemplate"]
+    findings = stack.evaluate(compat)
+    assert fired(findings) == {"nodes-imdsv2-and-encrypted-disks"}
+    assert all(f.enforcement == "advisory" for f in findings)
+    assert "uses EKS's default launch template" in findings[0].message
+
+
+def test_launch_template_metadata_and_disks(compat):
+    stack = compliant_stack()
+    template = inputs_of(stack, "nodes-lt")
+    template["metadataOptions"].update({"httpTokens": "optional", "httpPutResponseHopLimit": 2.0})
+    template["blockDeviceMappings"][0]["ebs"]["encrypted"] = "false"
+    shown = messages(stack.evaluate(compat), "nodes-imdsv2-and-encrypted-disks")
+    assert len(shown) == 3
+    assert any("allows IMDSv1 (metadataOptions.httpTokens is 'optional'" in m for m in shown)
+    assert any("httpPutResponseHopLimit 2, needs 1" in m for m in shown)
+    assert any("volume '/dev/xvda' is not encrypted" in m for m in shown)
