@@ -43,6 +43,34 @@ def test_promtool_check_rules():
     assert f"SUCCESS: {len(alert_rules()['groups'][0]['rules'])} rules found" in result.stdout
 
 
+def test_promtool_check_config_of_the_scrape_config(tmp_path):
+    """Debian's Prometheus is built without Kubernetes discovery, so promtool checks the configuration with a file
+    discovery in its place; everything else (relabeling, rule files) is the generated configuration."""
+    generated = yaml.safe_load((DEFAULT_OUT / observability.SCRAPE_FILE).read_text())
+    assert generated["scrape_configs"][0]["kubernetes_sd_configs"] == [{"role": "pod"}]
+    config = observability.scrape_config(
+        str(DEFAULT_OUT / RULES_FILE), discovery={"file_sd_configs": [{"files": [str(tmp_path / "targets.json")]}]}
+    )
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    result = promtool("check", "config", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 1 rule files found" in result.stdout + result.stderr
+
+
+def test_scrape_config_turns_pod_labels_into_the_names_the_rules_select_by():
+    relabel = observability.scrape_config()["scrape_configs"][0]["relabel_configs"]
+    (labelmap,) = [r for r in relabel if r.get("action") == "labelmap"]
+    pattern = re.compile(labelmap["regex"])
+    # Kubernetes discovery sanitises `app.kubernetes.io/name` to `app_kubernetes_io_name` in the meta label.
+    for label in ("name", "version", "part_of", "component"):
+        match = pattern.fullmatch(f"__meta_kubernetes_pod_label_app_kubernetes_io_{label}")
+        assert match and match.group(1) == f"app_kubernetes_io_{label}"
+    used = set(re.findall(r"app_kubernetes_io_[a-z_]+", json.dumps(observability.dashboard())))
+    used |= set(re.findall(r"app_kubernetes_io_[a-z_]+", json.dumps(alert_rules())))
+    assert used <= {"app_kubernetes_io_name", "app_kubernetes_io_version", "app_kubernetes_io_part_of"}
+
+
 def test_promtool_test_rules():
     result = promtool("test", "rules", str(RULE_TESTS))
     assert result.returncode == 0, result.stdout + result.stderr

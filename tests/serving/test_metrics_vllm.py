@@ -226,15 +226,23 @@ def prometheus(platform, tmp_path_factory):
     port = free_port()
     target = urllib.parse.urlsplit(platform.proxy_url).netloc
     rules = observability.DEFAULT_OUT / observability.RULES_FILE
-    config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(rules)],
-        "scrape_configs": [{
-            "job_name": "llm-serving",
-            # Stands in for the Kubernetes discovery + labelmap of the pod's §3.10 labels.
-            "static_configs": [{"targets": [target], "labels": K8S_LABELS}],
-        }],
+    # The generated scrape configuration, with its relabeling, but a file discovery in place of the Kubernetes one
+    # (no cluster here; Debian's build lacks it too) that yields what Kubernetes discovery yields for our pod.
+    pod = {
+        "__meta_kubernetes_namespace": "models",
+        "__meta_kubernetes_pod_name": "demo-tiny-1-abcde",
+        "__meta_kubernetes_pod_container_port_number": "8002",
+        **{f"__meta_kubernetes_pod_label_{k}": v for k, v in K8S_LABELS.items()},
     }
+    other_pod = {**pod, "__meta_kubernetes_pod_label_app_kubernetes_io_part_of": "something-else"}
+    (work / "targets.json").write_text(json.dumps([
+        {"targets": [target], "labels": pod},
+        {"targets": ["127.0.0.1:1"], "labels": other_pod},  # dropped by the keep rule: never scraped
+    ]))
+    config = observability.scrape_config(
+        str(rules), discovery={"file_sd_configs": [{"files": [str(work / "targets.json")]}]}
+    )
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
     log = open(work / "prometheus.log", "wb")
     proc = subprocess.Popen(
@@ -269,7 +277,10 @@ def test_prometheus_scrapes_the_proxy_and_reads_back_vllm_and_triton_series(plat
 
     vllm = _query(prometheus, 'vllm:prompt_tokens_total{app_kubernetes_io_name="demo-tiny"}')
     assert len(vllm) == 1
-    assert vllm[0]["metric"]["model_name"] == MODEL and vllm[0]["metric"]["app_kubernetes_io_part_of"] == "llm-serving"
+    assert vllm[0]["metric"]["model_name"] == MODEL
+    # the pod's Kubernetes labels became target labels through the generated relabeling
+    assert {k: vllm[0]["metric"][k] for k in K8S_LABELS} == K8S_LABELS
+    assert vllm[0]["metric"]["namespace"] == "models" and vllm[0]["metric"]["pod"] == "demo-tiny-1-abcde"
     assert float(vllm[0]["value"][1]) == values[f'vllm:prompt_tokens_total{{engine="0",model_name="{MODEL}"}}']
 
     triton = _query(prometheus, f'nv_inference_request_success{{model="{MODEL}",version="1"}}')
