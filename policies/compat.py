@@ -21,6 +21,7 @@ _TRITON_RELEASE = ("triton.release", "triton.version", "triton_release", "triton
 _VLLM_VERSION = ("triton.vllm_version", "vllm.version", "vllm_version")
 _BACKEND_BRANCH = (
     "triton.vllm_backend_branch",
+    "triton.vllm_backend.branch",
     "vllm_backend.branch",
     "backend.branch",
     "triton.backend_branch",

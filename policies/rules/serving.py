@@ -85,7 +85,8 @@ def _validate_digest(args: ResourceValidationArgs, report) -> None:
 
 
 _RELEASE = re.compile(r"(\d{2}\.\d{2})")
-_TRITON_REF = re.compile(r"nvcr\.io/nvidia/tritonserver:(\d{2}\.\d{2})")
+# A Triton release named inside a value: NGC's image reference, or a tag such as "triton-25.10-vllm-python-py3".
+_TRITON_REF = re.compile(r"(?:nvcr\.io/nvidia/tritonserver:|[:/_-]triton-)(\d{2}\.\d{2})")
 
 
 def _pin_kind(key: str) -> str | None:

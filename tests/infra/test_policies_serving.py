@@ -73,6 +73,13 @@ def test_deployment_env_disagreeing_with_compat(name, value, kind, compat):
     _check(stack, compat, "serving-image-pins", f"Deployment 'llama-v1' states {kind}")
 
 
+def test_release_named_in_the_image_tag(compat):
+    stack = compliant_stack()
+    inputs_of(stack, "serving-image")["tags"] = ["123456789012.dkr.ecr.us-east-1.amazonaws.com/llm-serving:"
+                                                 "triton-25.09-vllm-python-py3-8bf56e43"]
+    _check(stack, compat, "serving-image-pins", "states triton release '25.09' (tags[0]=")
+
+
 def test_pins_follow_compat_file(tmp_path):
     """The same stack fails once compat.toml moves to another release: the policy reads the file, not a copy."""
     stack = compliant_stack()
