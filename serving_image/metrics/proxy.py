@@ -87,7 +87,7 @@ class _State:
 
 
 class MetricsProxy:
-    """The scrape logic, independent of the HTTP server (the benchmark calls `scrape` directly too)."""
+    """The scrape logic, independent of the HTTP server."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
@@ -115,6 +115,7 @@ class MetricsProxy:
         except Exception as exc:  # a bug must not turn into a 500 or a hung waiter
             log.exception("upstream fetch failed unexpectedly")
             result = UpstreamResult(error="connection", detail=f"unexpected {type(exc).__name__}: {exc}")
+        self._record_upstream(result)  # once per fetch, however many scrapes share it
         with self._fetch_lock:
             self._inflight = None
         future.set_result(result)
@@ -196,9 +197,7 @@ class MetricsProxy:
         """One merged exposition in `fmt` ('text' or 'openmetrics')."""
         upstream: list[Family] = []
         if self.config.upstream_url is not None:
-            result = self._fetch_shared()
-            self._record_upstream(result)
-            upstream = result.families
+            upstream = self._fetch_shared().families
         vllm = self._collect_vllm()
         with self._state.lock:
             self._state.scrapes[fmt if fmt in self._state.scrapes else "text"] += 1

@@ -8,6 +8,7 @@ on this machine).
 
 from __future__ import annotations
 
+import concurrent.futures
 import gzip
 import logging
 import subprocess
@@ -316,3 +317,25 @@ def test_module_runs_as_a_script(mpdir):
         [sys.executable, "-m", "serving_image.metrics.proxy", "--help"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0 and "--upstream-timeout" in result.stdout
+
+
+def test_concurrent_scrapes_share_one_upstream_fetch_and_count_each_failure_once(mpdir, writers):
+    hits = []
+
+    def respond(handler):
+        hits.append(1)
+        time.sleep(0.5)  # long enough for the concurrent scrapes to arrive while this fetch is in flight
+        send(handler, 200, b"<html>not metrics</html>")
+
+    upstream = fake_upstream(respond)
+    handle = _proxy(mpdir, upstream.url, upstream_timeout_s=5)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=10) as pool:
+            answers = list(pool.map(lambda _: get(handle.url), range(10)))
+        final = series(get(handle.url)[2])
+    finally:
+        handle.stop()
+        upstream.stop()
+    assert all(status == 200 for status, _, _ in answers)
+    assert len(hits) < 10, "concurrent scrapes should share the in-flight upstream fetch"
+    assert final['llm_serving_metrics_upstream_scrape_errors_total{reason="parse"}'] == len(hits)
