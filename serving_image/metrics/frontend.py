@@ -43,10 +43,9 @@ FRONTEND_METRICS_PORT = 8004
 FailureReason = Literal["REJECTED", "CANCELED", "BACKEND", "OTHER"]
 FAILURE_REASONS: tuple[str, ...] = get_args(FailureReason)
 
-# Triton's first-response histogram buckets (milliseconds).
-FIRST_RESPONSE_BUCKETS_MS: tuple[float, ...] = (
-    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0,
-)
+# Triton's default buckets of the first-response histogram (milliseconds; docs/user_guide/metrics.md, where
+# Triton reports it for decoupled models with `--metrics-config histogram_latencies=true`).
+FIRST_RESPONSE_BUCKETS_MS: tuple[float, ...] = (100.0, 500.0, 2000.0, 5000.0)
 
 # (name, HELP) of the per-model counters, in the order Triton lists them.
 _COUNTERS: tuple[tuple[str, str], ...] = (

@@ -52,8 +52,12 @@ def test_names_types_and_labels_are_tritons(served):
     for reason in ("REJECTED", "CANCELED", "BACKEND", "OTHER"):
         expected = 1 if reason == "BACKEND" else 0
         assert values[f'nv_inference_request_failure{{model="chat",reason="{reason}",version="2"}}'] == expected
-    assert values['nv_inference_first_response_histogram_ms_bucket{le="50.0",model="chat",version="2"}'] == 1
-    assert values['nv_inference_first_response_histogram_ms_bucket{le="20.0",model="chat",version="2"}'] == 0
+    buckets = {k: v for k, v in values.items() if k.startswith("nv_inference_first_response_histogram_ms_bucket")}
+    assert buckets == {  # Triton's default buckets; 50 ms falls in the first
+        f'nv_inference_first_response_histogram_ms_bucket{{le="{le}",model="chat",version="2"}}': 1.0
+        for le in ("100.0", "500.0", "2000.0", "5000.0", "+Inf")
+    }
+    assert values["nv_inference_first_response_histogram_ms_sum" + key] == 50.0
     assert values["nv_inference_first_response_histogram_ms_count" + key] == 1
     assert not any(name.endswith("_total") for name in type_lines(text))
 
@@ -133,3 +137,14 @@ def test_writes_nothing_into_the_multiprocess_directory(tmp_path):
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=60)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_first_response_histogram_buckets_are_cumulative(served):
+    metrics, server = served
+    for seconds in (0.05, 0.7, 0.7, 9.0):
+        metrics.observe("m", "1", success=True, duration_s=seconds, first_response_s=seconds)
+    values = series(get(server.url)[2])
+    bucket = 'nv_inference_first_response_histogram_ms_bucket{{le="{}",model="m",version="1"}}'
+    assert [values[bucket.format(le)] for le in ("100.0", "500.0", "2000.0", "5000.0", "+Inf")] == [1, 1, 3, 3, 4]
+    assert values['nv_inference_first_response_histogram_ms_count{model="m",version="1"}'] == 4
+    assert values['nv_inference_first_response_histogram_ms_sum{model="m",version="1"}'] == 50 + 700 + 700 + 9000
