@@ -41,7 +41,9 @@ from .catalog import ALL_POLICIES, enforcement
 from .context import offline_policy_config
 
 MANDATORY = EnforcementLevel.MANDATORY.value
+ADVISORY = EnforcementLevel.ADVISORY.value
 ERROR = "error"
+NOT_APPLICABLE = "not applicable"
 
 
 class ResourceLike(Protocol):
@@ -61,7 +63,9 @@ class ResourceLike(Protocol):
 class Finding:
     stack: str
     policy: str
-    enforcement: str  # "mandatory", "advisory", or "error" (the rule raised)
+    # "mandatory", "advisory", "error" (the rule raised) or "not applicable" (a stack policy that could not apply,
+    # with its reason: shown in the report, never blocking)
+    enforcement: str
     resource: str  # the resource's logical name, or "(stack)"
     resource_type: str
     urn: str | None
@@ -192,8 +196,10 @@ def evaluate(
             args = StackValidationArgs(stack_resources, copy.deepcopy(policy_config))
             try:
                 _run(policy.validate(args, reporter(None)))
-            except _NotApplicableError:
-                continue
+            except _NotApplicableError as why:
+                findings.append(Finding(stack=stack, policy=policy.name, enforcement=NOT_APPLICABLE,
+                                        resource="(stack)", resource_type="", urn=None,
+                                        message=why.reason or "the policy does not apply to this stack"))
             except Exception as err:
                 crashed(None, err)
         else:
@@ -207,8 +213,10 @@ def render(findings: Sequence[Finding], stack: str, resource_count: int, console
 
     console = console or Console()
     blocking = sum(f.blocking for f in findings)
+    advisory = sum(f.enforcement == ADVISORY for f in findings)
+    skipped = sum(f.enforcement == NOT_APPLICABLE for f in findings)
     title = (f"policy report: {stack} ({resource_count} resources, {len(ALL_POLICIES)} policies, "
-             f"{blocking} blocking, {len(findings) - blocking} advisory)")
+             f"{blocking} blocking, {advisory} advisory" + (f", {skipped} not applicable)" if skipped else ")"))
     if not findings:
         console.print(f"[bold green]{title}: every policy passes[/]")
         return
@@ -217,8 +225,9 @@ def render(findings: Sequence[Finding], stack: str, resource_count: int, console
     table.add_column("enforcement", overflow="fold")
     table.add_column("resource", overflow="fold")
     table.add_column("message", overflow="fold", ratio=3)
-    style = {MANDATORY: "bold red", ERROR: "bold magenta"}
-    for f in sorted(findings, key=lambda f: (not f.blocking, f.policy, f.resource)):
+    style = {MANDATORY: "bold red", ERROR: "bold magenta", NOT_APPLICABLE: "dim"}
+    order = {ERROR: 0, MANDATORY: 0, ADVISORY: 1, NOT_APPLICABLE: 2}
+    for f in sorted(findings, key=lambda f: (order.get(f.enforcement, 1), f.policy, f.resource)):
         table.add_row(f.policy, f"[{style.get(f.enforcement, 'yellow')}]{f.enforcement}[/]",
                       f"{f.resource}\n[dim]{f.resource_type}[/]" if f.resource_type else f.resource, f.message)
     console.print(table)
@@ -252,8 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps([asdict(f) for f in all_findings], indent=2))
     blocking = [f for f in all_findings if f.blocking]
-    print(f"{len(stacks)} stack(s): {len(blocking)} blocking finding(s), "
-          f"{len(all_findings) - len(blocking)} advisory, {len(failed_runs)} failed run(s)")
+    advisory = sum(f.enforcement == ADVISORY for f in all_findings)
+    skipped = sum(f.enforcement == NOT_APPLICABLE for f in all_findings)
+    print(f"{len(stacks)} stack(s): {len(blocking)} blocking finding(s), {advisory} advisory, "
+          f"{skipped} not applicable, {len(failed_runs)} failed run(s)")
     return 1 if blocking or failed_runs else 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from pulumi_policy import (
@@ -22,6 +23,7 @@ from pulumi_policy import (
 )
 
 from .._props import annotations, as_list, as_number, duration_seconds, get, iter_mappings, k8s_namespace, labels
+from ..compat import DEFAULT_PATH as DEFAULT_COMPAT
 from ..compat import CompatError, Pins, load_pins
 from ..context import PolicyContextError, stack_context
 from ..index import StackIndex, is_serving_workload
@@ -145,8 +147,12 @@ def _validate_pins(args: StackValidationArgs, report) -> None:
     if not serving and not images:
         return
     ctx = stack_context(args)
+    compat_file = args.get_config().get("compatFile") or DEFAULT_COMPAT
+    if not Path(compat_file).is_file():
+        # Nothing to compare with (the serving image's issue creates the file); any mismatch once it exists fails.
+        args.not_applicable(f"stack {ctx.stack!r}: {compat_file} does not exist yet, so no pin can be compared")
     try:
-        pins: Pins = load_pins(args.get_config().get("compatFile"))
+        pins: Pins = load_pins(compat_file)
     except CompatError as err:
         report(f"stack {ctx.stack!r}: {err}", None)
         return

@@ -142,10 +142,15 @@ def test_rules_see_the_analyzers_proxies_and_unknowns_fail_loudly(compat):
     assert "can't be known during preview" in errors[0].message
 
 
-def test_not_applicable_is_not_a_finding(compat):
-    skip = StackValidationPolicy(name="skip", description="n/a", validate=lambda a, r: a.not_applicable("none"),
-                                 enforcement_level=EnforcementLevel.MANDATORY)
-    assert compliant_stack().evaluate(compat, policies=[skip]) == []
+def test_not_applicable_is_shown_and_never_blocks(compat):
+    skip = StackValidationPolicy(name="skip", description="n/a", enforcement_level=EnforcementLevel.MANDATORY,
+                                 validate=lambda a, r: a.not_applicable("nothing to check here"))
+    (finding,) = compliant_stack().evaluate(compat, policies=[skip])
+    assert (finding.enforcement, finding.blocking, finding.message) == ("not applicable", False,
+                                                                        "nothing to check here")
+    console = Console(record=True, width=160)
+    offline.render([finding], "s", 1, console=console)
+    assert "0 blocking, 0 advisory, 1 not applicable" in console.export_text()
 
 
 def test_report_is_a_readable_table(compat):

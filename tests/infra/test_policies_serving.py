@@ -94,11 +94,19 @@ def test_image_not_traceable_to_compat(compat):
     _check(stack, compat, "serving-image-pins", "whose Triton release cannot be traced to compat.toml")
 
 
-def test_missing_compat_file_fails_the_check(tmp_path):
+def test_missing_compat_file_is_reported_as_not_applicable(tmp_path):
+    """Before the serving image's issue creates compat.toml there is nothing to compare; the report says so."""
     stack = compliant_stack()
-    findings = stack.evaluate(tmp_path / "absent.toml")
-    assert fired(findings) == {"serving-image-pins"}
-    assert "not found, so the image pins cannot be checked" in findings[0].message
+    (finding,) = stack.evaluate(tmp_path / "absent.toml")
+    assert (finding.policy, finding.enforcement, finding.blocking) == ("serving-image-pins", "not applicable", False)
+    assert "absent.toml does not exist yet, so no pin can be compared" in finding.message
+
+
+def test_unreadable_compat_file_fails_the_check(tmp_path):
+    stack = compliant_stack()
+    findings = stack.evaluate(write_compat(tmp_path, "[triton\n"))
+    assert fired(findings) == {"serving-image-pins"} and findings[0].blocking
+    assert "not valid TOML" in findings[0].message
 
 
 def test_compat_file_without_a_pin_names_the_key(tmp_path):
