@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pulumi_policy import EnforcementLevel, ResourceValidationArgs, ResourceValidationPolicy
+from pulumi_policy import EnforcementLevel, ReportViolation, ResourceValidationArgs, ResourceValidationPolicy
 
 from .._props import get, json_document, labels
 from ..context import PolicyContextError, stack_context
@@ -44,7 +44,7 @@ def _default_tags(args: ResourceValidationArgs) -> dict[str, Any]:
     return dict(tags) if isinstance(tags, Mapping) else {}
 
 
-def _validate_aws_tags(args: ResourceValidationArgs, report) -> None:
+def _validate_aws_tags(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if not args.resource_type.startswith("aws:"):
         return
     own = get(args.props, "tags")
@@ -64,7 +64,7 @@ def _validate_aws_tags(args: ResourceValidationArgs, report) -> None:
                f"stack", None)
 
 
-def _validate_serving_labels(args: ResourceValidationArgs, report) -> None:
+def _validate_serving_labels(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if args.resource_type != DEPLOYMENT or not is_serving_workload(args.props):
         return
     pod_labels = labels(pod_template(args.props))

@@ -7,6 +7,7 @@ from typing import Any
 
 from pulumi_policy import (
     EnforcementLevel,
+    ReportViolation,
     ResourceValidationArgs,
     ResourceValidationPolicy,
     StackValidationArgs,
@@ -27,7 +28,7 @@ OPEN_WORLD = ("0.0.0.0/0", "::/0")
 PERSISTENT = ("PERSISTENT_1", "PERSISTENT_2")
 
 
-def _validate_deployment_type(args: ResourceValidationArgs, report) -> None:
+def _validate_deployment_type(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if args.resource_type != LUSTRE:
         return
     ctx = stack_context(args)
@@ -41,7 +42,7 @@ def _validate_deployment_type(args: ResourceValidationArgs, report) -> None:
         )
 
 
-def _validate_encryption(args: ResourceValidationArgs, report) -> None:
+def _validate_encryption(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if args.resource_type != LUSTRE:
         return
     kind = get(args.props, "deploymentType") or "SCRATCH_1"
@@ -101,7 +102,7 @@ def _rules_of(index: StackIndex, sg) -> list[tuple[str, Mapping[str, Any]]]:
     return out
 
 
-def _validate_ports(args: StackValidationArgs, report) -> None:
+def _validate_ports(args: StackValidationArgs, report: ReportViolation) -> None:
     index = StackIndex(args.resources)
     groups = index.of_type(SECURITY_GROUP)
     for fs in index.of_type(LUSTRE):

@@ -10,6 +10,7 @@ import re
 
 from pulumi_policy import (
     EnforcementLevel,
+    ReportViolation,
     ResourceValidationArgs,
     ResourceValidationPolicy,
     StackValidationArgs,
@@ -66,7 +67,7 @@ def _gpu_group(args: ResourceValidationArgs) -> bool:
     return args.resource_type == NODE_GROUP and is_gpu_node_group(args.props)
 
 
-def _validate_ami(args: ResourceValidationArgs, report) -> None:
+def _validate_ami(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if not _gpu_group(args):
         return
     ami = get(args.props, "amiType")
@@ -78,7 +79,7 @@ def _validate_ami(args: ResourceValidationArgs, report) -> None:
         )
 
 
-def _validate_taint(args: ResourceValidationArgs, report) -> None:
+def _validate_taint(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if not _gpu_group(args):
         return
     taints = list(iter_mappings(get(args.props, "taints")))
@@ -91,7 +92,7 @@ def _validate_taint(args: ResourceValidationArgs, report) -> None:
         )
 
 
-def _validate_instance_types(args: ResourceValidationArgs, report) -> None:
+def _validate_instance_types(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if not _gpu_group(args):
         return
     ctx = stack_context(args)
@@ -115,7 +116,7 @@ def _validate_instance_types(args: ResourceValidationArgs, report) -> None:
         )
 
 
-def _validate_size(args: ResourceValidationArgs, report) -> None:
+def _validate_size(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if not _gpu_group(args):
         return
     ctx = stack_context(args)
@@ -139,7 +140,7 @@ def _validate_size(args: ResourceValidationArgs, report) -> None:
         )
 
 
-def _validate_node_metadata(args: StackValidationArgs, report) -> None:
+def _validate_node_metadata(args: StackValidationArgs, report: ReportViolation) -> None:
     index = StackIndex(args.resources)
     for group in index.of_type(NODE_GROUP):
         if get(group.props, "launchTemplate") is None:

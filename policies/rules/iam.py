@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pulumi_policy import EnforcementLevel, ResourceValidationArgs, ResourceValidationPolicy
+from pulumi_policy import EnforcementLevel, ReportViolation, ResourceValidationArgs, ResourceValidationPolicy
 
 from .._props import as_list, get, iter_mappings, json_document
 
@@ -100,7 +100,7 @@ def _documents(args: ResourceValidationArgs) -> Iterable[tuple[str, Any]]:
             yield f"{args.name}/{inline.get('name') or 'inline'}", inline.get("policy")
 
 
-def _validate_documents(args: ResourceValidationArgs, report) -> None:
+def _validate_documents(args: ResourceValidationArgs, report: ReportViolation) -> None:
     for source, raw in _documents(args):
         if raw is None:
             continue
@@ -115,7 +115,7 @@ def _validate_documents(args: ResourceValidationArgs, report) -> None:
                 report(f"policy {source!r} statement {label}: {problem} (S3, ECR and KMS must be named)", None)
 
 
-def _validate_attachments(args: ResourceValidationArgs, report) -> None:
+def _validate_attachments(args: ResourceValidationArgs, report: ReportViolation) -> None:
     arns: list[str] = []
     if args.resource_type in ATTACHMENT_TYPES:
         arns = [str(get(args.props, "policyArn") or "")]
@@ -156,7 +156,7 @@ def trust_problems(statement: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def _validate_trust(args: ResourceValidationArgs, report) -> None:
+def _validate_trust(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if args.resource_type != ROLE or get(args.props, "assumeRolePolicy") is None:
         return
     try:

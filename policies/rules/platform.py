@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pulumi_policy import EnforcementLevel, ResourceValidationArgs, ResourceValidationPolicy
+from pulumi_policy import EnforcementLevel, ReportViolation, ResourceValidationArgs, ResourceValidationPolicy
 
 from .._props import as_bool, as_list, get, iter_mappings
 from ..context import stack_context
@@ -12,7 +12,7 @@ REPOSITORY = "aws:ecr/repository:Repository"
 KMS_KEY = "aws:kms/key:Key"
 
 
-def _validate_private_endpoint(args: ResourceValidationArgs, report) -> None:
+def _validate_private_endpoint(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if args.resource_type != CLUSTER:
         return
     ctx = stack_context(args)
@@ -29,7 +29,7 @@ def _validate_private_endpoint(args: ResourceValidationArgs, report) -> None:
                None)
 
 
-def _validate_repository(args: ResourceValidationArgs, report) -> None:
+def _validate_repository(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if args.resource_type != REPOSITORY:
         return
     if get(args.props, "imageTagMutability") != "IMMUTABLE":
@@ -43,7 +43,7 @@ def _validate_repository(args: ResourceValidationArgs, report) -> None:
 AUDIT_LOG_TYPES = ("api", "audit", "authenticator")
 
 
-def _validate_cluster_hardening(args: ResourceValidationArgs, report) -> None:
+def _validate_cluster_hardening(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if args.resource_type != CLUSTER:
         return
     resources = [r for c in iter_mappings(get(args.props, "encryptionConfig")) for r in as_list(c.get("resources"))]
@@ -57,7 +57,7 @@ def _validate_cluster_hardening(args: ResourceValidationArgs, report) -> None:
                f"what in the cluster cannot be traced", None)
 
 
-def _validate_key_rotation(args: ResourceValidationArgs, report) -> None:
+def _validate_key_rotation(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if args.resource_type != KMS_KEY:
         return
     spec = get(args.props, "customerMasterKeySpec") or get(args.props, "keySpec") or "SYMMETRIC_DEFAULT"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from pulumi_policy import EnforcementLevel, PolicyResource, StackValidationArgs, StackValidationPolicy
+from pulumi_policy import EnforcementLevel, PolicyResource, ReportViolation, StackValidationArgs, StackValidationPolicy
 
 from .._props import as_number, get, iter_mappings, k8s_namespace, labels
 from ..context import PolicyContextError, stack_context
@@ -20,7 +20,7 @@ from ..workload import DEPLOYMENT, model_identity, pod_template, replicas
 ROUTE_KINDS = ("HTTPRoute", "GRPCRoute")
 
 
-def _models(args: StackValidationArgs, report):
+def _models(args: StackValidationArgs, report: ReportViolation):
     try:
         return model_configs(stack_context(args))
     except PolicyContextError as err:
@@ -28,7 +28,7 @@ def _models(args: StackValidationArgs, report):
         return None
 
 
-def _validate_strategy(args: StackValidationArgs, report) -> None:
+def _validate_strategy(args: StackValidationArgs, report: ReportViolation) -> None:
     models = _models(args, report)
     for model in (models or {}).values():
         if model.strategy == "versioned":
@@ -96,7 +96,7 @@ def _ordered_safely(index: StackIndex, route: PolicyResource, dep: PolicyResourc
     return index.depends_on(dep, route) and model_identity(dep.props) in actives
 
 
-def _validate_weights(args: StackValidationArgs, report) -> None:
+def _validate_weights(args: StackValidationArgs, report: ReportViolation) -> None:
     index = StackIndex(args.resources)
     models = _models(args, report) or {}
     actives = {(m.id, m.active) for m in models.values() if m.strategy == "red-black"}
@@ -149,7 +149,7 @@ def _served(index: StackIndex, model_id: str, version: str) -> list[PolicyResour
     ]
 
 
-def _validate_newest(args: StackValidationArgs, report) -> None:
+def _validate_newest(args: StackValidationArgs, report: ReportViolation) -> None:
     models = _models(args, report)
     if not models:
         return
@@ -179,7 +179,7 @@ def _validate_newest(args: StackValidationArgs, report) -> None:
                    f"model keeps a Deployment, Service and route per version", None)
 
 
-def _validate_surge(args: StackValidationArgs, report) -> None:
+def _validate_surge(args: StackValidationArgs, report: ReportViolation) -> None:
     models = _models(args, report)
     if not models:
         return

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pulumi_policy import EnforcementLevel, PolicyResource, StackValidationArgs, StackValidationPolicy
+from pulumi_policy import EnforcementLevel, PolicyResource, ReportViolation, StackValidationArgs, StackValidationPolicy
 
 from .._props import as_bool, as_list, get, iter_mappings, json_document
 from ..index import StackIndex
@@ -51,7 +51,7 @@ def _sse_algorithms(index: StackIndex, bucket: PolicyResource) -> list[str]:
     return [a for a in found if a is not None]
 
 
-def _validate_encryption(args: StackValidationArgs, report) -> None:
+def _validate_encryption(args: StackValidationArgs, report: ReportViolation) -> None:
     index = StackIndex(args.resources)
     for bucket in index.of_type(*BUCKET_TYPES):
         algorithms = _sse_algorithms(index, bucket)
@@ -69,7 +69,7 @@ def _validate_encryption(args: StackValidationArgs, report) -> None:
                 )
 
 
-def _validate_versioning(args: StackValidationArgs, report) -> None:
+def _validate_versioning(args: StackValidationArgs, report: ReportViolation) -> None:
     index = StackIndex(args.resources)
     for bucket in index.of_type(*BUCKET_TYPES):
         statuses = [get(v.props, "versioningConfiguration", "status") for v in _side(index, VERSIONING_TYPES, bucket)]
@@ -84,7 +84,7 @@ def _validate_versioning(args: StackValidationArgs, report) -> None:
             )
 
 
-def _validate_public_access(args: StackValidationArgs, report) -> None:
+def _validate_public_access(args: StackValidationArgs, report: ReportViolation) -> None:
     index = StackIndex(args.resources)
     for bucket in index.of_type(*BUCKET_TYPES):
         blocks = _side(index, PAB_TYPES, bucket)
@@ -130,7 +130,7 @@ def _policy_documents(index: StackIndex, bucket: PolicyResource) -> list[tuple[s
     return docs
 
 
-def _validate_tls_only(args: StackValidationArgs, report) -> None:
+def _validate_tls_only(args: StackValidationArgs, report: ReportViolation) -> None:
     index = StackIndex(args.resources)
     for bucket in index.of_type(*BUCKET_TYPES):
         docs = _policy_documents(index, bucket)
@@ -151,7 +151,7 @@ def _validate_tls_only(args: StackValidationArgs, report) -> None:
             )
 
 
-def _validate_kms(args: StackValidationArgs, report) -> None:
+def _validate_kms(args: StackValidationArgs, report: ReportViolation) -> None:
     index = StackIndex(args.resources)
     for bucket in index.of_type(*BUCKET_TYPES):
         algorithms = _sse_algorithms(index, bucket)
@@ -164,7 +164,7 @@ def _validate_kms(args: StackValidationArgs, report) -> None:
             )
 
 
-def _validate_noncurrent_expiry(args: StackValidationArgs, report) -> None:
+def _validate_noncurrent_expiry(args: StackValidationArgs, report: ReportViolation) -> None:
     index = StackIndex(args.resources)
     for bucket in index.of_type(*BUCKET_TYPES):
         rules = []

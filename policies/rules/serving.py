@@ -16,6 +16,7 @@ from typing import Any
 from pulumi_policy import (
     EnforcementLevel,
     PolicyResource,
+    ReportViolation,
     ResourceValidationArgs,
     ResourceValidationPolicy,
     StackValidationArgs,
@@ -73,7 +74,7 @@ def _cname(container: Mapping[str, Any]) -> str:
 # -- image ---------------------------------------------------------------------------------------------------------
 
 
-def _validate_digest(args: ResourceValidationArgs, report) -> None:
+def _validate_digest(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if not _serving(args):
         return
     for container in containers(args.props, init=True):
@@ -140,7 +141,7 @@ def _built_from_serving_context(image: PolicyResource) -> bool:
     return location == SERVING_CONTEXT or location.endswith("/" + SERVING_CONTEXT)
 
 
-def _validate_pins(args: StackValidationArgs, report) -> None:
+def _validate_pins(args: StackValidationArgs, report: ReportViolation) -> None:
     index = StackIndex(args.resources)
     serving = [d for d in index.of_type(DEPLOYMENT) if is_serving_workload(d.props)]
     images = index.of_type(DOCKER_IMAGE)
@@ -185,7 +186,7 @@ def _validate_pins(args: StackValidationArgs, report) -> None:
 # -- GPUs ----------------------------------------------------------------------------------------------------------
 
 
-def _validate_gpus(args: ResourceValidationArgs, report) -> None:
+def _validate_gpus(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if not _serving(args):
         return
     gpu_containers = [c for c in containers(args.props) if gpu_limit(c)]
@@ -228,7 +229,7 @@ def _validate_gpus(args: ResourceValidationArgs, report) -> None:
 # -- probes and timeouts -------------------------------------------------------------------------------------------
 
 
-def _load_time(args, report) -> tuple[str | None, float | None]:
+def _load_time(args: ResourceValidationArgs, report: ReportViolation) -> tuple[str | None, float | None]:
     """(model id, its configured loadTimeSeconds), reporting why it is unknown."""
     model_id, _ = model_identity(args.props)
     if not model_id:
@@ -252,7 +253,7 @@ def _startup_budget(container: Mapping[str, Any]) -> float | None:
     return probe_budget_seconds(probe) if isinstance(probe, Mapping) else None
 
 
-def _validate_probes(args: ResourceValidationArgs, report) -> None:
+def _validate_probes(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if not _serving(args):
         return
     model_id, load_time = _load_time(args, report)
@@ -271,7 +272,7 @@ def _validate_probes(args: ResourceValidationArgs, report) -> None:
             )
 
 
-def _validate_timeouts(args: ResourceValidationArgs, report) -> None:
+def _validate_timeouts(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if not _serving(args):
         return
     budgets = [b for b in (_startup_budget(c) for c in serving_containers(args.props)) if b is not None]
@@ -318,7 +319,7 @@ def _fsx_backed(index: StackIndex, namespace: str, claim_name: str) -> tuple[boo
     return False, f"claim {claim_name!r} is bound neither to an FSx PersistentVolume nor to an FSx StorageClass"
 
 
-def _validate_model_cache(args: StackValidationArgs, report) -> None:
+def _validate_model_cache(args: StackValidationArgs, report: ReportViolation) -> None:
     index = StackIndex(args.resources)
     for dep in index.of_type(DEPLOYMENT):
         if not is_serving_workload(dep.props):
@@ -367,7 +368,7 @@ def _strings(container: Mapping[str, Any]) -> Iterable[tuple[str, str]]:
             yield f"env {env.get('name')}", str(env.get("value"))
 
 
-def _validate_no_download(args: ResourceValidationArgs, report) -> None:
+def _validate_no_download(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if not _serving(args):
         return
     for container in containers(args.props, init=True):
@@ -392,7 +393,7 @@ def _validate_no_download(args: ResourceValidationArgs, report) -> None:
 # -- identity ------------------------------------------------------------------------------------------------------
 
 
-def _validate_non_root(args: ResourceValidationArgs, report) -> None:
+def _validate_non_root(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if not _serving(args):
         return
     for container in containers(args.props, init=True):
@@ -410,7 +411,7 @@ def _validate_non_root(args: ResourceValidationArgs, report) -> None:
 # -- advisory ------------------------------------------------------------------------------------------------------
 
 
-def _validate_hardening(args: ResourceValidationArgs, report) -> None:
+def _validate_hardening(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if not _serving(args):
         return
     for container in containers(args.props, init=True):
@@ -428,7 +429,7 @@ def _validate_hardening(args: ResourceValidationArgs, report) -> None:
             report(f"Deployment {args.name!r} container {name!r} could also set {', '.join(missing)}", None)
 
 
-def _validate_spread(args: ResourceValidationArgs, report) -> None:
+def _validate_spread(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if not _serving(args):
         return
     keys = [get(c, "topologyKey") for c in iter_mappings(pod_spec(args.props).get("topologySpreadConstraints"))]
@@ -437,7 +438,7 @@ def _validate_spread(args: ResourceValidationArgs, report) -> None:
                f"topology.kubernetes.io/zone): one zone's outage would take the model down", None)
 
 
-def _validate_grace(args: ResourceValidationArgs, report) -> None:
+def _validate_grace(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if not _serving(args):
         return
     grace = as_number(pod_spec(args.props).get("terminationGracePeriodSeconds"))
@@ -446,7 +447,7 @@ def _validate_grace(args: ResourceValidationArgs, report) -> None:
                f"(Kubernetes' default when unset is 30s); long generations need at least 60s to drain", None)
 
 
-def _validate_pdb(args: StackValidationArgs, report) -> None:
+def _validate_pdb(args: StackValidationArgs, report: ReportViolation) -> None:
     index = StackIndex(args.resources)
     budgets = index.k8s("PodDisruptionBudget")
     for dep in index.of_type(DEPLOYMENT):
