@@ -60,6 +60,9 @@ DOWNLOAD_MARKERS = (
     "aws s3 sync",
     "s5cmd",
 )
+# §3.2's readiness endpoints (KServe v2 and the OpenAI front-end).
+READY_PATHS = ("/v2/health/ready", "/health/ready")
+_MODEL_READY = re.compile(r"^/v2/models/[^/]+(/versions/[^/]+)?/ready$")
 HUB_TOKEN_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACEHUB_API_TOKEN")
 
 
@@ -248,6 +251,10 @@ def _load_time(args: ResourceValidationArgs, report: ReportViolation) -> tuple[s
     return model_id, float(models[model_id].load_time_seconds)
 
 
+def _is_ready_endpoint(path: str) -> bool:
+    return path in READY_PATHS or bool(_MODEL_READY.match(path))
+
+
 def _startup_budget(container: Mapping[str, Any]) -> float | None:
     probe = container.get("startupProbe")
     return probe_budget_seconds(probe) if isinstance(probe, Mapping) else None
@@ -262,6 +269,16 @@ def _validate_probes(args: ResourceValidationArgs, report: ReportViolation) -> N
         if missing:
             report(f"Deployment {args.name!r} container {_cname(container)!r} has no {', '.join(missing)}: a model "
                    f"server needs all three (started, ready for traffic, alive)", None)
+        ready_path = get(container, "readinessProbe", "httpGet", "path")
+        if ready_path is not None and not _is_ready_endpoint(str(ready_path)):
+            report(f"Deployment {args.name!r} container {_cname(container)!r}: the readinessProbe asks {ready_path!r}, "
+                   f"not a readiness endpoint of §3.2 ({', '.join(READY_PATHS)}, /v2/models/<model>/ready): traffic "
+                   f"could reach a server whose engine is not ready", None)
+        live_path = get(container, "livenessProbe", "httpGet", "path")
+        if live_path is not None and _is_ready_endpoint(str(live_path)):
+            report(f"Deployment {args.name!r} container {_cname(container)!r}: the livenessProbe asks the readiness "
+                   f"endpoint {live_path!r}; a busy or draining server would be restarted: use /v2/health/live",
+                   None)
         budget = _startup_budget(container)
         if budget is not None and load_time is not None and budget < load_time:
             report(
@@ -484,8 +501,8 @@ serving_gpu_resources = ResourceValidationPolicy(
 )
 serving_probes = ResourceValidationPolicy(
     name="serving-probes",
-    description="Model servers have startup, readiness and liveness probes; the startup budget covers the "
-                "model's configured load time.",
+    description="Model servers have startup, readiness (on a §3.2 ready endpoint) and liveness probes; the "
+                "startup budget covers the model's configured load time.",
     validate=_validate_probes,
     enforcement_level=EnforcementLevel.MANDATORY,
 )

@@ -153,6 +153,25 @@ def test_each_probe_required(probe, compat):
     _check(stack, compat, "serving-probes", f"has no {probe}")
 
 
+@pytest.mark.parametrize(("probe", "path", "shown"), [
+    ("readinessProbe", "/v2/health/live", "the readinessProbe asks '/v2/health/live', not a readiness endpoint"),
+    ("readinessProbe", "/", "the readinessProbe asks '/', not a readiness endpoint"),
+    ("livenessProbe", "/v2/health/ready", "the livenessProbe asks the readiness endpoint '/v2/health/ready'"),
+    ("livenessProbe", "/v2/models/llama/ready", "the livenessProbe asks the readiness endpoint"),
+])
+def test_probe_endpoints(probe, path, shown, compat):
+    stack = compliant_stack()
+    container(stack)[probe]["httpGet"]["path"] = path
+    _check(stack, compat, "serving-probes", shown)
+
+
+@pytest.mark.parametrize("path", ["/health/ready", "/v2/models/llama/ready", "/v2/models/llama/versions/1/ready"])
+def test_other_ready_endpoints_are_fine(path, compat):
+    stack = compliant_stack()
+    container(stack)["readinessProbe"]["httpGet"]["path"] = path
+    assert stack.evaluate(compat) == []
+
+
 def test_startup_budget_below_configured_load_time(compat):
     stack = compliant_stack()
     stack.models()[0]["loadTimeSeconds"] = 1800
