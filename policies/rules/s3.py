@@ -23,6 +23,7 @@ SSE_TYPES = (
 VERSIONING_TYPES = ("aws:s3/bucketVersioning:BucketVersioning", "aws:s3/bucketVersioningV2:BucketVersioningV2")
 PAB_TYPES = ("aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock",)
 POLICY_TYPES = ("aws:s3/bucketPolicy:BucketPolicy",)
+REPLICATION_TYPES = ("aws:s3/bucketReplicationConfig:BucketReplicationConfig",)
 LIFECYCLE_TYPES = (
     "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration",
     "aws:s3/bucketLifecycleConfigurationV2:BucketLifecycleConfigurationV2",
@@ -185,6 +186,25 @@ def _validate_noncurrent_expiry(args: StackValidationArgs, report: ReportViolati
             )
 
 
+def _validate_replication(args: StackValidationArgs, report: ReportViolation) -> None:
+    index = StackIndex(args.resources)
+    for bucket in index.of_type(*BUCKET_TYPES):
+        if not set(_sse_algorithms(index, bucket)) & set(KMS_ALGORITHMS):
+            continue
+        for config in _side(index, REPLICATION_TYPES, bucket):
+            for rule in iter_mappings(get(config.props, "rules")):
+                if get(rule, "status") != "Enabled":
+                    continue
+                label = f"{_label(bucket)} replication rule {get(rule, 'id') or '?'!r}"
+                if get(rule, "sourceSelectionCriteria", "sseKmsEncryptedObjects", "status") != "Enabled":
+                    report(f"{label} does not select SSE-KMS objects (sourceSelectionCriteria.sseKmsEncryptedObjects):"
+                           f" S3 silently skips every KMS-encrypted object, which here is every model package",
+                           bucket.urn)
+                if not get(rule, "destination", "encryptionConfiguration", "replicaKmsKeyId"):
+                    report(f"{label} names no destination.encryptionConfiguration.replicaKmsKeyId: KMS-encrypted "
+                           f"objects cannot be replicated without a key in the destination region", bucket.urn)
+
+
 s3_encryption = StackValidationPolicy(
     name="s3-bucket-encryption",
     description="Every S3 bucket has default server-side encryption.",
@@ -222,4 +242,20 @@ s3_noncurrent_expiry = StackValidationPolicy(
     enforcement_level=EnforcementLevel.ADVISORY,
 )
 
-POLICIES = [s3_encryption, s3_versioning, s3_public_access_block, s3_tls_only, s3_kms, s3_noncurrent_expiry]
+s3_replication_kms = StackValidationPolicy(
+    name="s3-replication-kms-objects",
+    description="Replication of a KMS-encrypted bucket selects SSE-KMS objects and re-encrypts them with a "
+                "destination key.",
+    validate=_validate_replication,
+    enforcement_level=EnforcementLevel.MANDATORY,
+)
+
+POLICIES = [
+    s3_encryption,
+    s3_versioning,
+    s3_public_access_block,
+    s3_tls_only,
+    s3_replication_kms,
+    s3_kms,
+    s3_noncurrent_expiry,
+]

@@ -30,7 +30,7 @@ ISSUE_MANDATORY = {
 }
 # Beyond the issue's list: what a reviewer of this platform would also block.
 EXTRA_MANDATORY = {"iam-irsa-trust-scoped", "serving-update-timeout", "rollout-gpu-surge-bound",
-                   "eks-private-endpoint-in-prod"}
+                   "eks-private-endpoint-in-prod", "s3-replication-kms-objects"}
 
 
 @pytest.fixture

@@ -133,3 +133,37 @@ def test_invalid_bucket_policy_json_is_reported(compat):
     stack = compliant_stack()
     inputs_of(stack, "models-policy")["policy"] = "{not json"
     assert any("is not valid JSON" in m for m in messages(stack.evaluate(compat), "s3-tls-only"))
+
+
+# -- replication of KMS-encrypted objects --------------------------------------------------------------------------
+
+
+def _with_replication(stack, **rule):
+    replication_rule = {
+        "id": "to-us-west-2", "status": "Enabled", "filter": {"prefix": ""},
+        "deleteMarkerReplication": {"status": "Enabled"},
+        "sourceSelectionCriteria": {"sseKmsEncryptedObjects": {"status": "Enabled"}},
+        "destination": {"bucket": "arn:aws:s3:::models-prod-us-west-2",
+                        "encryptionConfiguration": {"replicaKmsKeyId": "arn:aws:kms:us-west-2:1:key/k"}},
+    }
+    replication_rule.update(rule)
+    stack.add("aws:s3/bucketReplicationConfig:BucketReplicationConfig", "models-replication", {
+        "bucket": "models-prod-us-east-1", "role": "arn:aws:iam::1:role/replication", "rules": [replication_rule]},
+        depends_on=["models"])
+    return stack
+
+
+def test_replication_of_kms_objects(compat):
+    assert _with_replication(compliant_stack()).evaluate(compat) == []
+    stack = _with_replication(compliant_stack(), sourceSelectionCriteria={},
+                              destination={"bucket": "arn:aws:s3:::models-prod-us-west-2"})
+    findings = stack.evaluate(compat)
+    assert fired(findings) == {"s3-replication-kms-objects"}
+    shown = messages(findings, "s3-replication-kms-objects")
+    assert any("'to-us-west-2' does not select SSE-KMS objects" in m and "silently skips" in m for m in shown)
+    assert any("names no destination.encryptionConfiguration.replicaKmsKeyId" in m for m in shown)
+
+
+def test_disabled_replication_rule_is_not_judged(compat):
+    stack = _with_replication(compliant_stack(), status="Disabled", sourceSelectionCriteria={})
+    assert stack.evaluate(compat) == []

@@ -114,6 +114,9 @@ MUTATIONS: dict[str, Callable] = {
         res, "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock")[0].inputs.update(restrictPublicBuckets=False),
     "s3-tls-only": lambda res, cfg: _policy_doc(_of(res, "aws:s3/bucketPolicy:BucketPolicy")[0],
                                                 lambda doc: doc["Statement"][0].update(Effect="Allow")),
+    "s3-replication-kms-objects": lambda res, cfg: _of(
+        res, "aws:s3/bucketReplicationConfig:BucketReplicationConfig")[0].inputs["rules"][0].pop(
+        "sourceSelectionCriteria"),
     "fsx-persistent-2-in-prod": lambda res, cfg: _of(res, "aws:fsx/lustreFileSystem:LustreFileSystem")[0].inputs
     .update(deploymentType="SCRATCH_2"),
     "fsx-encryption": lambda res, cfg: _of(res, "aws:fsx/lustreFileSystem:LustreFileSystem")[0].inputs
