@@ -36,7 +36,8 @@ class ThreadPool {
   uint64_t generation_ = 0;
   bool stop_ = false;
   int job_threads_ = 0;
-  int pending_ = 0;
+  bool open_ = false;  // workers may still join the current job
+  int inflight_ = 0;   // workers inside the current job
   const std::function<void(int64_t, int64_t)>* job_ = nullptr;
   std::atomic<int64_t> next_{0};
   int64_t n_ = 0, grain_ = 1;
@@ -68,6 +69,9 @@ class Batch {
                  const int32_t* mask_rows, int64_t n, int threads);
   void apply_bf16(uint16_t* logits, int64_t row_stride, int32_t ncols, const int32_t* logit_rows,
                   const int32_t* mask_rows, int64_t n, int threads);
+  // Write -inf over `n` floats with the apply's own store loop and no mask to read: the bandwidth probe behind
+  // the benchmark's physical floor (streaming or plain stores).
+  void write_neg_inf(float* out, int64_t n, bool stream, int threads);
 
  private:
   void check(int32_t row) const;

@@ -98,8 +98,9 @@ struct RowState {
 void fill_row(const RowState& state, uint32_t* row, int32_t words, std::vector<int32_t>& dirty,
               std::vector<Token>& scratch);
 
-// Set logits to -inf where the mask bit is 0, for `n` columns. Multiversioned for AVX-512/AVX2/baseline.
-void apply_row_f32(float* logits, const uint32_t* mask, int32_t n);
-void apply_row_bf16(uint16_t* logits, const uint32_t* mask, int32_t n);
+// Set logits to -inf where the mask bit is 0, for `n` columns. Multiversioned for AVX-512/AVX2/baseline; `stream`
+// writes fully masked words with non-temporal stores (for logits much larger than the caches).
+void apply_row_f32(float* logits, const uint32_t* mask, int32_t n, bool stream);
+void apply_row_bf16(uint16_t* logits, const uint32_t* mask, int32_t n, bool stream);
 
 }  // namespace cons

@@ -29,6 +29,9 @@ void ThreadPool::work(const std::function<void(int64_t, int64_t)>& fn) {
   }
 }
 
+// A worker joins a job only while it is open; the caller closes it once every chunk is claimed and waits only
+// for workers that joined. So a worker that is slow to wake (a busy machine) never delays the caller: it finds
+// the job closed and goes back to sleep, and the caller has done its share of the work.
 void ThreadPool::worker_loop(int id) {
   uint64_t seen = 0;
   for (;;) {
@@ -38,12 +41,13 @@ void ThreadPool::worker_loop(int id) {
       start_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
       if (stop_) return;
       seen = generation_;
-      if (id + 1 >= job_threads_) continue;  // not needed for this job
+      if (!open_ || id + 1 >= job_threads_) continue;
+      ++inflight_;
       job = job_;
     }
     work(*job);
     std::lock_guard<std::mutex> lock(mu_);
-    if (--pending_ == 0) done_cv_.notify_one();
+    if (--inflight_ == 0) done_cv_.notify_one();
   }
 }
 
@@ -61,16 +65,18 @@ void ThreadPool::run(int64_t n, int threads, int64_t grain, const std::function<
     std::lock_guard<std::mutex> lock(mu_);
     job_ = &fn;
     job_threads_ = threads;
-    pending_ = threads - 1;
+    inflight_ = 0;
+    open_ = true;
     n_ = n;
     grain_ = grain;
     next_.store(0);
     ++generation_;
   }
   start_cv_.notify_all();
-  work(fn);
+  work(fn);  // returns once every chunk is claimed
   std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait(lock, [&] { return pending_ == 0; });
+  open_ = false;
+  done_cv_.wait(lock, [&] { return inflight_ == 0; });
   job_ = nullptr;
 }
 
@@ -140,6 +146,9 @@ void Batch::apply_impl(T* logits, int64_t row_stride, int32_t ncols, const int32
   // Tasks are (row, column chunk) pairs so that a single wide row still spreads over the threads.
   constexpr int32_t kChunk = 32 * 1024;  // columns, a multiple of 32
   const int64_t chunks = (ncols + kChunk - 1) / kChunk;
+  // Streaming stores pay off once the logits cannot stay in the caches anyway (the sampler reads them next).
+  constexpr int64_t kStreamBytes = 32ll << 20;
+  const bool stream = n * static_cast<int64_t>(ncols) * static_cast<int64_t>(sizeof(T)) >= kStreamBytes;
   pool_.run(n * chunks, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t i = t / chunks;
@@ -147,7 +156,7 @@ void Batch::apply_impl(T* logits, int64_t row_stride, int32_t ncols, const int32
       const int32_t width = std::min(kChunk, ncols - c0);
       T* row = logits + static_cast<int64_t>(logit_rows[i]) * row_stride + c0;
       const uint32_t* mask = bitmask_.data() + static_cast<size_t>(mask_rows[i]) * static_cast<size_t>(words_) + c0 / 32;
-      kernel(row, mask, width);
+      kernel(row, mask, width, stream);
     }
   });
 }
@@ -160,6 +169,17 @@ void Batch::apply_f32(float* logits, int64_t row_stride, int32_t ncols, const in
 void Batch::apply_bf16(uint16_t* logits, int64_t row_stride, int32_t ncols, const int32_t* logit_rows,
                        const int32_t* mask_rows, int64_t n, int threads) {
   apply_impl(logits, row_stride, ncols, logit_rows, mask_rows, n, threads, apply_row_bf16);
+}
+
+void Batch::write_neg_inf(float* out, int64_t n, bool stream, int threads) {
+  constexpr int64_t kChunk = 32 * 1024;
+  static const std::vector<uint32_t> zeros(kChunk / 32, 0u);  // an all-masked word row
+  pool_.run((n + kChunk - 1) / kChunk, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t at = c * kChunk;
+      apply_row_f32(out + at, zeros.data(), static_cast<int32_t>(std::min(kChunk, n - at)), stream);
+    }
+  });
 }
 
 }  // namespace cons

@@ -7,6 +7,11 @@
 #include <limits>
 #include <string>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#include <xmmintrin.h>
+#endif
+
 namespace cons {
 namespace {
 
@@ -332,16 +337,36 @@ void fill_row(const RowState& state, uint32_t* row, int32_t words, std::vector<i
   }
 }
 
-// Two loops the compiler vectorises: a fully masked word is 32 plain stores, a mixed word a masked blend.
+// Two loops the compiler vectorises: a fully masked word is 32 plain stores, a mixed word a masked blend. With
+// `stream`, fully masked words are written with non-temporal stores: for logits far larger than the caches this
+// skips the read-for-ownership of every line, so the apply moves only the bytes it must write.
+namespace {
+#if defined(__SSE2__)
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+#endif
+}  // namespace
+
 __attribute__((target_clones("avx512f", "avx2", "default"))) void apply_row_f32(float* logits, const uint32_t* mask,
-                                                                                 int32_t n) {
+                                                                                 int32_t n, bool stream) {
   const float ninf = -std::numeric_limits<float>::infinity();
   const int32_t full = n / 32;
+#if defined(__SSE2__)
+  stream = stream && aligned16(logits);
+  const __m128 vninf = _mm_set1_ps(ninf);
+#else
+  stream = false;
+#endif
   for (int32_t w = 0; w < full; ++w) {
     const uint32_t bits = mask[w];
     float* l = logits + static_cast<int64_t>(w) * 32;
     if (bits == 0xFFFFFFFFu) continue;
     if (bits == 0) {
+#if defined(__SSE2__)
+      if (stream) {
+        for (int k = 0; k < 32; k += 4) _mm_stream_ps(l + k, vninf);
+        continue;
+      }
+#endif
       for (int k = 0; k < 32; ++k) l[k] = ninf;
       continue;
     }
@@ -353,17 +378,33 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void apply_row_f32(
     float* l = logits + static_cast<int64_t>(full) * 32;
     for (int k = 0; k < rest; ++k) l[k] = ((bits >> k) & 1u) ? l[k] : ninf;
   }
+#if defined(__SSE2__)
+  if (stream) _mm_sfence();  // order the streaming stores before the caller reads the logits
+#endif
 }
 
 __attribute__((target_clones("avx512f", "avx2", "default"))) void apply_row_bf16(uint16_t* logits,
-                                                                                  const uint32_t* mask, int32_t n) {
+                                                                                  const uint32_t* mask, int32_t n,
+                                                                                  bool stream) {
   const uint16_t ninf = 0xFF80;  // bfloat16 -inf
   const int32_t full = n / 32;
+#if defined(__SSE2__)
+  stream = stream && aligned16(logits);
+  const __m128i vninf = _mm_set1_epi16(static_cast<short>(ninf));
+#else
+  stream = false;
+#endif
   for (int32_t w = 0; w < full; ++w) {
     const uint32_t bits = mask[w];
     uint16_t* l = logits + static_cast<int64_t>(w) * 32;
     if (bits == 0xFFFFFFFFu) continue;
     if (bits == 0) {
+#if defined(__SSE2__)
+      if (stream) {
+        for (int k = 0; k < 32; k += 8) _mm_stream_si128(reinterpret_cast<__m128i*>(l + k), vninf);
+        continue;
+      }
+#endif
       for (int k = 0; k < 32; ++k) l[k] = ninf;
       continue;
     }
@@ -375,6 +416,9 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void apply_row_bf16
     uint16_t* l = logits + static_cast<int64_t>(full) * 32;
     for (int k = 0; k < rest; ++k) l[k] = ((bits >> k) & 1u) ? l[k] : ninf;
   }
+#if defined(__SSE2__)
+  if (stream) _mm_sfence();
+#endif
 }
 
 }  // namespace cons

@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <thread>
 
 #include "constraint_batch.hpp"
@@ -174,6 +175,19 @@ class Engine {
     return static_cast<int>(rows.size());
   }
 
+  double write_bandwidth(py::array_t<float, py::array::c_style> buf, bool stream, int threads, int repeats) {
+    float* p = buf.mutable_data();
+    const int64_t n = buf.size();
+    double best = 1e300;
+    py::gil_scoped_release release;
+    for (int i = 0; i < repeats; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      batch_.write_neg_inf(p, n, stream, threads);
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return static_cast<double>(n) * sizeof(float) / best;
+  }
+
   std::vector<Token> allowed(int32_t row) {
     std::vector<Token> out;
     const uint32_t* dense = nullptr;
@@ -278,6 +292,8 @@ PYBIND11_MODULE(_native, m) {
            py::arg("dtype"), py::arg("logit_rows"), py::arg("mask_rows"), py::arg("threads") = 0)
       .def("fill_apply", &Engine::fill_apply, py::arg("ptr"), py::arg("nrows"), py::arg("ncols"),
            py::arg("row_stride"), py::arg("dtype"), py::arg("threads") = 0)
+      .def("write_bandwidth", &Engine::write_bandwidth, py::arg("buffer"), py::arg("stream"), py::arg("threads") = 0,
+           py::arg("repeats") = 5, "Best bytes/s writing -inf over `buffer` (float32) with the apply's store loop.")
       .def("allowed", &Engine::allowed, py::arg("row"))
       .def("finished", &Engine::finished, py::arg("row"))
       .def("consumed", &Engine::consumed, py::arg("row"))

@@ -97,3 +97,15 @@ def test_bad_logits_are_refused():
         batch.core.apply(torch.zeros(2, 64, dtype=torch.float64).data_ptr(), 2, 64, 64, "float64", [0], [0])
     with pytest.raises(IndexError, match="logit row 5 out of range"):
         batch.core.apply(torch.zeros(2, 64).data_ptr(), 2, 64, 64, "float32", [5], [0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_logits_take_the_streaming_path_and_stay_exact(dtype):
+    """Above 32 MiB of logits the core writes fully masked words with non-temporal stores."""
+    vocab, rows = 131_072, 140 if dtype == torch.bfloat16 else 70
+    batch, sets = random_batch(vocab, rows, seed=11)
+    logits = torch.randn(rows, vocab).to(dtype)
+    assert logits.numel() * logits.element_size() >= 32 << 20
+    want = expected_logits(logits, sets)
+    batch.fill_apply(logits)
+    assert torch.equal(logits, want)

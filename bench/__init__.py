@@ -1,0 +1,1 @@
+"""Benchmarks: each module has `run(out_dir) -> {"title", "markdown", "plots"}`, collected by `make bench`."""
