@@ -77,6 +77,16 @@ class VllmEngine(_Strict):
     model: str = "weights"
     tokenizer: str | None = None
     args: dict[str, Any] = Field(default_factory=dict)
+    # What the model serves: "generate" (completions, chat, scoring) and/or "embed" (/v1/embeddings, a pooling
+    # engine on the same weights).
+    tasks: list[Literal["generate", "embed"]] = Field(default_factory=lambda: ["generate"], min_length=1)
+
+    @field_validator("tasks")
+    @classmethod
+    def _unique_tasks(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"engine.tasks lists a task twice: {v}")
+        return v
 
     @field_validator("model", "tokenizer")
     @classmethod

@@ -313,6 +313,7 @@ class PackageSpec:
     backend: Backend = Backend.VLLM
     serving_mode: ServingMode = ServingMode.OPENAI
     engine_args: dict | None = None
+    tasks: tuple[str, ...] = ("generate",)
     plugins: tuple[Path, ...] = ()
     python_model: Path | None = None
     config_pbtxt: Path | None = None
@@ -359,7 +360,8 @@ def build_package(spec: PackageSpec, out: Path) -> Path:
         if spec.backend is Backend.VLLM:
             if spec.model_dir is None:
                 raise PackageError("a vllm-backend package needs a model directory")
-            engine = VllmEngine(model="weights", tokenizer="weights", args=dict(spec.engine_args or {}))
+            engine = VllmEngine(model="weights", tokenizer="weights", args=dict(spec.engine_args or {}),
+                                tasks=list(spec.tasks))
             fingerprint = VLLM_IO_FINGERPRINT
         else:
             if spec.python_model is None or spec.config_pbtxt is None:

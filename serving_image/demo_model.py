@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 DEMO_MODEL_ID = "demo-tiny"
+BUILD_REVISION = 2  # bump when the builder changes, so cached builds are replaced
 TOKENIZER_VOCAB = 1024
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 CHAT_TEMPLATE = (
@@ -51,7 +52,7 @@ def _train_tokenizer(out_dir: Path) -> None:
     )
     tokenizer.train_from_iterator(_CORPUS * 4, trainer=trainer)
     wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=512
+        tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=2048
     )
     wrapped.chat_template = CHAT_TEMPLATE
     wrapped.save_pretrained(str(out_dir))
@@ -79,7 +80,7 @@ def build_demo_model(out_dir: Path, *, vocab_size: int | None = None, seed: int 
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=512,
+        max_position_embeddings=2048,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -92,7 +93,8 @@ def build_demo_model(out_dir: Path, *, vocab_size: int | None = None, seed: int 
     model.save_pretrained(str(out_dir), safe_serialization=True)
     # Record how it was made, so a reader of the directory knows it is a random model.
     (out_dir / "demo_model.json").write_text(
-        json.dumps({"id": DEMO_MODEL_ID, "seed": seed, "vocab_size": vocab, "random_weights": True}, indent=2) + "\n"
+        json.dumps({"id": DEMO_MODEL_ID, "build": BUILD_REVISION, "seed": seed, "vocab_size": vocab,
+                    "random_weights": True}, indent=2) + "\n"
     )
     return out_dir
 
@@ -103,7 +105,8 @@ def ensure_demo_model(out_dir: Path, *, vocab_size: int | None = None, seed: int
     if marker.exists():
         recorded = json.loads(marker.read_text())
         wanted_vocab = vocab_size or recorded.get("vocab_size")
-        if recorded.get("seed") == seed and recorded.get("vocab_size") == wanted_vocab:
+        if (recorded.get("build"), recorded.get("seed"), recorded.get("vocab_size")) == \
+                (BUILD_REVISION, seed, wanted_vocab):
             if (Path(out_dir) / "model.safetensors").exists():
                 return Path(out_dir)
     return build_demo_model(out_dir, vocab_size=vocab_size, seed=seed)

@@ -198,10 +198,11 @@ async def _start_engine(package: VerifiedPackage, config: StartupConfig):
         model_path=package.root / engine_cfg.model,
         tokenizer_path=package.root / (engine_cfg.tokenizer or engine_cfg.model),
         args=args,
+        tasks=tuple(engine_cfg.tasks),
     )
     info = engine.info
-    return (f"vLLM {_vllm_version()} ready: {info.name} {info.version}, context {info.max_model_len}, "
-            f"vocabulary {info.vocab_size}"), engine
+    return (f"vLLM {_vllm_version()} ready: {info.name} {info.version}, tasks {'+'.join(engine_cfg.tasks)}, "
+            f"context {info.max_model_len}, vocabulary {info.vocab_size}"), engine
 
 
 def _vllm_version() -> str:
@@ -229,7 +230,10 @@ def _uvicorn_server(app, host: str, port: int):
 async def _open_ports(started: Started, config: StartupConfig) -> str:
     from serving_image.metrics.frontend import FrontendMetrics, serve_frontend_metrics
     from serving_image.metrics.proxy import ProxyConfig, start_proxy
+    from serving_image.openai_api.admission import APIConfig
     from serving_image.openai_api.app import create_app
+
+    api_config = APIConfig.from_env()  # a bad LLM_SERVING_* value fails this step, naming the variable
 
     metrics = FrontendMetrics()
     frontend_metrics = serve_frontend_metrics(metrics, port=config.frontend_metrics_port)
@@ -237,7 +241,7 @@ async def _open_ports(started: Started, config: StartupConfig) -> str:
     proxy = start_proxy(ProxyConfig(multiproc_dir=config.multiproc_dir, upstream_url=frontend_metrics.url,
                                     host=config.host, port=config.metrics_port))
     started.servers.append(proxy)
-    app = create_app(started.engine, metrics, is_draining=lambda: started.draining)
+    app = create_app(started.engine, metrics, is_draining=lambda: started.draining, config=api_config)
     openai_server = _uvicorn_server(app, config.host, config.openai_port)
     started.uvicorn_servers.append(openai_server)
     task = asyncio.create_task(openai_server.serve(), name="openai-http")

@@ -112,6 +112,19 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     eos_token_id: int | None
+    embedding_dim: int | None = None  # set when the model also serves embeddings
+
+
+@dataclass(frozen=True)
+class Embedding:
+    vector: tuple[float, ...]
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class CandidateScore:
+    logprob: float  # sum of the candidate's token log-probabilities given the prompt
+    tokens: int
 
 
 class Engine(abc.ABC):
@@ -143,6 +156,12 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def render_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str: ...
+
+    async def embed(self, inputs: list[str | list[int]], request_id: str) -> list[Embedding]:
+        raise EngineInputError(f"model {self.info.name} does not serve embeddings", "model")
+
+    async def score(self, prompt: str, candidates: list[str], request_id: str) -> list[CandidateScore]:
+        raise EngineInputError(f"model {self.info.name} does not serve scoring", "model")
 
     @abc.abstractmethod
     async def shutdown(self) -> None: ...

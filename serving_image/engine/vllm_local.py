@@ -7,6 +7,7 @@ vLLM is imported only when an engine is built, so that `PROMETHEUS_MULTIPROC_DIR
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import gc
 import logging
@@ -16,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from serving_image.engine.base import (
+    CandidateScore,
     ChoiceDelta,
+    Embedding,
     Engine,
     EngineInputError,
     EngineOutput,
@@ -143,21 +146,34 @@ def _logprobs(token_ids, entries, tokenizer, k: int) -> tuple[TokenLogprob, ...]
 
 
 class VllmLocalEngine(Engine):
-    def __init__(self, llm, info: ModelInfo):
+    def __init__(self, llm, info: ModelInfo, embedder=None):
         self._llm = llm
+        self._embedder = embedder  # a second, pooling AsyncLLM on the same weights when "embed" is served
         self.info = info
         self._tokenizer = llm.get_tokenizer()
         self._control_ids = control_token_ids(self._tokenizer, info.vocab_size)
 
     @classmethod
     async def start(cls, *, name: str, version: str, model_path: Path, tokenizer_path: Path | None,
-                    args: dict[str, Any]) -> VllmLocalEngine:
+                    args: dict[str, Any], tasks: tuple[str, ...] = ("generate",)) -> VllmLocalEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        engine_args = build_engine_args(model_path, tokenizer_path, args)
-        llm = AsyncLLM.from_engine_args(engine_args)
+        started = []
         try:
+            llm = AsyncLLM.from_engine_args(build_engine_args(model_path, tokenizer_path, args))
+            started.append(llm)
             await llm.check_health()
+            embedding_dim = None
+            embedder = None
+            if "embed" in tasks:
+                # vLLM serves one task per engine: embeddings come from a pooling engine on the same weights.
+                pooling_args = {k: v for k, v in args.items() if k not in ("structured_outputs_config",)}
+                pooling_args.setdefault("kv_cache_memory_bytes", 64 * 1024 * 1024)
+                embedder = AsyncLLM.from_engine_args(build_engine_args(
+                    model_path, tokenizer_path, {**pooling_args, "runner": "pooling", "convert": "embed"}))
+                started.append(embedder)
+                await embedder.check_health()
+                embedding_dim = embedder.model_config.get_hidden_size()
             model_config = llm.model_config
             tokenizer = llm.get_tokenizer()
             info = ModelInfo(
@@ -166,23 +182,28 @@ class VllmLocalEngine(Engine):
                 max_model_len=model_config.max_model_len,
                 vocab_size=model_config.get_vocab_size(),
                 eos_token_id=tokenizer.eos_token_id,
+                embedding_dim=embedding_dim,
             )
         except BaseException:
-            llm.shutdown()
+            for engine in started:
+                engine.shutdown()
             raise
-        return cls(llm, info)
+        return cls(llm, info, embedder)
 
     def is_ready(self) -> bool:
-        return self._llm is not None and not self._llm.errored and not self._llm.is_stopped
+        return self.dead_reason is None
 
     @property
     def dead_reason(self) -> str | None:
         if self._llm is None:
             return "engine shut down"
-        if self._llm.errored:
-            return f"vLLM engine died: {self._llm.dead_error!r}"
-        if self._llm.is_stopped:
-            return "vLLM engine stopped"
+        for label, llm in (("vLLM engine", self._llm), ("vLLM pooling engine", self._embedder)):
+            if llm is None:
+                continue
+            if llm.errored:
+                return f"{label} died: {llm.dead_error!r}"
+            if llm.is_stopped:
+                return f"{label} stopped"
         return None
 
     def encode_prompt(self, text: str, *, add_special_tokens: bool) -> list[int]:
@@ -247,9 +268,64 @@ class VllmLocalEngine(Engine):
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
 
+    async def embed(self, inputs: list[str | list[int]], request_id: str) -> list[Embedding]:
+        from vllm import PoolingParams
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self._embedder is None:
+            return await super().embed(inputs, request_id)
+        prompts = [list(item) if isinstance(item, list) else self.encode_prompt(item, add_special_tokens=True)
+                   for item in inputs]
+        for i, ids in enumerate(prompts):
+            if len(ids) > self.info.max_model_len:
+                raise EngineInputError(f"input[{i}] has {len(ids)} tokens; the context window is "
+                                       f"{self.info.max_model_len}", f"input[{i}]" if len(prompts) > 1 else "input")
+
+        async def one(i: int, ids: list[int]) -> Embedding:
+            final = None
+            async for output in self._embedder.encode({"prompt_token_ids": ids}, PoolingParams(task="embed"),
+                                                      f"{request_id}-{i}"):
+                final = output
+            return Embedding(tuple(float(x) for x in final.outputs.data.tolist()), len(ids))
+
+        try:
+            return list(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts))))
+        except EngineDeadError as exc:
+            raise EngineUnavailableError(f"vLLM pooling engine died: {exc}") from exc
+
+    async def score(self, prompt: str, candidates: list[str], request_id: str) -> list[CandidateScore]:
+        """Sum of log P(candidate token | prompt, earlier candidate tokens), read from the prefill's prompt
+        logprobs; one generated token is the engine's minimum and is discarded. The prompt and each candidate
+        are tokenized separately (no merge across the boundary), so every candidate shares the prompt's prefix
+        and vLLM's prefix cache serves it once."""
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        prompt_ids = self.encode_prompt(prompt, add_special_tokens=True)
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+
+        async def one(i: int, candidate: str) -> CandidateScore:
+            ids = self.encode_prompt(candidate, add_special_tokens=False)
+            full = prompt_ids + ids
+            if len(full) >= self.info.max_model_len:
+                raise EngineInputError(f"prompt plus candidates[{i}] is {len(full)} tokens; the context window is "
+                                       f"{self.info.max_model_len}", f"candidates[{i}]")
+            final = None
+            async for output in self._llm.generate({"prompt_token_ids": full}, params, f"{request_id}-{i}"):
+                final = output
+            positions = final.prompt_logprobs[len(prompt_ids):]
+            total = sum(entry[token].logprob for entry, token in zip(positions, ids, strict=True))
+            return CandidateScore(logprob=float(total), tokens=len(ids))
+
+        try:
+            return list(await asyncio.gather(*(one(i, c) for i, c in enumerate(candidates))))
+        except EngineDeadError as exc:
+            raise EngineUnavailableError(f"vLLM engine died: {exc}") from exc
+
     async def shutdown(self) -> None:
-        llm, self._llm = self._llm, None
-        if llm is not None:
+        llms = [llm for llm in (self._llm, self._embedder) if llm is not None]
+        self._llm = self._embedder = None
+        for llm in llms:
             llm.shutdown()
-            del llm
-            gc.collect()  # let AsyncLLM.__del__ run now, not during interpreter teardown (it fails there)
+        del llms
+        gc.collect()  # let AsyncLLM.__del__ run now, not during interpreter teardown (it fails there)

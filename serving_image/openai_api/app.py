@@ -1,113 +1,86 @@
-"""The OpenAI-compatible HTTP front-end (port 9000, ARCHITECTURE §3.2) over the engine interface."""
+"""The OpenAI-compatible HTTP front-end (port 9000, ARCHITECTURE §3.2) over the engine interface.
+
+Endpoints: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming), /v1/embeddings, the /v1/score
+extension, /health/ready and /health/live. Every request body is parsed by a strict model (fields.py classifies
+every OpenAI field); errors have OpenAI's shape and status codes, and nothing a client sends yields a 500.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import base64
 import json
 import logging
+import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving_image.engine.base import (
-    Engine,
-    EngineInputError,
-    EngineOutput,
-    EngineRequest,
-    EngineUnavailableError,
-)
+from serving_image.engine.base import Engine, EngineInputError, EngineRequest, EngineUnavailableError
 from serving_image.metrics.frontend import FrontendMetrics
 from serving_image.openai_api import translate
+from serving_image.openai_api.admission import Admission, APIConfig, check_api_key
 from serving_image.openai_api.errors import APIError, bad_request, from_validation_error
-from serving_image.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from serving_image.openai_api.openapi import install_openapi
+from serving_image.openai_api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ScoreRequest,
+)
+from serving_image.openai_api.streaming import (
+    Outcome,
+    StreamPlan,
+    engine_error,
+    first_then_rest,
+    merged,
+    stream_events,
+)
 
 request_log = logging.getLogger("llm_serving.requests")
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 8 * 1024 * 1024
-
-
-@dataclass
-class _Outcome:
-    """What the request log and the Triton-named metrics record about one request."""
-
-    status: int = 200
-    failure: str = "OTHER"
-    first_response_s: float | None = None
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
-
-
-async def _first_then_rest(stream: AsyncIterator[EngineOutput]) -> tuple[EngineOutput, AsyncIterator[EngineOutput]]:
-    """Pull the first output so that refusals (400) and an unavailable engine (503) are reported before a 200 and
-    its event stream have been sent."""
-    first = await stream.__anext__()
-
-    async def rest() -> AsyncIterator[EngineOutput]:
-        yield first
-        async for item in stream:
-            yield item
-
-    return first, rest()
-
-
-def _engine_error(exc: Exception) -> APIError:
-    if isinstance(exc, EngineInputError):
-        return bad_request(str(exc), param=exc.param)
-    if isinstance(exc, EngineUnavailableError):
-        return APIError(503, str(exc), type_="service_unavailable", code="engine_unavailable")
-    return APIError(500, f"internal error: {exc}", type_="server_error")
-
-
-async def _merged(streams: list[AsyncIterator[EngineOutput]]) -> AsyncIterator[tuple[int, EngineOutput]]:
-    """Interleave several engine streams (a completions request with a list of prompts) as outputs arrive."""
-    if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, stream: AsyncIterator[EngineOutput]) -> None:
-        try:
-            async for item in stream:
-                await queue.put((i, item))
-        except BaseException as exc:  # handed to the consumer, which re-raises it
-            await queue.put((i, exc))
-        finally:
-            await queue.put((i, done))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
+ENDPOINTS = {
+    "chat": ("/v1/chat/completions", ChatCompletionRequest, "chatcmpl"),
+    "completion": ("/v1/completions", CompletionRequest, "cmpl"),
+    "embedding": ("/v1/embeddings", EmbeddingRequest, "embd"),
+    "score": ("/v1/score", ScoreRequest, "score"),
+}
+_METADATA_FIELDS = ("user", "metadata", "safety_identifier", "prompt_cache_key")
 
 
 def create_app(engine: Engine, metrics: FrontendMetrics | None = None,
-               is_draining: Callable[[], bool] = lambda: False) -> FastAPI:
+               is_draining: Callable[[], bool] = lambda: False, config: APIConfig | None = None) -> FastAPI:
+    config = config or APIConfig()
     app = FastAPI(title="llm-serving OpenAI-compatible API", docs_url=None, redoc_url=None)
     info = engine.info
+    admission = Admission(config)
+    app.state.admission = admission
     if metrics is not None:
         metrics.register_model(info.name, info.version)
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None,
+                        type_="invalid_request_error").response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return bad_request(f"invalid request: {exc.errors()[0]['msg']}").response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error")  # a bug of ours, not the client's input: say so
+        return APIError(500, f"internal error ({type(exc).__name__})", type_="server_error").response()
 
     @app.get("/health/live")
     async def live() -> Response:
@@ -122,215 +95,264 @@ def create_app(engine: Engine, metrics: FrontendMetrics | None = None,
         return JSONResponse({"status": "not ready", "reason": engine.dead_reason}, status_code=503)
 
     def model_card() -> dict:
-        return {"id": info.name, "object": "model", "created": 0, "owned_by": "llm-serving",
-                "version": info.version, "max_model_len": info.max_model_len}
+        return {"id": info.name, "object": "model", "created": 0, "owned_by": "llm-serving"}
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(request: Request) -> dict:
+        check_api_key(config, request.headers.get("authorization"))
         return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model_id}")
-    async def model(model_id: str) -> dict:
+    async def model(model_id: str, request: Request) -> dict:
+        check_api_key(config, request.headers.get("authorization"))
         if model_id != info.name:
             raise APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
         return model_card()
 
-    async def parse(request: Request, model_cls):
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}",
+    async def parse(request: Request, kind: str):
+        endpoint, model_cls, _ = ENDPOINTS[kind]
+        check_api_key(config, request.headers.get("authorization"))
+        if is_draining() or not engine.is_ready():
+            raise APIError(503, f"not ready: {engine.dead_reason or 'draining'}", type_="service_unavailable",
+                           code="not_ready")
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > config.max_body_bytes:
+            raise APIError(413, f"request body is {declared} bytes; the limit is {config.max_body_bytes}",
                            code="request_too_large")
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw.extend(chunk)
+            if len(raw) > config.max_body_bytes:
+                raise APIError(413, f"request body exceeds the limit of {config.max_body_bytes} bytes",
+                               code="request_too_large")
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
         if not isinstance(body, dict):
-            raise bad_request("request body must be a JSON object")
+            raise bad_request("request body must be a JSON object", code="invalid_json")
         try:
             parsed = model_cls.model_validate(body)
         except ValidationError as exc:
-            raise from_validation_error(exc) from exc
+            raise from_validation_error(exc, endpoint) from exc
         if parsed.model != info.name:
             raise APIError(404, f"The model '{parsed.model}' does not exist; this server serves '{info.name}'",
                            param="model", code="model_not_found")
         return parsed
 
+    def finish(request_id: str, kind: str, parsed, outcome: Outcome, started: float) -> None:
+        duration = time.perf_counter() - started
+        record = {"request_id": request_id, "endpoint": kind, "model": info.name, "version": info.version,
+                  "status": outcome.status, "prompt_tokens": outcome.prompt_tokens,
+                  "completion_tokens": outcome.completion_tokens, "duration_s": round(duration, 4)}
+        for field in _METADATA_FIELDS:
+            value = getattr(parsed, field, None)
+            if value is not None:
+                record[field] = value
+        request_log.info(json.dumps(record))
+        if metrics is not None:
+            metrics.observe(info.name, info.version, success=outcome.status == 200, duration_s=duration,
+                            failure_reason=outcome.failure, first_response_s=outcome.first_response_s)
+
     async def run(request: Request, kind: str, handler) -> Response:
         started = time.perf_counter()
-        outcome = _Outcome()
-        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        user = None
+        outcome = Outcome()
+        request_id = f"{ENDPOINTS[kind][2]}-{uuid.uuid4().hex}"
+        parsed = None
         try:
-            parsed = await parse(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
-            user = parsed.user
-            response = await handler(parsed, request_id, outcome, started)
+            parsed = await parse(request, kind)
+            response = await handler(parsed, request_id, outcome, started,
+                                     lambda: finish(request_id, kind, parsed, outcome, started))
         except APIError as exc:
             outcome.status = exc.status
             outcome.failure = "REJECTED" if exc.status < 500 else "BACKEND"
             response = exc.response()
         if not isinstance(response, StreamingResponse):
-            _finish(request_id, kind, user, outcome, started)
-        else:
-            response.background = _Finisher(request_id, kind, user, outcome, started)
+            finish(request_id, kind, parsed, outcome, started)
         return response
 
-    def _finish(request_id: str, kind: str, user: str | None, outcome: _Outcome, started: float) -> None:
-        duration = time.perf_counter() - started
-        request_log.info(json.dumps({
-            "request_id": request_id, "endpoint": kind, "model": info.name, "version": info.version,
-            "user": user, "status": outcome.status, "prompt_tokens": outcome.prompt_tokens,
-            "completion_tokens": outcome.completion_tokens, "duration_s": round(duration, 4),
-        }))
-        if metrics is not None:
-            metrics.observe(info.name, info.version, success=outcome.status == 200, duration_s=duration,
-                            failure_reason=outcome.failure, first_response_s=outcome.first_response_s)
-
-    class _Finisher:
-        def __init__(self, *args):
-            self.args = args
-
-        async def __call__(self) -> None:
-            _finish(*self.args)
+    # -- completions and chat ----------------------------------------------------------------------------------
 
     def engine_requests(parsed, request_id: str) -> list[EngineRequest]:
         spec = translate.sampling_spec(parsed, info)
-        if isinstance(parsed, ChatCompletionRequest):
-            try:
-                prompt = engine.render_chat(translate.chat_messages(parsed))
-            except EngineInputError as exc:
-                raise bad_request(str(exc), param=exc.param) from exc
-            return [EngineRequest(request_id, prompt, spec, add_special_tokens=False)]
-        prompts = parsed.prompt
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        try:
+            if isinstance(parsed, ChatCompletionRequest):
+                text = engine.render_chat(translate.chat_messages(parsed))
+                prompts = [engine.encode_prompt(text, add_special_tokens=False)]
+            else:
+                raw = parsed.prompt
+                items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw
+                prompts = []
+                for i, item in enumerate(items):
+                    name = f"prompt[{i}]" if len(items) > 1 else "prompt"
+                    if isinstance(item, list):
+                        bad = [t for t in item if not 0 <= t < info.vocab_size]
+                        if bad:
+                            raise bad_request(f"{name}: token id {bad[0]} is outside the vocabulary "
+                                              f"(0..{info.vocab_size - 1})", param=name)
+                        prompts.append(list(item))
+                    elif item == "":
+                        raise bad_request(f"{name} is empty", param=name)
+                    else:
+                        prompts.append(engine.encode_prompt(item, add_special_tokens=True))
+        except EngineInputError as exc:
+            raise bad_request(str(exc), param=exc.param) from exc
         requests = []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, list) and any(not 0 <= t < info.vocab_size for t in prompt):
-                raise bad_request(f"prompt: token ids must be in 0..{info.vocab_size - 1}", param="prompt")
-            if prompt == "":
-                raise bad_request(f"prompt[{i}] is empty", param=f"prompt[{i}]" if len(prompts) > 1 else "prompt")
-            requests.append(EngineRequest(f"{request_id}-{i}", prompt, spec))
+        for i, ids in enumerate(prompts):
+            param = "messages" if isinstance(parsed, ChatCompletionRequest) else (
+                f"prompt[{i}]" if len(prompts) > 1 else "prompt")
+            room = info.max_model_len - len(ids)
+            if room <= 0:
+                raise bad_request(f"{param}: the prompt has {len(ids)} tokens; this model's context window is "
+                                  f"{info.max_model_len}", param=param, code="context_length_exceeded")
+            if spec.max_tokens is not None and spec.max_tokens > room:
+                field = "max_completion_tokens" if getattr(parsed, "max_completion_tokens", None) else "max_tokens"
+                raise bad_request(f"{field} {spec.max_tokens} plus the prompt's {len(ids)} tokens exceed this "
+                                  f"model's context window of {info.max_model_len} tokens", param=field,
+                                  code="context_length_exceeded")
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            requests.append(EngineRequest(rid, ids, spec, add_special_tokens=False))
         return requests
 
-    async def start_streams(requests: list[EngineRequest]) -> list[AsyncIterator[EngineOutput]]:
+    def budget(requests: list[EngineRequest]) -> int:
+        total = 0
+        for req in requests:
+            out = req.sampling.max_tokens or (info.max_model_len - len(req.prompt))
+            total += len(req.prompt) + out * req.sampling.n
+        return total
+
+    async def start_streams(requests: list[EngineRequest]):
         streams = []
         try:
             for req in requests:
-                _first, stream = await _first_then_rest(engine.generate(req))
-                streams.append(stream)
+                streams.append(await first_then_rest(engine.generate(req)))
         except (EngineInputError, EngineUnavailableError) as exc:
             for req in requests:
                 await engine.abort(req.request_id)
-            raise _engine_error(exc) from exc
+            raise engine_error(exc) from exc
         return streams
 
-    def echo_text(req: EngineRequest) -> str:
-        if isinstance(req.prompt, str):
-            return req.prompt
-        return engine.decode(list(req.prompt))
-
-    async def handle(parsed, request_id: str, outcome: _Outcome, started: float) -> Response:
+    async def generate(parsed, request_id: str, outcome: Outcome, started: float, on_done) -> Response:
         chat = isinstance(parsed, ChatCompletionRequest)
         requests = engine_requests(parsed, request_id)
-        streams = await start_streams(requests)
-        outcome.first_response_s = time.perf_counter() - started
-        n = requests[0].sampling.n
-        want_logprobs = requests[0].sampling.logprobs is not None
-        echo = (not chat) and bool(parsed.echo)
-        if parsed.stream:
-            include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-            events = _stream_events(parsed.model if chat else info.name, request_id, requests, streams, chat, n,
-                                    want_logprobs, include_usage, echo, outcome, echo_text, engine.abort)
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
-        accumulators = [translate.Accumulator(n=n) for _ in requests]
+        tokens = admission.admit(budget(requests))
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                admission.release(tokens)
+
         try:
-            async for i, output in _merged(streams):
-                accumulators[i].add(output)
-        except (EngineInputError, EngineUnavailableError) as exc:
-            raise _engine_error(exc) from exc
+            streams = await start_streams(requests)
+            outcome.first_response_s = time.perf_counter() - started
+            n = requests[0].sampling.n
+            want_logprobs = requests[0].sampling.logprobs is not None
+            echo_texts = ([engine.decode(list(r.prompt)) for r in requests]
+                          if not chat and parsed.echo else None)
+            if parsed.stream:
+                plan = StreamPlan(model=info.name, request_id=request_id, requests=requests, chat=chat, n=n,
+                                  want_logprobs=want_logprobs,
+                                  include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
+                                  echo_texts=echo_texts)
+
+                def done() -> None:
+                    release()
+                    on_done()
+
+                events = stream_events(plan, streams, outcome, engine.abort, done)
+                return StreamingResponse(events, media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
+            accumulators = [translate.Accumulator(n=n) for _ in requests]
+            try:
+                async for i, output in merged(streams):
+                    accumulators[i].add(output)
+            except (EngineInputError, EngineUnavailableError) as exc:
+                raise engine_error(exc) from exc
+        except BaseException:
+            release()
+            raise
+        release()
         outcome.prompt_tokens = sum(a.prompt_tokens for a in accumulators)
         outcome.completion_tokens = sum(a.completion_tokens for a in accumulators)
         if chat:
             return JSONResponse(translate.chat_response(request_id, info.name, accumulators[0], want_logprobs))
-        merged = translate.Accumulator(n=n, prompt_tokens=outcome.prompt_tokens)
+        combined = translate.Accumulator(n=n, prompt_tokens=outcome.prompt_tokens)
         prefixes = {}
         for i, acc in enumerate(accumulators):
             for index, state in acc.choices.items():
-                merged.choices[i * n + index] = state
-                if echo:
-                    prefixes[i * n + index] = echo_text(requests[i])
-        return JSONResponse(translate.completion_response(request_id, info.name, merged, want_logprobs, prefixes))
+                combined.choices[i * n + index] = state
+                if echo_texts is not None:
+                    prefixes[i * n + index] = echo_texts[i]
+        return JSONResponse(translate.completion_response(request_id, info.name, combined, want_logprobs,
+                                                          prefixes))
+
+    # -- embeddings and scoring --------------------------------------------------------------------------------
+
+    async def embeddings(parsed: EmbeddingRequest, request_id: str, outcome: Outcome, started: float,
+                         on_done) -> Response:
+        if info.embedding_dim is None:
+            raise bad_request(f"model {info.name} does not serve embeddings (its package's engine.tasks has no "
+                              "'embed')", param="model", code="embeddings_not_served")
+        if parsed.dimensions is not None and parsed.dimensions != info.embedding_dim:
+            raise bad_request(f"dimensions {parsed.dimensions}: this model's embeddings have "
+                              f"{info.embedding_dim} dimensions and are not truncated", param="dimensions")
+        raw = parsed.input
+        items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+        for i, item in enumerate(items):
+            if isinstance(item, list) and any(not 0 <= t < info.vocab_size for t in item):
+                name = f"input[{i}]" if len(items) > 1 else "input"
+                raise bad_request(f"{name}: token ids must be in 0..{info.vocab_size - 1}", param=name)
+        tokens = admission.admit(sum(len(i) if isinstance(i, list) else len(i) // 2 + 1 for i in items))
+        try:
+            vectors = await engine.embed(items, request_id)
+        except (EngineInputError, EngineUnavailableError) as exc:
+            raise engine_error(exc) from exc
+        finally:
+            admission.release(tokens)
+        outcome.prompt_tokens = sum(v.prompt_tokens for v in vectors)
+        data = []
+        for i, vector in enumerate(vectors):
+            if parsed.encoding_format == "base64":
+                value = base64.b64encode(struct.pack(f"<{len(vector.vector)}f", *vector.vector)).decode()
+            else:
+                value = list(vector.vector)
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        return JSONResponse({"object": "list", "data": data, "model": info.name,
+                             "usage": {"prompt_tokens": outcome.prompt_tokens,
+                                       "total_tokens": outcome.prompt_tokens}})
+
+    async def score(parsed: ScoreRequest, request_id: str, outcome: Outcome, started: float,
+                    on_done) -> Response:
+        tokens = admission.admit(len(parsed.prompt) // 2 + sum(len(c) for c in parsed.candidates))
+        try:
+            scores = await engine.score(parsed.prompt, parsed.candidates, request_id)
+        except (EngineInputError, EngineUnavailableError) as exc:
+            raise engine_error(exc) from exc
+        finally:
+            admission.release(tokens)
+        return JSONResponse({
+            "id": request_id, "object": "score", "model": info.name,
+            "data": [{"index": i, "candidate": c, "logprob": s.logprob, "tokens": s.tokens}
+                     for i, (c, s) in enumerate(zip(parsed.candidates, scores, strict=True))],
+        })
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await run(request, "chat", handle)
+        return await run(request, "chat", generate)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await run(request, "completion", handle)
+        return await run(request, "completion", generate)
 
+    @app.post("/v1/embeddings")
+    async def embeddings_route(request: Request) -> Response:
+        return await run(request, "embedding", embeddings)
+
+    @app.post("/v1/score")
+    async def score_route(request: Request) -> Response:
+        return await run(request, "score", score)
+
+    install_openapi(app, {kind: (path, model) for kind, (path, model, _) in ENDPOINTS.items()})
     return app
-
-
-def _sse(body: dict) -> bytes:
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
-
-
-async def _stream_events(model: str, request_id: str, requests: list[EngineRequest],
-                         streams: list[AsyncIterator[EngineOutput]], chat: bool, n: int, want_logprobs: bool,
-                         include_usage: bool, echo: bool, outcome: _Outcome, echo_text,
-                         abort) -> AsyncIterator[bytes]:
-    created = int(time.time())
-    accumulators = [translate.Accumulator(n=n) for _ in requests]
-    chunk = translate.chat_chunk if chat else translate.completion_chunk
-    extra = {"usage": None} if include_usage else {}
-    finished = False
-    try:
-        if chat:
-            yield _sse(dict(chunk(request_id, model, created, [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                for i in range(n)]), **extra))
-        elif echo:
-            yield _sse(dict(chunk(request_id, model, created, [
-                {"index": p * n + i, "text": echo_text(req), "logprobs": None, "finish_reason": None}
-                for p, req in enumerate(requests) for i in range(n)]), **extra))
-        async for p, output in _merged(streams):
-            accumulators[p].add(output)
-            choices = []
-            for delta in output.choices:
-                index = p * n + delta.index
-                finish = translate.openai_finish_reason(delta)
-                logprobs = None
-                if want_logprobs and delta.logprobs is not None:
-                    logprobs = (translate.chat_logprobs(list(delta.logprobs)) if chat
-                                else translate.completion_logprobs(list(delta.logprobs)))
-                if not delta.text and finish is None and not delta.token_ids:
-                    continue
-                if chat:
-                    choices.append({"index": index, "delta": {"content": delta.text} if delta.text else {},
-                                    "logprobs": logprobs, "finish_reason": finish})
-                else:
-                    choices.append({"index": index, "text": delta.text, "logprobs": logprobs,
-                                    "finish_reason": finish})
-            if choices:
-                yield _sse(dict(chunk(request_id, model, created, choices), **extra))
-        outcome.prompt_tokens = sum(a.prompt_tokens for a in accumulators)
-        outcome.completion_tokens = sum(a.completion_tokens for a in accumulators)
-        if include_usage:
-            yield _sse(chunk(request_id, model, created, [],
-                             translate.usage(outcome.prompt_tokens, outcome.completion_tokens)))
-        yield b"data: [DONE]\n\n"
-        finished = True
-    except (EngineInputError, EngineUnavailableError) as exc:
-        error = _engine_error(exc)
-        outcome.status, outcome.failure = error.status, "BACKEND"
-        yield _sse(error.body())
-        yield b"data: [DONE]\n\n"
-        finished = True
-    finally:
-        if not finished:
-            # The client went away mid-stream: stop spending engine time on it.
-            outcome.status, outcome.failure = 499, "CANCELED"
-            for req in requests:
-                await asyncio.shield(abort(req.request_id))

@@ -15,12 +15,13 @@ class APIError(Exception):
         self.type = type_
         self.param = param
         self.code = code
+        self.headers: dict[str, str] = {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -50,16 +51,19 @@ def _loc(loc: tuple) -> str:
     return out
 
 
-def from_validation_error(exc: ValidationError) -> APIError:
+def from_validation_error(exc: ValidationError, endpoint: str = "") -> APIError:
     """The first problem, named by its field path (the client fixes one thing at a time; the rest are listed)."""
+    from serving_image.openai_api.fields import refusal_reason
+
     errors = exc.errors()
     # Prefer "unknown field" errors: they are the ones that would otherwise be silent drops.
     errors.sort(key=lambda e: e["type"] != "extra_forbidden")
     first = errors[0]
     param = _loc(first["loc"]) or None
     if first["type"] == "extra_forbidden":
-        message = (f"Unsupported parameter: '{param}' is not supported by this server; "
-                   "it would be ignored, so the request is refused (see docs/openai-fields.md)")
+        reason = refusal_reason(endpoint, param) or "this server does not know it"
+        message = (f"Unsupported parameter: '{param}' is not supported by this server ({reason}); it would be "
+                   "ignored, so the request is refused (see docs/openai-fields.md)")
         code = "unsupported_parameter"
     elif first["type"] == "missing":
         message = f"Missing required parameter: '{param}'"

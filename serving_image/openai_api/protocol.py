@@ -135,6 +135,10 @@ class _SamplingFields(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # Metadata: no effect on the output, recorded in the request log (fields.py).
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -161,4 +165,36 @@ class CompletionRequest(_SamplingFields):
     def _check_prompt(cls, v):
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
+        return v
+
+
+class EmbeddingRequest(_Strict):
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _check_input(cls, v):
+        if v == "" or (isinstance(v, list) and (not v or any(item in ("", []) for item in v))):
+            raise ValueError("input must not be empty")
+        return v
+
+
+class ScoreRequest(_Strict):
+    """Platform extension: log-probability of each candidate continuation of a prompt, from the prefill alone."""
+
+    model: str
+    prompt: str = Field(min_length=1)
+    candidates: list[str] = Field(min_length=1, max_length=256)
+    user: str | None = None
+
+    @field_validator("candidates")
+    @classmethod
+    def _check_candidates(cls, v):
+        for i, candidate in enumerate(v):
+            if not candidate:
+                raise ValueError(f"candidates[{i}] is empty")
         return v

@@ -1,0 +1,100 @@
+"""Who may call, and how much work is let in: bearer API keys and admission limits.
+
+Admission is bounded instead of queueing without limit: past `max_concurrent_requests` requests in flight, or
+`max_inflight_tokens` tokens (prompt plus the most it may generate, over all requests in flight), a request gets 429
+with `Retry-After`, so a client backs off and a load balancer can send it elsewhere.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from serving_image.openai_api.errors import APIError
+
+ENV_API_KEYS = "LLM_SERVING_API_KEYS"  # comma-separated
+ENV_API_KEYS_FILE = "LLM_SERVING_API_KEYS_FILE"  # one key per line, '#' comments
+ENV_LIMITS = {
+    "max_body_bytes": "LLM_SERVING_MAX_BODY_BYTES",
+    "max_concurrent_requests": "LLM_SERVING_MAX_CONCURRENT_REQUESTS",
+    "max_inflight_tokens": "LLM_SERVING_MAX_INFLIGHT_TOKENS",
+}
+
+
+@dataclass(frozen=True)
+class APIConfig:
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_concurrent_requests: int = 512
+    max_inflight_tokens: int = 4_000_000
+    retry_after_s: int = 1
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> APIConfig:
+        keys: list[str] = [k.strip() for k in environ.get(ENV_API_KEYS, "").split(",") if k.strip()]
+        if environ.get(ENV_API_KEYS_FILE):
+            path = Path(environ[ENV_API_KEYS_FILE])
+            try:
+                lines = path.read_text().splitlines()
+            except OSError as exc:
+                raise ValueError(f"{ENV_API_KEYS_FILE}={path}: cannot read the key file ({exc})") from exc
+            keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+            if not keys:
+                raise ValueError(f"{ENV_API_KEYS_FILE}={path}: the key file holds no key")
+        limits = {}
+        for field, variable in ENV_LIMITS.items():
+            if variable in environ:
+                value = environ[variable]
+                if not value.isdigit() or int(value) < 1:
+                    raise ValueError(f"{variable}={value!r}: expected a positive integer")
+                limits[field] = int(value)
+        return cls(api_keys=tuple(keys), **limits)
+
+
+def check_api_key(config: APIConfig, authorization: str | None) -> None:
+    """Raise 401 unless the bearer token is one of the keys. Every key is compared, each in constant time."""
+    if not config.api_keys:
+        return
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+    matched = False
+    for key in config.api_keys:
+        matched |= hmac.compare_digest(token.strip().encode(), key.encode())
+    if not matched:
+        raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+
+
+class Admission:
+    """Counts requests and tokens in flight; the event loop is single-threaded, so plain integers suffice."""
+
+    def __init__(self, config: APIConfig):
+        self.config = config
+        self.requests = 0
+        self.tokens = 0
+
+    def admit(self, tokens: int) -> int:
+        if self.requests + 1 > self.config.max_concurrent_requests:
+            raise self._busy(f"{self.requests} requests in flight (limit {self.config.max_concurrent_requests})")
+        if self.tokens + tokens > self.config.max_inflight_tokens:
+            if tokens > self.config.max_inflight_tokens:
+                raise APIError(400, f"the request needs up to {tokens} tokens (prompt plus max tokens for every "
+                                    f"choice); this server admits at most {self.config.max_inflight_tokens}",
+                               param="max_tokens", code="request_too_large")
+            raise self._busy(f"{self.tokens} tokens in flight (limit {self.config.max_inflight_tokens})")
+        self.requests += 1
+        self.tokens += tokens
+        return tokens
+
+    def release(self, tokens: int) -> None:
+        self.requests -= 1
+        self.tokens -= tokens
+
+    def _busy(self, why: str) -> APIError:
+        error = APIError(429, f"Server busy: {why}; retry after {self.config.retry_after_s}s",
+                         type_="rate_limit_error", code="server_busy")
+        error.headers = {"Retry-After": str(self.config.retry_after_s)}
+        return error

@@ -1,0 +1,92 @@
+"""The served OpenAPI document (/openapi.json): request bodies from the strict request models, responses from the
+official `openai` client's own response types, errors in OpenAI's shape. Fuzzing (schemathesis) runs against it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+REF = "#/components/schemas/{model}"
+
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+EMBEDDINGS_SCHEMA = {
+    "type": "object",
+    "required": ["object", "data", "model", "usage"],
+    "properties": {
+        "object": {"const": "list"},
+        "model": {"type": "string"},
+        "data": {"type": "array", "items": {"type": "object", "required": ["object", "index", "embedding"],
+                                            "properties": {"object": {"const": "embedding"},
+                                                           "index": {"type": "integer"},
+                                                           "embedding": {"anyOf": [
+                                                               {"type": "array", "items": {"type": "number"}},
+                                                               {"type": "string"}]}}}},
+        "usage": {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
+                                                   "total_tokens": {"type": "integer"}}},
+    },
+}
+SCORE_SCHEMA = {
+    "type": "object",
+    "required": ["id", "object", "model", "data"],
+    "properties": {
+        "id": {"type": "string"}, "object": {"const": "score"}, "model": {"type": "string"},
+        "data": {"type": "array", "items": {"type": "object", "required": ["index", "candidate", "logprob", "tokens"],
+                                            "properties": {"index": {"type": "integer"},
+                                                           "candidate": {"type": "string"},
+                                                           "logprob": {"type": "number"},
+                                                           "tokens": {"type": "integer"}}}},
+    },
+}
+ERROR_STATUSES = {"400": "bad input", "401": "missing or wrong API key", "404": "unknown model",
+                  "413": "body too large", "429": "admission limit hit (see Retry-After)", "503": "not ready"}
+
+
+def _schema(model: type[BaseModel], components: dict[str, Any]) -> dict:
+    schema = model.model_json_schema(ref_template=REF)
+    components.update(schema.pop("$defs", {}))
+    return schema
+
+
+def _response_schemas(components: dict[str, Any]) -> dict[str, dict]:
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    return {
+        "chat": _schema(ChatCompletion, components),
+        "completion": _schema(Completion, components),
+        "embedding": EMBEDDINGS_SCHEMA,
+        "score": SCORE_SCHEMA,
+    }
+
+
+def install_openapi(app: FastAPI, endpoints: dict[str, tuple[str, type[BaseModel]]]) -> None:
+    def build() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        spec = get_openapi(title=app.title, version="1", routes=app.routes)
+        components = spec.setdefault("components", {}).setdefault("schemas", {})
+        responses = _response_schemas(components)
+        components["Error"] = ERROR_SCHEMA
+        for kind, (path, model) in endpoints.items():
+            ok: dict[str, Any] = {"application/json": {"schema": responses[kind]}}
+            if kind in ("chat", "completion"):
+                ok["text/event-stream"] = {"schema": {"type": "string"}}
+            operation = spec["paths"][path]["post"]
+            operation["requestBody"] = {"required": True,
+                                        "content": {"application/json": {"schema": _schema(model, components)}}}
+            operation["responses"] = {"200": {"description": "OK", "content": ok}, **{
+                status: {"description": why, "content": {"application/json": {"schema": {"$ref": REF.format(
+                    model="Error")}}}} for status, why in ERROR_STATUSES.items()}}
+        app.openapi_schema = spec
+        return spec
+
+    app.openapi = build

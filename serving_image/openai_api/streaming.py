@@ -1,0 +1,154 @@
+"""Engine streams to OpenAI server-sent events, and the helpers both response styles share."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from serving_image.engine.base import EngineInputError, EngineOutput, EngineRequest, EngineUnavailableError
+from serving_image.openai_api import translate
+from serving_image.openai_api.errors import APIError, bad_request
+
+
+@dataclass
+class Outcome:
+    """What the request log and the Triton-named metrics record about one request."""
+
+    status: int = 200
+    failure: str = "OTHER"
+    first_response_s: float | None = None
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+def engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, EngineInputError):
+        return bad_request(str(exc), param=exc.param)
+    if isinstance(exc, EngineUnavailableError):
+        return APIError(503, str(exc), type_="service_unavailable", code="engine_unavailable")
+    return APIError(500, f"internal error: {exc}", type_="server_error")
+
+
+async def first_then_rest(stream: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
+    """Pull the first output now, so that a refusal (400) or an unavailable engine (503) is reported before a 200
+    and its event stream have been sent; return a stream that yields it again, then the rest."""
+    first = await stream.__anext__()
+
+    async def rest() -> AsyncIterator[EngineOutput]:
+        yield first
+        async for item in stream:
+            yield item
+
+    return rest()
+
+
+async def merged(streams: list[AsyncIterator[EngineOutput]]) -> AsyncIterator[tuple[int, EngineOutput]]:
+    """Interleave several engine streams (a completions request with a list of prompts) as outputs arrive."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[EngineOutput]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item))
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def sse(body: dict) -> bytes:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
+
+
+@dataclass
+class StreamPlan:
+    model: str
+    request_id: str
+    requests: list[EngineRequest]
+    chat: bool
+    n: int
+    want_logprobs: bool
+    include_usage: bool
+    echo_texts: list[str] | None  # completions with echo: the prompt text per prompt
+
+
+async def stream_events(plan: StreamPlan, streams: list[AsyncIterator[EngineOutput]], outcome: Outcome,
+                        abort: Callable[[str], Awaitable[None]], on_done: Callable[[], None]) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    accumulators = [translate.Accumulator(n=plan.n) for _ in plan.requests]
+    chunk = translate.chat_chunk if plan.chat else translate.completion_chunk
+    extra = {"usage": None} if plan.include_usage else {}
+    n = plan.n
+    finished = False
+    try:
+        if plan.chat:
+            yield sse(dict(chunk(plan.request_id, plan.model, created, [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(n)]), **extra))
+        elif plan.echo_texts is not None:
+            yield sse(dict(chunk(plan.request_id, plan.model, created, [
+                {"index": p * n + i, "text": text, "logprobs": None, "finish_reason": None}
+                for p, text in enumerate(plan.echo_texts) for i in range(n)]), **extra))
+        async for p, output in merged(streams):
+            accumulators[p].add(output)
+            outcome.completion_tokens = sum(a.completion_tokens for a in accumulators)
+            choices = []
+            for delta in output.choices:
+                finish = translate.openai_finish_reason(delta)
+                if not delta.text and finish is None and not delta.token_ids:
+                    continue
+                logprobs = None
+                if plan.want_logprobs and delta.logprobs is not None:
+                    logprobs = (translate.chat_logprobs(list(delta.logprobs)) if plan.chat
+                                else translate.completion_logprobs(list(delta.logprobs)))
+                if plan.chat:
+                    choices.append({"index": p * n + delta.index,
+                                    "delta": {"content": delta.text} if delta.text else {},
+                                    "logprobs": logprobs, "finish_reason": finish})
+                else:
+                    choices.append({"index": p * n + delta.index, "text": delta.text, "logprobs": logprobs,
+                                    "finish_reason": finish})
+            if choices:
+                yield sse(dict(chunk(plan.request_id, plan.model, created, choices), **extra))
+        outcome.prompt_tokens = sum(a.prompt_tokens for a in accumulators)
+        if plan.include_usage:
+            yield sse(chunk(plan.request_id, plan.model, created, [],
+                            translate.usage(outcome.prompt_tokens, outcome.completion_tokens)))
+        yield b"data: [DONE]\n\n"
+        finished = True
+    except (EngineInputError, EngineUnavailableError) as exc:
+        error = engine_error(exc)
+        outcome.status, outcome.failure = error.status, "BACKEND"
+        yield sse(error.body())
+        yield b"data: [DONE]\n\n"
+        finished = True
+    finally:
+        if not finished:
+            # The client went away mid-stream: stop spending engine time on it.
+            outcome.status, outcome.failure = 499, "CANCELED"
+            for req in plan.requests:
+                await asyncio.shield(abort(req.request_id))
+        on_done()
