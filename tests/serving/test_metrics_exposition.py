@@ -100,7 +100,10 @@ def test_prometheus_client_output_converts_to_its_own_0_0_4_text():
     ]  # incl. the *_created gauges that prometheus_client writes beside counters and histograms
 
 
-names = st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True)
+names = st.one_of(
+    st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True),
+    st.sampled_from(["x", "x_total", "y_total", "x_created", "h_count"]),  # names that clash in OpenMetrics
+)
 label_values = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=8)
 values = st.one_of(st.floats(allow_nan=False), st.just(math.inf), st.just(-math.inf))
 
@@ -123,6 +126,49 @@ def families(draw):
     return out
 
 
+@st.composite
+def histograms_and_summaries(draw):
+    """Histograms and summaries as an upstream may send them: valid, or breaking OpenMetrics' rules."""
+    out = []
+    for name, kind in (("h", "histogram"), ("q", "summary")):
+        samples = []
+        for group in draw(st.lists(st.sampled_from(["a", "b"]), max_size=2, unique=True)):
+            base = (("g", group),)
+            if kind == "histogram":
+                les = draw(st.lists(st.sampled_from(["0.5", "1.0", "1", "-1.0", "+Inf"]), max_size=4, unique=True))
+                for le in les:
+                    labels = tuple(sorted(base + (("le", le),)))
+                    samples.append(Sample("h_bucket", labels, draw(st.sampled_from([0.0, 1.0, 2.0, 2.5, -1.0]))))
+            else:
+                for q in draw(st.lists(st.sampled_from(["0.5", "0.99", "1.5", "0.50"]), max_size=3, unique=True)):
+                    labels = tuple(sorted(base + (("quantile", q),)))
+                    samples.append(Sample("q", labels, draw(st.sampled_from([0.1, 3.0, -2.0, math.nan]))))
+            for suffix in draw(st.lists(st.sampled_from(["_count", "_sum"]), max_size=2, unique=True)):
+                samples.append(Sample(name + suffix, base, draw(st.sampled_from([0.0, 2.0, 1.5, -1.0]))))
+        out.append(Family(name, kind, "", draw(st.permutations(samples))))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(histograms_and_summaries())
+def test_openmetrics_output_of_any_histogram_or_summary_parses_with_every_series(fams):
+    parsed = list(parse_openmetrics(write_openmetrics(fams).decode()))
+    assert sorted((s.name, tuple(sorted(s.labels.items()))) for f in parsed for s in f.samples) == sorted(
+        (s.name, s.labels) for f in fams for s in f.samples
+    )
+    text = write_text(fams)
+    assert write_text(parse_text(text.decode())) == text  # (NaN != NaN, so compare the text)
+
+
+def test_valid_histogram_stays_a_histogram_in_openmetrics():
+    (family,) = parse_text(
+        '# TYPE h histogram\nh_sum 3\nh_bucket{le="+Inf"} 2\nh_count 2\nh_bucket{le="1.0"} 1\n'
+    )
+    (parsed,) = parse_openmetrics(write_openmetrics([family]).decode())
+    assert parsed.type == "histogram"
+    assert [s.name for s in parsed.samples] == ["h_bucket", "h_bucket", "h_count", "h_sum"]
+
+
 @settings(max_examples=150, deadline=None)
 @given(families())
 def test_write_then_parse_is_identity(fams):
@@ -132,8 +178,15 @@ def test_write_then_parse_is_identity(fams):
 @settings(max_examples=100, deadline=None)
 @given(families())
 def test_openmetrics_output_parses_with_the_reference_parser(fams):
-    parsed = list(parse_openmetrics(write_openmetrics(fams).decode()))
-    assert [f.name for f in parsed] == [f.name for f in fams]
+    parsed = list(parse_openmetrics(write_openmetrics(fams).decode()))  # raises on anything not OpenMetrics
+    typed = {f.name: f.type for f in parsed}
+    for family in fams:
+        if family.type == "gauge":
+            assert typed[family.name] == "gauge"
+    # every series comes through, typed or not
+    assert sorted((s.name, tuple(sorted(s.labels.items()))) for f in parsed for s in f.samples) == sorted(
+        (s.name, s.labels) for f in fams for s in f.samples
+    )
 
 
 def test_promtool_parses_both_writers_output(tmp_path):
@@ -187,3 +240,24 @@ def test_merge_priority_shadowing_and_duplicates():
     assert report.families[1].samples == [Sample("a", (), 1)]
     assert report.duplicate_series == 1
     assert report.shadowed == [("upstream", "vllm:x_total"), ("upstream", "h_bucket")]
+
+
+def test_openmetrics_never_gives_two_families_one_name():
+    """0.0.4 can hold gauge `x` beside counter `x_total`; OpenMetrics would call both `x`, so the counter stays
+    `unknown` under its 0.0.4 name."""
+    fams = [
+        Family("x", "gauge", "", [Sample("x", (), 1)]),
+        Family("x_total", "counter", "", [Sample("x_total", (), 2)]),
+    ]
+    parsed = {f.name: f.type for f in parse_openmetrics(write_openmetrics(fams).decode())}
+    assert parsed == {"x": "gauge", "x_total": "unknown"}
+
+
+def test_openmetrics_counter_whose_created_name_is_taken_stays_unknown():
+    fams = [
+        Family("x_total", "counter", "", [Sample("x_total", (), 1)]),
+        Family("x_created", "gauge", "", [Sample("x_created", (), 2)]),
+        Family("y_total", "counter", "", [Sample("y_total", (), -1)]),  # OpenMetrics counters cannot go negative
+    ]
+    parsed = {f.name: f.type for f in parse_openmetrics(write_openmetrics(fams).decode())}
+    assert parsed == {"x_total": "unknown", "x_created": "gauge", "y_total": "unknown"}
