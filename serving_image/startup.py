@@ -65,6 +65,9 @@ class StartupConfig:
     frontend_metrics_port: int = 8004
     multiproc_dir: Path | None = None  # default: $PROMETHEUS_MULTIPROC_DIR, else <workdir>/prometheus
     engine_overrides: dict = field(default_factory=dict)  # local runs only (e.g. a smaller KV cache in tests)
+    # After SIGTERM, readiness is false and new requests get 503 for this long before the listeners close, so the
+    # load balancer stops sending traffic first (Kubernetes removes endpoints asynchronously). SIGINT skips it.
+    drain_delay_s: float = field(default_factory=lambda: float(os.environ.get("LLM_SERVING_DRAIN_DELAY_S", "5")))
 
 
 @dataclass
@@ -287,13 +290,16 @@ async def close(started: Started) -> None:
     await started.engine.shutdown()
 
 
-async def serve_until_stopped(started: Started) -> int:
+async def serve_until_stopped(started: Started, drain_delay_s: float = 0.0) -> int:
     """Serve until SIGINT/SIGTERM (returns 0) or until the engine dies (returns 1)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     reason: list[str] = []
 
+    signals_seen: list[int] = []
+
     def on_signal(signum: int) -> None:
+        signals_seen.append(signum)
         if not stop.is_set():
             log.info("%s received: draining, readiness is now false", signal.Signals(signum).name)
             started.draining = True
@@ -322,6 +328,9 @@ async def serve_until_stopped(started: Started) -> int:
     watcher = asyncio.create_task(watch_engine())
     await stop.wait()
     watcher.cancel()
+    if reason[:1] == ["signal"] and signals_seen[:1] == [signal.SIGTERM] and drain_delay_s > 0:
+        log.info("draining for %.1fs before closing the listeners", drain_delay_s)
+        await asyncio.sleep(drain_delay_s)
     await close(started)
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.remove_signal_handler(signum)
@@ -341,7 +350,7 @@ async def _main_async(config: StartupConfig, on_ready: Callable[[Started], None]
         return exc.exit_code
     if on_ready is not None:
         on_ready(started)
-    return await serve_until_stopped(started)
+    return await serve_until_stopped(started, config.drain_delay_s)
 
 
 def run(config: StartupConfig, on_ready: Callable[[Started], None] | None = None) -> int:

@@ -11,10 +11,8 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -25,10 +23,8 @@ import pytest
 
 from llm_serving.package import PackageSpec, build_package
 from llm_serving.store import LocalStore
+from tests.serving.server import ENGINE_ARGS, Server, accepts, free_port, publish_demo, start_server
 from tests.serving.wheels import make_wheel, wheel_filename
-
-ENGINE_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 128 * 1024 * 1024}
-START_TIMEOUT_S = 300
 
 PLUGIN_SOURCE = '''
 import os, pathlib
@@ -41,87 +37,22 @@ def register():
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _accepts(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.2)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-class Server:
-    def __init__(self, proc: subprocess.Popen, log_path: Path, ports: dict[str, int], plugin_dir: Path,
-                 multiproc_dir: Path, early_connect: list[str]):
-        self.proc = proc
-        self.log_path = log_path
-        self.ports = ports
-        self.plugin_dir = plugin_dir
-        self.multiproc_dir = multiproc_dir
-        self.early_connect = early_connect
-        self.url = f"http://127.0.0.1:{ports['openai']}"
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-
-def _publish_demo(demo_model_dir: Path, root: Path) -> Path:
-    plugin = root / wheel_filename("demo-plugin")
-    plugin.write_bytes(make_wheel("demo-plugin", files={"demo_plugin.py": PLUGIN_SOURCE},
-                                  entry_points={"vllm.general_plugins": {"demo_plugin": "demo_plugin:register"}}))
-    package = build_package(PackageSpec(demo_model_dir, "demo-tiny", "1.0.0", engine_args=ENGINE_ARGS,
-                                        plugins=(plugin,)), root / "demo.tar.gz")
-    published = LocalStore(root / "store", root / "model-cache").publish(package)
-    return Path(published.model_cache_uri)
-
-
-def start_server(package: Path, workdir: Path, *, extra_env: dict | None = None) -> Server:
-    ports = {"openai": _free_port(), "metrics": _free_port(), "frontend": _free_port()}
-    plugin_dir = workdir / "plugin-trace"
-    plugin_dir.mkdir(parents=True)
-    multiproc = workdir / "prom"
-    multiproc.mkdir()
-    (multiproc / "counter_999999.db").write_bytes(b"stale")  # must be emptied by step 3
-    log_path = workdir / "server.log"
-    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(multiproc), LLM_SERVING_TEST_PLUGIN_DIR=str(plugin_dir),
-               HF_HUB_OFFLINE="1", **(extra_env or {}))
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "serving_image.startup", str(package), "--workdir", str(workdir / "run"),
-             "--host", "127.0.0.1", "--openai-port", str(ports["openai"]), "--metrics-port", str(ports["metrics"]),
-             "--frontend-metrics-port", str(ports["frontend"])],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
-    early: list[str] = []
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-5000:]}")
-        engine_done = "start-engine: done" in log_path.read_text()
-        if _accepts(ports["openai"]):
-            if not engine_done:
-                early.append("openai port accepted before the engine was ready")
-            try:
-                if httpx.get(f"http://127.0.0.1:{ports['openai']}/health/ready", timeout=2).status_code == 200:
-                    return Server(proc, log_path, ports, plugin_dir, multiproc, early)
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"server not ready after {START_TIMEOUT_S}s:\n{log_path.read_text()[-5000:]}")
-
-
 @pytest.fixture(scope="module")
 def server(demo_model_dir: Path, tmp_path_factory) -> Server:
     root = tmp_path_factory.mktemp("startup")
-    package = _publish_demo(demo_model_dir, root)
-    srv = start_server(package, root)
+    plugin = root / wheel_filename("demo-plugin")
+    plugin.write_bytes(make_wheel("demo-plugin", files={"demo_plugin.py": PLUGIN_SOURCE},
+                                  entry_points={"vllm.general_plugins": {"demo_plugin": "demo_plugin:register"}}))
+    package = publish_demo(demo_model_dir, root, plugins=(plugin,))
+    (root / "plugin-trace").mkdir()
+    (root / "prom").mkdir()
+    (root / "prom" / "counter_999999.db").write_bytes(b"stale")  # must be emptied by step 3
+    srv = start_server(package, root / "server", extra_env={
+        "PROMETHEUS_MULTIPROC_DIR": str(root / "prom"), "LLM_SERVING_TEST_PLUGIN_DIR": str(root / "plugin-trace")})
+    srv.plugin_dir = root / "plugin-trace"
+    srv.multiproc_dir = root / "prom"
     yield srv
-    if srv.proc.poll() is None:
-        os.killpg(srv.proc.pid, signal.SIGKILL)
+    srv.kill()
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +201,7 @@ def test_unknown_model_is_404(client: openai.OpenAI):
 
 def test_metrics_proxy_serves_vllm_and_frontend_metrics(server: Server, client: openai.OpenAI):
     client.completions.create(model="demo-tiny", prompt="count me", max_tokens=3)
-    body = httpx.get(f"http://127.0.0.1:{server.ports['metrics']}/metrics", timeout=10).text
+    body = httpx.get(server.metrics_url, timeout=10).text
     assert re.search(r'^nv_inference_request_success\{model="demo-tiny",version="1.0.0"\} [1-9]', body, re.M)
     assert re.search(r"^vllm:generation_tokens_total\{.*\} [1-9]", body, re.M)
 
@@ -283,20 +214,20 @@ def test_sigint_stops_everything(server: Server):
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert alive == []
     for port in server.ports.values():
-        assert not _accepts(port)
+        assert not accepts(port)
 
 
 # -- failures: each names its step, exits non-zero, and never opens a port ----------------------------------------
 
 
 def _run_to_failure(package: Path, workdir: Path) -> tuple[int, str]:
-    port = _free_port()
+    port = free_port()
     result = subprocess.run(
         [sys.executable, "-m", "serving_image.startup", str(package), "--workdir", str(workdir),
-         "--host", "127.0.0.1", "--openai-port", str(port), "--metrics-port", str(_free_port()),
-         "--frontend-metrics-port", str(_free_port())],
+         "--host", "127.0.0.1", "--openai-port", str(port), "--metrics-port", str(free_port()),
+         "--frontend-metrics-port", str(free_port())],
         capture_output=True, text=True, timeout=240, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert not _accepts(port)
+    assert not accepts(port)
     return result.returncode, result.stderr
 
 

@@ -1,0 +1,109 @@
+"""Run the real serving entrypoint (`python -m serving_image.startup`) as a child process for a test module."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from llm_serving.package import PackageSpec, build_package
+from llm_serving.store import LocalStore
+
+START_TIMEOUT_S = 300
+ENGINE_ARGS = {"max_model_len": 2048, "kv_cache_memory_bytes": 128 * 1024 * 1024}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def accepts(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    log_path: Path
+    ports: dict[str, int]
+    workdir: Path
+    early_connect: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['openai']}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                return self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                raise
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+def publish_demo(demo_model_dir: Path, root: Path, *, version: str = "1.0.0", tasks=("generate",),
+                 plugins: tuple[Path, ...] = (), engine_args: dict | None = None) -> Path:
+    """Package the demo model, publish it to a local store and return its model-cache directory."""
+    package = build_package(PackageSpec(demo_model_dir, "demo-tiny", version, engine_args=engine_args or ENGINE_ARGS,
+                                        tasks=tuple(tasks), plugins=plugins), root / f"demo-{version}.tar.gz")
+    return Path(LocalStore(root / "store", root / "model-cache").publish(package).model_cache_uri)
+
+
+def start_server(package: Path, workdir: Path, *, extra_env: dict | None = None,
+                 extra_args: list[str] | None = None) -> Server:
+    """Start the entrypoint on free ports and wait until /health/ready answers 200. Records whether the OpenAI
+    port accepted a connection before the engine step had finished (it must not)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    ports = {"openai": free_port(), "metrics": free_port(), "frontend": free_port()}
+    log_path = workdir / "server.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **(extra_env or {}))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "serving_image.startup", str(package), "--workdir", str(workdir / "run"),
+             "--host", "127.0.0.1", "--openai-port", str(ports["openai"]), "--metrics-port", str(ports["metrics"]),
+             "--frontend-metrics-port", str(ports["frontend"]), *(extra_args or [])],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+    server = Server(proc, log_path, ports, workdir)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-5000:]}")
+        engine_done = "start-engine: done" in log_path.read_text()
+        if accepts(ports["openai"]):
+            if not engine_done:
+                server.early_connect.append("openai port accepted before the engine was ready")
+            try:
+                if httpx.get(f"{server.url}/health/ready", timeout=2).status_code == 200:
+                    return server
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.2)
+    server.kill()
+    raise AssertionError(f"server not ready after {START_TIMEOUT_S}s:\n{log_path.read_text()[-5000:]}")
