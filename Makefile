@@ -30,8 +30,7 @@ plan: infra-env checkov-env crd-validate-env
 	$(INFRA)/bin/python -m policies.offline
 
 bench: serving-env
-	@if [ -f bench/run.py ]; then $(SERVING)/bin/python -m bench.run; \
-	else echo "make bench arrives with the benchmark issue (#10): no benchmark yet."; fi
+	$(SERVING)/bin/python -m bench.run
 
 lint: serving-env
 	$(SERVING)/bin/ruff check .
