@@ -1,4 +1,5 @@
-"""Run the real serving entrypoint (`python -m serving_image.startup`) as a child process for a test module."""
+"""Run the real serving entrypoint (`python -m serving_image.startup`) as a child process: for the tests and the
+benchmarks, which must exercise exactly what the image runs."""
 
 from __future__ import annotations
 

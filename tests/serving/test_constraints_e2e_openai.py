@@ -16,7 +16,7 @@ import pytest
 
 from serving_image.constraints.reference import satisfies
 from serving_image.constraints.spec import validate_constraint
-from tests.serving.server import publish_demo, start_server
+from serving_image.local_server import publish_demo, start_server
 
 pytestmark = pytest.mark.slow
 

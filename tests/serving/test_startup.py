@@ -23,7 +23,7 @@ import pytest
 
 from llm_serving.package import PackageSpec, build_package
 from llm_serving.store import LocalStore
-from tests.serving.server import ENGINE_ARGS, Server, accepts, free_port, publish_demo, start_server
+from serving_image.local_server import ENGINE_ARGS, Server, accepts, free_port, publish_demo, start_server
 from tests.serving.wheels import make_wheel, wheel_filename
 
 PLUGIN_SOURCE = '''

@@ -1,0 +1,418 @@
+"""The OpenAI contract, end to end (issue #4): the real entrypoint on the demo model (generation and embeddings
+engines), driven by the official `openai` client (sync and async) and plain HTTP where the client has no call.
+
+One server for the module, with API keys, a body cap and admission limits configured through the environment as in
+production; the last test drains it with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel
+from transformers import AutoTokenizer
+
+from serving_image.local_server import Server, publish_demo, start_server
+
+KEY = "test-key-2"
+MODEL = "demo-tiny"
+MAX_CONCURRENT = 80
+BODY_CAP = 256 * 1024
+
+
+@pytest.fixture(scope="module")
+def server(demo_model_dir: Path, tmp_path_factory) -> Server:
+    root = tmp_path_factory.mktemp("openai-api")
+    package = publish_demo(demo_model_dir, root, tasks=("generate", "embed"))
+    srv = start_server(package, root / "server", extra_env={
+        "LLM_SERVING_API_KEYS": f"test-key-1,{KEY}",
+        "LLM_SERVING_MAX_BODY_BYTES": str(BODY_CAP),
+        "LLM_SERVING_MAX_CONCURRENT_REQUESTS": str(MAX_CONCURRENT),
+        "LLM_SERVING_DRAIN_DELAY_S": "4",
+    })
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_model_dir: Path):
+    return AutoTokenizer.from_pretrained(str(demo_model_dir))
+
+
+@pytest.fixture(scope="module")
+def eos(tokenizer) -> str:
+    return str(tokenizer.eos_token_id)
+
+
+def chat(client: openai.OpenAI, content: str = "hello", **kwargs):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kwargs)
+
+
+def post(server: Server, path: str, body, *, key: str | None = KEY, raw: bytes | None = None) -> httpx.Response:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    return httpx.post(f"{server.url}{path}", content=raw if raw is not None else json.dumps(body), headers=headers,
+                      timeout=120)
+
+
+# -- honoured fields: each one's effect ----------------------------------------------------------------------------
+
+
+def test_greedy_is_deterministic_and_temperature_changes_it(client):
+    a = chat(client, "determinism", max_tokens=24, temperature=0).choices[0].message.content
+    b = chat(client, "determinism", max_tokens=24, temperature=0).choices[0].message.content
+    assert a == b
+    hot = {chat(client, "determinism", max_tokens=24, temperature=2.0).choices[0].message.content for _ in range(3)}
+    assert hot != {a}
+
+
+def test_seed_makes_sampling_reproducible(client):
+    first = chat(client, "seeded", max_tokens=20, temperature=1.0, seed=1234).choices[0].message.content
+    again = chat(client, "seeded", max_tokens=20, temperature=1.0, seed=1234).choices[0].message.content
+    other = chat(client, "seeded", max_tokens=20, temperature=1.0, seed=99).choices[0].message.content
+    assert first == again
+    assert first != other
+
+
+def test_top_p_tiny_is_greedy(client):
+    greedy = chat(client, "top p", max_tokens=16, temperature=0).choices[0].message.content
+    nucleus = chat(client, "top p", max_tokens=16, temperature=1.0, top_p=1e-6).choices[0].message.content
+    assert nucleus == greedy
+
+
+def test_max_tokens_and_max_completion_tokens(client, eos):
+    for kwargs in ({"max_tokens": 9}, {"max_completion_tokens": 11}):
+        response = chat(client, "length", logit_bias={eos: -100}, **kwargs)
+        assert response.usage.completion_tokens == next(iter(kwargs.values()))
+        assert response.choices[0].finish_reason == "length"
+
+
+def test_n_returns_independent_choices(client):
+    response = chat(client, "many", max_tokens=8, n=3, temperature=1.0)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert response.usage.completion_tokens <= 3 * 8
+    assert len({c.message.content for c in response.choices}) > 1
+
+
+def test_stop_truncates_before_the_stop_string(client, eos):
+    full = chat(client, "stop here", max_tokens=40, temperature=0, logit_bias={eos: -100}).choices[0].message.content
+    stop = full[10:14]
+    assert stop and full.index(stop) > 0
+    stopped = chat(client, "stop here", max_tokens=40, temperature=0, logit_bias={eos: -100}, stop=[stop])
+    assert stopped.choices[0].message.content == full[:full.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_and_top_logprobs(client):
+    response = chat(client, "logprobs", max_tokens=6, logprobs=True, top_logprobs=3, temperature=0)
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    for position in content:
+        assert len(position.top_logprobs) == 3
+        assert position.logprob <= 0
+        # Greedy: the chosen token is the most likely one.
+        assert position.logprob == pytest.approx(max(t.logprob for t in position.top_logprobs), abs=1e-4)
+    completion = client.completions.create(model=MODEL, prompt="logprobs", max_tokens=5, logprobs=2)
+    assert len(completion.choices[0].logprobs.tokens) == 5
+    assert all(len(top) == 2 for top in completion.choices[0].logprobs.top_logprobs)
+
+
+def test_logit_bias_forces_a_token(client, tokenizer):
+    token = tokenizer.convert_tokens_to_ids("Ġplatform")
+    assert token != tokenizer.unk_token_id
+    response = chat(client, "bias", max_tokens=5, temperature=0, logit_bias={str(token): 100})
+    assert response.choices[0].message.content == " platform" * 5
+
+
+def _repeats(text_tokens: list[str]) -> int:
+    return len(text_tokens) - len(set(text_tokens))
+
+
+@pytest.mark.parametrize("penalty", ["frequency_penalty", "presence_penalty"])
+def test_penalties_reduce_repetition(client, eos, penalty):
+    def tokens(**kwargs) -> list[str]:
+        response = chat(client, "repeat repeat repeat", max_tokens=60, temperature=0, logprobs=True,
+                        logit_bias={eos: -100}, **kwargs)
+        return [p.token for p in response.choices[0].logprobs.content]
+
+    plain = tokens()
+    assert _repeats(plain) > 5, "the greedy demo model repeats itself"
+    assert _repeats(tokens(**{penalty: 2.0})) < _repeats(plain)
+
+
+def test_stream_with_usage(client):
+    chunks = list(chat(client, "stream", max_tokens=10, temperature=0, stream=True,
+                       stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat(client, "stream", max_tokens=10, temperature=0).choices[0].message.content
+
+
+def test_response_format_text_json_object_json_schema(client):
+    assert chat(client, "text", max_tokens=5, response_format={"type": "text"}).choices[0].message.content
+    obj = chat(client, "json", max_tokens=120, response_format={"type": "json_object"}).choices[0]
+    assert obj.finish_reason == "stop" and isinstance(json.loads(obj.message.content), dict)
+    schema = {"type": "object", "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["id", "ok"], "additionalProperties": False}
+    for strict in (True, False):
+        out = chat(client, "schema", max_tokens=120, response_format={
+            "type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": strict}}).choices[0]
+        jsonschema.validate(json.loads(out.message.content), schema)
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+    member: bool
+
+
+def test_parse_with_a_pydantic_model(client):
+    parsed = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "person"}],
+                                           response_format=Person, max_tokens=200)
+    person = parsed.choices[0].message.parsed
+    assert isinstance(person, Person)
+
+
+def test_structured_outputs_extension(client):
+    regex = chat(client, "regex", max_tokens=20, extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}})
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", regex.choices[0].message.content)
+    choice = chat(client, "choice", max_tokens=20, extra_body={"structured_outputs": {"choice": ["red", "blue"]}})
+    assert choice.choices[0].message.content in ("red", "blue")
+    grammar = chat(client, "grammar", max_tokens=20,
+                   extra_body={"structured_outputs": {"grammar": 'root ::= "yes" | "no" | "maybe"'}})
+    assert grammar.choices[0].message.content in ("yes", "no", "maybe")
+
+
+def test_constraint_extension(client, tokenizer):
+    allowed = [tokenizer.convert_tokens_to_ids(t) for t in ("a", "b")]
+    response = chat(client, "constrained", max_tokens=30, temperature=1.0,
+                    extra_body={"constraint": {"kind": "allowed_tokens", "tokens": allowed}})
+    assert set(response.choices[0].message.content) <= {"a", "b"}
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, "bad", extra_body={"constraint": {"kind": "token_dfa", "start": 0, "accept": [1],
+                                                       "edges": [[0, 999999, 1]]}})
+    assert info.value.body["param"].startswith("constraint.edges[0]")
+
+
+def test_completions_list_of_prompts_echo_and_token_ids(client, tokenizer):
+    response = client.completions.create(model=MODEL, prompt=["alpha", "beta"], max_tokens=3, n=2, echo=True,
+                                         temperature=0)
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert response.choices[0].text.startswith("alpha") and response.choices[2].text.startswith("beta")
+    ids = tokenizer.encode("alpha")
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
+    assert by_ids.choices[0].text == response.choices[0].text.removeprefix("alpha")
+
+
+# -- the four workloads --------------------------------------------------------------------------------------------
+
+
+def test_embeddings(client):
+    response = client.embeddings.create(model=MODEL, input=["the platform", "the platform", "a lazy dog"])
+    vectors = [d.embedding for d in response.data]
+    assert len(vectors) == 3 and len(vectors[0]) == 128 and response.usage.prompt_tokens > 0
+    assert vectors[0] == pytest.approx(vectors[1])
+    assert vectors[0] != pytest.approx(vectors[2])
+    b64 = client.embeddings.create(model=MODEL, input="the platform", encoding_format="base64")
+    assert b64.data[0].embedding == pytest.approx(vectors[0], abs=1e-6)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.embeddings.create(model=MODEL, input="x", dimensions=64)
+    assert info.value.body["param"] == "dimensions"
+
+
+def test_score_is_the_prefill_logprob_of_each_candidate(server, client, tokenizer):
+    """/v1/score sums the prompt logprobs of the candidate's tokens from one prefill; the greedy continuation's
+    score equals the sum of the logprobs decoding gave the same tokens."""
+    prompt = "The quick brown"
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=0)
+    continuation = greedy.choices[0].text
+    expected = sum(greedy.choices[0].logprobs.token_logprobs)
+    response = post(server, "/v1/score", {"model": MODEL, "prompt": prompt,
+                                          "candidates": [continuation, " zq zq zq"]})
+    assert response.status_code == 200, response.text
+    data = response.json()["data"]
+    assert data[0]["candidate"] == continuation and data[0]["logprob"] < 0
+    # The generated tokens, re-tokenized from their text, are the same ids: the score is over the same tokens.
+    assert len(tokenizer.encode(continuation, add_special_tokens=False)) == data[0]["tokens"] == 4
+    assert data[0]["logprob"] == pytest.approx(expected, rel=0.02, abs=0.05)
+    assert data[0]["logprob"] > data[1]["logprob"]
+    bad = post(server, "/v1/score", {"model": MODEL, "prompt": prompt, "candidates": []})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "candidates"
+
+
+# -- errors --------------------------------------------------------------------------------------------------------
+
+
+def test_auth(server):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    assert post(server, "/v1/completions", body, key=None).status_code == 401
+    wrong = post(server, "/v1/completions", body, key="nope")
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    assert post(server, "/v1/completions", body, key="test-key-1").status_code == 200
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    assert httpx.get(f"{server.url}/health/ready").status_code == 200  # probes need no key
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "raw", "status", "param", "code"),
+    [
+        ("/v1/completions", None, b"{not json", 400, None, "invalid_json"),
+        ("/v1/completions", None, b"[1, 2]", 400, None, "invalid_json"),
+        ("/v1/completions", {"model": MODEL, "prompt": 5}, None, 400, "prompt", "invalid_value"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, None, 400, "temperature",
+         "invalid_value"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, None, 400, "n", "invalid_value"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x " * 3000}, None, 400, "prompt", "context_length_exceeded"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4000}, None, 400, "max_tokens",
+         "context_length_exceeded"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, None, 400, "messages", "invalid_value"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []}, None,
+         400, "tools", "unsupported_parameter"),
+        ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, None, 404, "model", "model_not_found"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x" * (BODY_CAP + 10)}, None, 413, None, "request_too_large"),
+        ("/v1/embeddings", {"model": MODEL, "input": ""}, None, 400, "input", "invalid_value"),
+    ],
+)
+def test_errors_have_openai_shape_and_status(server, path, body, raw, status, param, code):
+    response = post(server, path, body, raw=raw)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["param"], error["code"]) == (param, code)
+    if param:
+        assert param.split("[")[0] in error["message"]
+
+
+def test_admission_limit_answers_429_with_retry_after(server, eos):
+    """More concurrent requests than the limit: the surplus is refused at once, not queued."""
+    body = {"model": MODEL, "prompt": "busy", "max_tokens": 300, "logit_bias": {eos: -100}}
+    results: list[httpx.Response] = []
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=300, headers={"Authorization": f"Bearer {KEY}"},
+                                     limits=httpx.Limits(max_connections=200)) as http:
+            results.extend(await asyncio.gather(*(http.post(f"{server.url}/v1/completions", json=body)
+                                                  for _ in range(MAX_CONCURRENT + 30))))
+
+    asyncio.run(main())
+    statuses = [r.status_code for r in results]
+    assert set(statuses) == {200, 429}, statuses
+    assert statuses.count(200) >= MAX_CONCURRENT - 10
+    refused = next(r for r in results if r.status_code == 429)
+    assert refused.headers["Retry-After"] == "1" and refused.json()["error"]["type"] == "rate_limit_error"
+
+
+# -- concurrency, disconnects, async client, fuzzing ----------------------------------------------------------------
+
+
+def test_64_concurrent_streams_do_not_cross_talk(server):
+    async def main() -> list[tuple[int, str]]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+        async def one(i: int) -> tuple[int, str]:
+            tag = f"tag-{i}-{i * 7919 % 1000}"
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"request {i}"}], max_tokens=40, stream=True,
+                extra_body={"structured_outputs": {"choice": [tag]}})
+            text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            return i, text
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await client.close()
+
+    for i, text in asyncio.run(main()):
+        assert text == f"tag-{i}-{i * 7919 % 1000}"
+
+
+def _gauge(server: Server, name: str) -> float:
+    body = httpx.get(server.metrics_url, timeout=10).text
+    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", body, re.M)]
+    assert values, f"{name} not exported"
+    return sum(values)
+
+
+def test_client_disconnect_aborts_the_request_in_the_engine(server, eos):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story"}], "max_tokens": 1900,
+            "stream": True, "logit_bias": {eos: -100}}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert _gauge(server, "vllm:num_requests_running") >= 1
+    # The connection is closed: the engine drops the request long before 1900 tokens could be generated.
+    deadline = time.monotonic() + 10
+    while _gauge(server, "vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "the engine kept running the abandoned request"
+        time.sleep(0.1)
+    time.sleep(0.5)
+    records = [json.loads(line.split("llm_serving.requests: ", 1)[1]) for line in server.log().splitlines()
+               if "llm_serving.requests: " in line]
+    aborted = [r for r in records if r["status"] == 499]
+    assert aborted and aborted[-1]["completion_tokens"] < 1900
+
+
+def test_async_client_non_streaming(server):
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0) as client:
+            return await client.completions.create(model=MODEL, prompt="async", max_tokens=4)
+
+    assert asyncio.run(main()).usage.completion_tokens == 4
+
+
+def test_fuzzing_the_openapi_schema_finds_no_server_error(server):
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    failures: list[str] = []
+    lock = threading.Lock()
+    for operation in schema.get_all_operations():
+        op = operation.ok()
+
+        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(case=op.as_strategy())
+        def check(case, op=op):
+            case.headers = {**(case.headers or {}), "Authorization": f"Bearer {KEY}"}
+            if isinstance(case.body, dict) and isinstance(case.body.get("max_tokens"), int):
+                case.body["max_tokens"] = min(case.body["max_tokens"], 16)
+            response = case.call(timeout=120)
+            try:
+                case.validate_response(response)
+            except Exception as exc:  # collected and reported together below
+                with lock:
+                    failures.append(f"{op.method.upper()} {op.path}: {exc}")
+            assert response.status_code < 500, response.text
+
+        check()
+    assert failures == [], "\n".join(failures[:10])
+
+
+def test_sigterm_drains_readiness_first_then_exits(server):
+    """SIGTERM: readiness turns 503 and new requests get 503 during the drain delay, the process exits 0."""
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert httpx.get(f"{server.url}/health/ready").status_code == 503
+    refused = post(server, "/v1/completions", {"model": MODEL, "prompt": "late", "max_tokens": 2})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
+    assert server.proc.wait(timeout=60) == 0
+
