@@ -30,7 +30,7 @@ storage = ModelStorage("storage", ModelStorageArgs(
     config=cfg, vpc_id=network.vpc_id,
     fsx_subnet_id=network.private_subnet_ids[0], node_security_group_id=cluster.node_security_group_id, tags=tags))
 image = ServingImage("serving-image", ServingImageArgs(repository_name=f"llm-serving/{cfg.environment}/model-server",
-                                                       triton_image_tag=pin.image_tag,
+                                                       triton=pin,
                                                        kms_key_arn=storage.kms_key_arn, tags=tags))
 platform = ServingPlatform("platform", PlatformArgs(
     config=cfg, provider=cluster.provider, oidc_provider_arn=cluster.oidc_provider_arn,
@@ -40,7 +40,7 @@ platform = ServingPlatform("platform", PlatformArgs(
 
 ctx = ServingContext(stack=cfg, provider=cluster.provider, namespace=platform.namespace,
                      service_account=platform.service_account, model_cache_claim=platform.model_cache_claim,
-                     gateway_name=platform.gateway_name, image_ref=image.image_ref,
+                     gateway_name=platform.gateway_name, image_ref=image.image_ref, triton=pin,
                      depends_on=[*platform.ready, *cluster.node_groups.values()])
 models = {}
 for model in cfg.models:
@@ -64,4 +64,4 @@ pulumi.export("modelBucket", storage.bucket_name)
 pulumi.export("modelKmsKeyArn", storage.kms_key_arn)  # the home region's replicaRegions[].kmsKeyArn
 pulumi.export("modelCacheFileSystemId", storage.file_system_id)
 pulumi.export("servingImage", image.image_ref)
-pulumi.export("tritonImageTag", {"tag": pin.image_tag, "source": pin.source})
+pulumi.export("triton", pin.model_dump())

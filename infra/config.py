@@ -339,27 +339,44 @@ class StackConfig(_Camel):
 
 
 class TritonPin(_Strict):
-    """The serving image's base: from serving_image/compat.toml when it exists, else `serving.tritonImageTag`."""
+    """The serving image's base and what it pins (§3.9): from serving_image/compat.toml when it exists, else from
+    `serving.tritonImageTag` (only until that file exists; both at once must agree)."""
 
+    image: str  # the Triton base image, e.g. nvcr.io/nvidia/tritonserver:26.08-vllm-python-py3
     image_tag: str
+    release: str
+    vllm_version: str | None
+    vllm_backend_branch: str | None
     source: str
+
+
+TRITON_REPOSITORY = "nvcr.io/nvidia/tritonserver"
 
 
 def triton_pin(serving: ServingConfig, compat_path: Path = COMPAT_TOML) -> TritonPin:
     if compat_path.is_file():
-        data = tomllib.loads(compat_path.read_text())
-        triton = data.get("triton") or {}
-        tag = triton.get("image_tag") or (f"{triton['release']}-vllm-python-py3" if "release" in triton else None)
-        if not tag:
-            raise ConfigError(f"{compat_path}: [triton] needs image_tag or release to pin the serving image's base")
+        try:
+            triton = tomllib.loads(compat_path.read_text())["triton"]
+            release = triton["release"]
+        except (tomllib.TOMLDecodeError, KeyError) as exc:
+            raise ConfigError(f"{compat_path}: needs [triton] release (the Triton release the image pins): "
+                              f"{exc}") from None
+        image = triton.get("image") or f"{TRITON_REPOSITORY}:{release}-vllm-python-py3"
+        tag = image.rsplit(":", 1)[1]
+        if not tag.startswith(release):
+            raise ConfigError(f"{compat_path}: [triton] image {image!r} is not release {release!r}")
         if serving.triton_image_tag and serving.triton_image_tag != tag:
             raise ConfigError(f"{PROJECT}:serving.tritonImageTag: {serving.triton_image_tag!r} disagrees with "
                               f"{compat_path.name} ({tag!r}); remove the key, compat.toml is the single pin")
-        return TritonPin(image_tag=tag, source=str(compat_path.relative_to(REPO_ROOT)))
+        source = str(compat_path.relative_to(REPO_ROOT)) if compat_path.is_relative_to(REPO_ROOT) else str(compat_path)
+        return TritonPin(image=image, image_tag=tag, release=release, vllm_version=triton.get("vllm_version"),
+                         vllm_backend_branch=triton.get("vllm_backend_branch"), source=source)
     if not serving.triton_image_tag:
         raise ConfigError(f"{PROJECT}:serving.tritonImageTag: required while serving_image/compat.toml does not "
-                          f"exist (allowed: a Triton NGC tag like '25.10-vllm-python-py3')")
-    return TritonPin(image_tag=serving.triton_image_tag, source=f"{PROJECT}:serving.tritonImageTag")
+                          f"exist (allowed: a Triton NGC tag like '26.08-vllm-python-py3')")
+    tag = serving.triton_image_tag
+    return TritonPin(image=f"{TRITON_REPOSITORY}:{tag}", image_tag=tag, release=tag[:5], vllm_version=None,
+                     vllm_backend_branch=None, source=f"{PROJECT}:serving.tritonImageTag")
 
 
 # -- parsing -----------------------------------------------------------------------------------------------------

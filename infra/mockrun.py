@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import runpy
@@ -216,8 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"error": {"kind": "config", "message": str(exc)}}))
         return EXIT_CONFIG_ERROR
     except Exception as exc:  # the program's own failure, reported whole
-        cause = exc
-        while cause.__cause__ is not None and not isinstance(cause, ConfigError):
+        cause, seen = exc, set()
+        # Pulumi re-raises failures of outputs with the original as __cause__ (sometimes itself): find a ConfigError.
+        while not isinstance(cause, ConfigError) and cause.__cause__ is not None and id(cause) not in seen:
+            seen.add(id(cause))
             cause = cause.__cause__
         kind = "config" if isinstance(cause, ConfigError) else "program"
         message = str(cause) if kind == "config" else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
@@ -275,6 +278,13 @@ def run_stack(
         resources=[MockedResource(**r) for r in doc["resources"]],
         outputs=doc["outputs"],
     )
+
+
+@functools.cache
+def shipped_run(stack: str) -> StackRun:
+    """`run_stack(stack)` of a shipped stack with its own config, once per process (tests share it; treat the
+    result as read-only)."""
+    return run_stack(stack)
 
 
 def stackrun_to_dict(run: StackRun) -> dict[str, Any]:

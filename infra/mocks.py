@@ -68,13 +68,13 @@ class PlatformMocks(pulumi.runtime.Mocks):
     # -- resources -----------------------------------------------------------------------------------------------
     def new_resource(self, args: pulumi.runtime.MockResourceArgs):
         typ, name, inputs = args.typ, args.name, dict(args.inputs)
-        if not args.custom:  # component resources have no provider-side state
-            return f"{name}-component", inputs
-        if typ == "pulumi:pulumi:StackReference":
+        if typ == "pulumi:pulumi:StackReference":  # a read, not a registration: `custom` is unset
             ref = inputs.get("name", name)
             if ref not in self.stack_outputs:
-                raise KeyError(f"stack reference {ref!r} has no mocked outputs")
-            return ref, {"name": ref, "outputs": self.stack_outputs[ref], "secretOutputNames": []}
+                raise KeyError(f"stack reference {ref!r} has no mocked outputs (have: {sorted(self.stack_outputs)})")
+            return ref, {"name": ref, "outputs": self.stack_outputs[ref], "secretOutputNames": ["kubeconfig"]}
+        if not args.custom:  # component resources have no provider-side state
+            return f"{name}-component", inputs
         rid = f"{typ.split(':')[-1].lower()}-{_short_hash(typ, name)}"
         state = dict(inputs)
         service = typ.split(":")[1].split("/")[0] if typ.startswith("aws:") else ""

@@ -15,6 +15,7 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_docker_build as docker_build
 
+from infra.config import TritonPin
 from infra.image_context import context_hash
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +26,7 @@ DOCKERFILE = "serving_image/Dockerfile"  # written by the serving-image issue; t
 @dataclass(frozen=True)
 class ServingImageArgs:
     repository_name: str
-    triton_image_tag: str
+    triton: TritonPin
     kms_key_arn: pulumi.Input[str]
     tags: dict[str, str] = field(default_factory=dict)
 
@@ -54,14 +55,14 @@ class ServingImage(pulumi.ComponentResource):
             "action": {"type": "expire"},
         }]}), opts=pulumi.ResourceOptions(parent=repo))
 
-        tag = f"triton-{args.triton_image_tag}-{context_hash(REPO_ROOT / CONTEXT)[:16]}"
+        tag = f"triton-{args.triton.release}-{context_hash(REPO_ROOT / CONTEXT)[:16]}"
         auth = aws.ecr.get_authorization_token_output(registry_id=repo.registry_id)
         image = docker_build.Image(
             name,
             context={"location": CONTEXT},
             dockerfile={"location": DOCKERFILE},
             platforms=["linux/amd64"],
-            build_args={"TRITON_IMAGE_TAG": args.triton_image_tag},
+            build_args={"TRITON_IMAGE": args.triton.image},
             push=True,
             tags=[repo.repository_url.apply(lambda url: f"{url}:{tag}")],
             registries=[{"address": repo.repository_url, "username": auth.user_name, "password": auth.password}],

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_kubernetes as k8s
 
-from infra.config import ModelConfig, StackConfig
+from infra.config import ModelConfig, StackConfig, TritonPin
 from infra.naming import GPU_NODE_GROUP_LABEL, cost_labels, instance_name, model_labels, selector_labels, version_slug
 from infra.rollout.planner import VersionShare, plan_red_black
 
@@ -49,6 +49,7 @@ class ServingContext:
     model_cache_claim: str
     gateway_name: str
     image_ref: pulumi.Input[str]
+    triton: TritonPin
     depends_on: list[pulumi.Resource]
 
 
@@ -123,7 +124,11 @@ def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, repli
         "template": {
             "metadata": {"labels": {**labels, **cost_labels(stack.team, stack.environment, model.id)}, "annotations": {
                 "prometheus.io/scrape": "true", "prometheus.io/port": str(PORTS["metrics"]),
-                "prometheus.io/path": "/metrics"}},
+                "prometheus.io/path": "/metrics",
+                # What the image pins (serving_image/compat.toml); the startup procedure checks it against the
+                # image itself, these make it visible to on-call and the policies without pulling the image.
+                "llm-serving/triton-release": ctx.triton.release,
+                "llm-serving/vllm-version": ctx.triton.vllm_version or "unknown"}},
             "spec": {
                 "serviceAccountName": ctx.service_account,
                 # IRSA's web identity token comes in its own projected volume (EKS's pod identity webhook); the

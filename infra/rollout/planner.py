@@ -80,3 +80,124 @@ def plan_red_black(
         candidate=VersionShare(candidate, candidate_replicas, weight,
                                _scaled_max(max_replicas, replicas, candidate_replicas)),
     )
+
+
+# -- red-black schedules (the rollout tool) ------------------------------------------------------------------------
+#
+# Inside one update the candidate scales up before the active scales down (serving.py's dependencies), so for a
+# moment both hold their larger replica count: moving from weight w1 to w2 peaks at
+# candidate(w2) + active(w1). `surge` bounds that peak at replicas + surge; a step of the operator's list that would
+# exceed it is split into the largest smaller steps that fit, each its own update.
+
+DEFAULT_STEPS = (10, 25, 50, 100)
+
+
+def check_steps(steps: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """A step list: strictly increasing weights in 1..100 that end at 100."""
+    steps = tuple(steps)
+    if not steps:
+        raise PlanError("steps: at least one weight is needed (the last must be 100)")
+    bad = [s for s in steps if not isinstance(s, int) or not 1 <= s <= 100]
+    if bad:
+        raise PlanError(f"steps: every weight must be an integer in 1..100, got {bad}")
+    if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
+        raise PlanError(f"steps: weights must strictly increase, got {list(steps)}")
+    if steps[-1] != 100:
+        raise PlanError(f"steps: the last weight must be 100 (all traffic on the candidate), got {list(steps)}")
+    return steps
+
+
+def candidate_replicas(replicas: int, weight: int) -> int:
+    return plan_red_black("a", replicas, "c", weight).candidate.replicas  # type: ignore[union-attr]
+
+
+def active_replicas(replicas: int, weight: int | None) -> int:
+    """The active version's replicas at `weight` (None: no candidate, all replicas)."""
+    return replicas if weight is None else plan_red_black("a", replicas, "c", weight).active.replicas
+
+
+def transition_peak(replicas: int, from_weight: int | None, to_weight: int) -> int:
+    """Replicas running at the worst moment of the update from `from_weight` (None: no candidate yet) to
+    `to_weight`: the candidate has grown, the active has not shrunk yet."""
+    before_candidate = 0 if from_weight is None else candidate_replicas(replicas, from_weight)
+    after_candidate = candidate_replicas(replicas, to_weight)
+    return max(before_candidate, after_candidate) + max(active_replicas(replicas, from_weight),
+                                                         active_replicas(replicas, to_weight))
+
+
+def rollback_peak(replicas: int, weight: int) -> int:
+    """A rollback is one update, capacity first: the active version is back at all replicas while the candidate
+    still serves its share, then the route moves, then the candidate is removed. Its peak is replicas plus the
+    candidate's replicas (not bounded by `surge`: a rollback trades the bound for getting traffic off the candidate
+    in one update; from the usual early steps that is one replica)."""
+    return replicas + candidate_replicas(replicas, weight)
+
+
+def _path(replicas: int, current: int | None, target: int, surge: int) -> list[int] | None:
+    """The fewest updates from `current` to `target` whose every transition stays within replicas + surge
+    (breadth-first over the integer weights in between, larger weights tried first), or None."""
+    bound = replicas + surge
+    start = 0 if current is None else current
+    previous: dict[int | None, int | None] = {current: None}
+    frontier: list[int | None] = [current]
+    while frontier:
+        following: list[int | None] = []
+        for here in frontier:
+            low = start + 1 if here is None else here + 1
+            for weight in range(target, low - 1, -1):
+                if weight in previous or transition_peak(replicas, here, weight) > bound:
+                    continue
+                previous[weight] = here  # type: ignore[assignment]
+                if weight == target:
+                    path = [weight]
+                    while previous[path[-1]] != current:
+                        path.append(previous[path[-1]])  # type: ignore[arg-type]
+                    return path[::-1]
+                following.append(weight)
+        frontier = following
+    return None
+
+
+def next_weight(replicas: int, current: int | None, steps: tuple[int, ...] | list[int] = DEFAULT_STEPS,
+                surge: int = 1) -> int:
+    """The candidate weight of the next update: the next operator step after `current` (None: the rollout
+    starts), or the first weight of the shortest way there whose every update stays within replicas + surge."""
+    steps = check_steps(steps)
+    if surge < 1:
+        raise PlanError(f"surge must be at least 1 (the candidate needs a replica before traffic moves), got {surge}")
+    if current == 100:
+        raise PlanError("the candidate already has all the traffic: the next update finalizes, not a weight step")
+    target = next(s for s in steps if current is None or s > current)
+    path = _path(replicas, current, target, surge)
+    if path is None:
+        enough = next(s for s in range(surge + 1, replicas + 2) if _path(replicas, current, target, s) is not None)
+        raise PlanError(f"surge {surge} is too small for {replicas} replicas: no sequence of updates from weight "
+                        f"{0 if current is None else current} to {target} keeps every update within "
+                        f"{replicas} + {surge} replicas; raise surge to {enough}")
+    return path[0]
+
+
+def schedule(replicas: int, steps: tuple[int, ...] | list[int] = DEFAULT_STEPS, surge: int = 1) -> list[int]:
+    """Every weight a rollout passes through, from the first update to 100 (the operator's steps, split where a
+    step would exceed replicas + surge)."""
+    out: list[int] = []
+    current: int | None = None
+    while current != 100:
+        current = next_weight(replicas, current, steps, surge)
+        out.append(current)
+    return out
+
+
+# -- GPU cost ------------------------------------------------------------------------------------------------------
+
+
+def red_black_replica_hours(replicas: int, weights: list[int], hours_per_step: float) -> float:
+    """Replica-hours of a red-black rollout that holds each weight of `weights` for `hours_per_step`, then
+    finalizes (the old version's Deployment is removed)."""
+    return sum(plan_red_black("a", replicas, "c", w).total_replicas * hours_per_step for w in weights)
+
+
+def versioned_replica_hours(replicas: int, overlap_hours: float) -> float:
+    """Replica-hours of a versioned rollout over the same period: both versions run all their replicas until the
+    old one is idle and removed."""
+    return 2 * replicas * overlap_hours
