@@ -287,9 +287,16 @@ def test_prometheus_scrapes_the_proxy_and_reads_back_vllm_and_triton_series(plat
     assert len(triton) == 1
     assert float(triton[0]["value"][1]) == values[f'nv_inference_request_success{{model="{MODEL}",version="1"}}']
 
-    # Prometheus asks for OpenMetrics first: the proxy served it that format, and Prometheus accepted it.
+    # Prometheus asks for OpenMetrics first: the proxy served it that format, and Prometheus accepted it, types too.
     om = _query(prometheus, 'llm_serving_metrics_scrapes_total{format="openmetrics"}')
     assert om and float(om[0]["value"][1]) >= 3
+    with urllib.request.urlopen(prometheus + "/api/v1/metadata", timeout=10) as response:
+        metadata = {name: entries[0]["type"] for name, entries in json.load(response)["data"].items()}
+    assert metadata["vllm:time_to_first_token_seconds"] == "histogram"
+    assert metadata["vllm:prompt_tokens"] == "counter"
+    assert metadata["vllm:num_requests_running"] == "gauge"
+    assert metadata["nv_inference_first_response_histogram_ms"] == "histogram"
+    assert metadata["nv_inference_request_success"] == "unknown"  # Triton's name has no `_total` (exposition.py)
 
 
 def test_every_dashboard_and_alert_expression_runs_on_prometheus_and_names_exported_metrics(platform, prometheus):
