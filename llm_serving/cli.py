@@ -176,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="a Hugging Face model directory instead of the demo model")
     p.add_argument("--engine-arg", type=_engine_arg, action="append", metavar="KEY=VALUE")
     p.set_defaults(func=cmd_up)
+
+    # Rollouts live in the control plane (.venv-infra): imported only when run; its own parser reads every argument
+    # (prefix_chars "\0" so that even --help reaches it).
+    p = sub.add_parser("rollout", help="red-black/versioned rollouts as stack updates (.venv-infra; `rollout -h`)",
+                       add_help=False, prefix_chars="\0")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda a: __import__("infra.rollout.cli", fromlist=["main"]).main(a.args))
     return parser
 
 

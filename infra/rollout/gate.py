@@ -85,7 +85,8 @@ def error_ratio_query(model_id: str, version: str, window: str) -> str:
 
 def latency_query(model_id: str, version: str, window: str, quantile: float) -> str:
     s = _sel(model_id, version)
-    return f"histogram_quantile({quantile}, sum by (le) (rate(vllm:e2e_request_latency_seconds_bucket{{{s}}}[{window}])))"
+    buckets = f"rate(vllm:e2e_request_latency_seconds_bucket{{{s}}}[{window}])"
+    return f"histogram_quantile({quantile}, sum by (le) ({buckets}))"
 
 
 @dataclass(frozen=True)

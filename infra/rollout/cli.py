@@ -1,0 +1,180 @@
+"""`llm-serving rollout start|advance|abort|status MODEL --stacks S1,S2,...` (ARCHITECTURE §4).
+
+Edits `stacks/Pulumi.<stack>.yaml` in place and runs one update per stack through a stack runner:
+`--runner automation` (default; Pulumi's Automation API, needs the Pulumi CLI and cloud credentials) or
+`--runner mock` (the real program under Pulumi's mock runtime plus the engine simulation of infra.rollout.engine,
+with its state under --state-dir; what the tests use). Runs in `.venv-infra`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from infra.config import REPO_ROOT, ConfigError
+from infra.rollout.engine import Faults
+from infra.rollout.gate import GateThresholds, PrometheusClient
+from infra.rollout.orchestrate import Options, Report, Rollout, RolloutError, prometheus_gate
+from infra.rollout.planner import DEFAULT_STEPS, PlanError, check_steps
+from infra.rollout.stackfile import StackFile, StackFileError, version_entry
+
+console = Console(stderr=True)
+
+
+def _steps(text: str) -> tuple[int, ...]:
+    try:
+        return check_steps(tuple(int(s) for s in text.split(",")))
+    except (ValueError, PlanError) as err:
+        raise argparse.ArgumentTypeError(f"--steps {text!r}: {err}") from None
+
+
+def _pair(flag: str):
+    def parse(text: str) -> tuple[str, str]:
+        key, sep, value = text.partition("=")
+        if not sep or not key or not value:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected STACK=VALUE")
+        return key, value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llm-serving rollout", description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=["start", "advance", "abort", "status"])
+    parser.add_argument("model", help="model id, as in the stacks' llm-serving:models")
+    parser.add_argument("--stacks", required=True,
+                        help="comma-separated stacks in rollout order; the first is the first wave")
+    parser.add_argument("--version", help="start: the version to roll out")
+    parser.add_argument("--package", help="start: its package URI (default: from a stack that already lists it)")
+    parser.add_argument("--io-fingerprint", help="start: its I/O schema fingerprint (with --package)")
+    parser.add_argument("--steps", type=_steps, default=DEFAULT_STEPS, help="red-black weights, e.g. 10,25,50,100")
+    parser.add_argument("--surge", type=int, default=1, help="replicas a red-black update may add (default 1)")
+    parser.add_argument("--first-wave", type=int, default=1, help="stacks in the first wave (default 1)")
+    parser.add_argument("--prometheus", type=_pair("--prometheus"), action="append", default=[],
+                        metavar="STACK=URL", help="Prometheus of a stack (default: its serving.prometheusAddress)")
+    parser.add_argument("--no-gate", action="store_true", help="skip the analysis gate (updates still must succeed)")
+    parser.add_argument("--max-error-ratio", type=float, default=GateThresholds.max_error_ratio)
+    parser.add_argument("--max-latency", type=float, default=GateThresholds.max_latency_s, help="seconds")
+    parser.add_argument("--quantile", type=float, default=GateThresholds.quantile)
+    parser.add_argument("--window", default=GateThresholds.window, help="the gate's PromQL range, e.g. 10m")
+    parser.add_argument("--min-requests", type=float, default=GateThresholds.min_requests)
+    parser.add_argument("--bake", type=float, default=0.0, help="seconds to wait before each gate")
+    parser.add_argument("--idle-window", default="7d", help="versioned: no request in this range means idle")
+    parser.add_argument("--runner", choices=["automation", "mock"], default="automation")
+    parser.add_argument("--project", type=Path, default=REPO_ROOT, help="the Pulumi project directory")
+    parser.add_argument("--config-dir", type=Path,
+                        help="mock runner: the stack config files to edit (default: the project's stackConfigDir)")
+    parser.add_argument("--state-dir", type=Path, default=REPO_ROOT / ".cache" / "rollout-mock",
+                        help="mock runner: where each stack's simulated live state is kept")
+    parser.add_argument("--mock-never-ready", type=_pair("--mock-never-ready"), action="append", default=[],
+                        metavar="STACK=VERSION", help="mock runner: that version's pods never become ready there")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    return parser
+
+
+def _runner(args: argparse.Namespace):
+    from infra.mockrun import Project
+
+    if args.runner == "automation":
+        if args.mock_never_ready or args.config_dir:
+            raise RolloutError("--mock-never-ready and --config-dir only apply to --runner mock")
+        from infra.rollout.runner import AutomationRunner
+
+        return AutomationRunner(args.project, on_output=lambda line: console.print(line, markup=False,
+                                                                                     highlight=False, end=""))
+    from infra.rollout.runner import MockRunner
+
+    faults: dict[str, set] = {}
+    for stack, version in args.mock_never_ready:
+        faults.setdefault(stack, set()).add((args.model, version))
+    return MockRunner(args.config_dir or Project.load(args.project).stacks_dir, args.state_dir,
+                      {s: Faults(frozenset(v)) for s, v in faults.items()}, project_dir=args.project)
+
+
+def _version(args: argparse.Namespace, runner, stacks: list[str]) -> dict[str, str]:
+    if not args.version:
+        raise RolloutError("start needs --version")
+    if args.package or args.io_fingerprint:
+        if not (args.package and args.io_fingerprint):
+            raise RolloutError("--package and --io-fingerprint go together")
+        return version_entry(args.version, args.package, args.io_fingerprint)
+    # Packages are published once (home region) and named alike in every stack: reuse another stack's entry.
+    config_dir = runner.config_path(stacks[0]).parent
+    for path in sorted(config_dir.glob("Pulumi.*.yaml")):
+        for model in StackFile.load(path).typed().models:
+            for v in model.versions if model.id == args.model else []:
+                if v.version == args.version:
+                    return version_entry(v.version, v.package, v.io_fingerprint)
+    raise RolloutError(f"--version {args.version}: no stack in {config_dir} lists it; give --package and "
+                       f"--io-fingerprint (a published package, ARCHITECTURE §3.4)")
+
+
+def _print_report(report: Report) -> None:
+    table = Table(title=f"rollout {report.action} {report.model}")
+    for col in ("stack", "status", "before", "after", "gate", "peak/bound", "detail"):
+        table.add_column(col, overflow="fold")
+    styles = {"rolled back": "red", "rollback failed": "bold red", "failed": "red", "not reached": "dim"}
+    for s in report.stacks:
+        peak = "" if s.peak_replicas is None else f"{s.peak_replicas}/{s.gpu_bound or '-'}"
+        table.add_row(s.stack, f"[{styles.get(s.status, 'green')}]{s.status}[/]", s.before, s.after,
+                      s.gate.describe() if s.gate else "", peak, s.detail)
+    console.print(table)
+    console.print("[green]done[/]" if report.ok else "[red]stopped: see the failed stack above; the stacks after it "
+                  "were not touched, the ones before it keep their new step (`abort` rolls them back)[/]")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    stacks = [s for s in args.stacks.split(",") if s]
+    try:
+        runner = _runner(args)
+        clients = {}
+        for stack in stacks:
+            address = StackFile.load(runner.config_path(stack)).typed().serving.prometheus_address
+            clients[stack] = PrometheusClient(address)
+        for stack, url in args.prometheus:
+            if stack not in stacks:
+                raise RolloutError(f"--prometheus {stack}=...: {stack} is not in --stacks {stacks}")
+            clients[stack] = PrometheusClient(url)
+        thresholds = GateThresholds(args.max_error_ratio, args.max_latency, args.quantile, args.window,
+                                    args.min_requests)
+        options = Options(args.steps, args.surge, thresholds, args.bake, args.idle_window, args.first_wave)
+        rollout = Rollout(runner, args.model, stacks, options,
+                          gate=None if args.no_gate else prometheus_gate(clients, thresholds), prometheus=clients,
+                          on_event=lambda msg: console.print(f"[cyan]>[/] {msg}", highlight=False))
+        if args.action == "status":
+            rows = rollout.status()
+            if args.json:
+                print(json.dumps(rows, indent=2))
+            else:
+                table = Table(title=f"rollout status {args.model}")
+                for col in ("stack", "strategy", "config", "next", "deployed"):
+                    table.add_column(col, overflow="fold")
+                for r in rows:
+                    table.add_row(r["stack"], r["strategy"], r["config"], r.get("next", ""),
+                                  json.dumps(r["deployed"]) if r["deployed"] else "not recorded")
+                console.print(table)
+            return 0
+        if args.action == "start":
+            report = rollout.start(_version(args, runner, stacks))
+        elif args.action == "advance":
+            report = rollout.advance()
+        else:
+            report = rollout.abort()
+    except (RolloutError, StackFileError, ConfigError, PlanError) as err:
+        console.print(f"[red]error:[/] {err}")
+        return 2
+    _print_report(report)
+    if args.json:
+        print(json.dumps(asdict(report) | {"ok": report.ok}, indent=2, default=str))
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
