@@ -6,9 +6,8 @@ Triton counter such as `nv_inference_request_success` (no `_total`) comes back o
 Here the series names are kept exactly as the source wrote them.
 
 The model is the 0.0.4 view: a family's name is the name in its `# TYPE` line (a prometheus_client counter `x`
-becomes `x_total`, as its 0.0.4 exposition writes it). The OpenMetrics writer maps that view onto OpenMetrics:
-a counter whose samples end in `_total` becomes family `x` with samples `x_total`; a counter whose samples do not
-(Triton's) is written as `unknown`, the only OpenMetrics type that keeps its series name unchanged.
+becomes `x_total`, as its 0.0.4 exposition writes it). `openmetrics.py` writes the same model as OpenMetrics, and
+`formats.py` picks one of the two for a request.
 """
 
 from __future__ import annotations
@@ -209,7 +208,7 @@ def from_client_metrics(metrics: Iterable[Metric]) -> list[Family]:
     return families
 
 
-def _label_text(labels: Labels) -> str:
+def label_text(labels: Labels) -> str:
     if not labels:
         return ""
     body = ",".join(
@@ -218,7 +217,7 @@ def _label_text(labels: Labels) -> str:
     return "{" + body + "}"
 
 
-def _value_text(value: float) -> str:
+def value_text(value: float) -> str:
     if math.isnan(value):
         return "NaN"
     return floatToGoString(value)
@@ -233,189 +232,5 @@ def write_text(families: Iterable[Family]) -> bytes:
         out.append(f"# TYPE {family.name} {family.type}\n")
         for s in family.samples:
             ts = "" if s.timestamp_ms is None else f" {s.timestamp_ms}"
-            out.append(f"{s.name}{_label_text(s.labels)} {_value_text(s.value)}{ts}\n")
+            out.append(f"{s.name}{label_text(s.labels)} {value_text(s.value)}{ts}\n")
     return "".join(out).encode("utf-8")
-
-
-def _canonical(number: str) -> bool:
-    try:
-        return floatToGoString(float(number)) == number
-    except ValueError:
-        return False
-
-
-def _counter_like_ok(value: float) -> bool:
-    return not math.isnan(value) and value >= 0
-
-
-def _grouped(family: Family, key: str) -> dict[Labels, list[Sample]] | None:
-    """Samples by label set without `key` (le / quantile); None if a sample lacks a valid `key`."""
-    groups: dict[Labels, list[Sample]] = {}
-    for sample in family.samples:
-        labels = dict(sample.labels)
-        if sample.name == family.name + ("_bucket" if key == "le" else ""):
-            if key not in labels or not _canonical(labels[key]):
-                return None
-            del labels[key]
-        groups.setdefault(tuple(sorted(labels.items())), []).append(sample)
-    return groups
-
-
-def _openmetrics_histogram(family: Family) -> list[Sample] | None:
-    """The samples in the order OpenMetrics requires, or None when they break its rules (checked as the reference
-    parser checks them: +Inf bucket, ordered integral buckets, _count equal to +Inf, _sum and _count together)."""
-    groups = _grouped(family, "le")
-    if groups is None:
-        return None
-    ordered: list[Sample] = []
-    for samples in groups.values():
-        buckets = sorted((s for s in samples if s.name == family.name + "_bucket"),
-                         key=lambda s: float(dict(s.labels)["le"]))
-        counts = [s for s in samples if s.name == family.name + "_count"]
-        sums = [s for s in samples if s.name == family.name + "_sum"]
-        if not buckets or dict(buckets[-1].labels)["le"] != "+Inf" or len(counts) > 1 or len(sums) > 1:
-            return None
-        if bool(counts) != bool(sums) or any(s.timestamp_ms is not None for s in samples):
-            return None
-        values = [b.value for b in buckets]
-        if not all(_counter_like_ok(v) and float(v).is_integer() for v in values):
-            return None
-        if values != sorted(values) or len({dict(b.labels)["le"] for b in buckets}) != len(buckets):
-            return None
-        if counts and (counts[0].value != values[-1]):
-            return None
-        if sums and (math.isnan(sums[0].value) or any(float(dict(b.labels)["le"]) < 0 for b in buckets)):
-            return None
-        ordered += buckets + counts + sums
-    return ordered
-
-
-def _openmetrics_summary(family: Family) -> list[Sample] | None:
-    groups = _grouped(family, "quantile")
-    if groups is None:
-        return None
-    ordered: list[Sample] = []
-    for samples in groups.values():
-        quantiles = [s for s in samples if s.name == family.name]
-        counts = [s for s in samples if s.name == family.name + "_count"]
-        sums = [s for s in samples if s.name == family.name + "_sum"]
-        if len(counts) > 1 or len(sums) > 1 or any(s.timestamp_ms is not None for s in samples):
-            return None
-        if not all(0 <= float(dict(q.labels)["quantile"]) <= 1 and not q.value < 0 for q in quantiles):
-            return None
-        if not all(_counter_like_ok(c.value) and float(c.value).is_integer() for c in counts):
-            return None
-        if not all(_counter_like_ok(x.value) for x in sums):
-            return None
-        ordered += quantiles + counts + sums
-    return ordered
-
-
-_OM_SUFFIXES = {
-    "counter": ("", "_total", "_created"),
-    "gauge": ("",),
-    "unknown": ("",),
-    "histogram": ("", "_bucket", "_count", "_sum", "_created"),
-    "summary": ("", "_count", "_sum", "_created"),
-}
-
-_Plan = list[tuple[str, str, list[Sample]]]
-
-
-def _as_unknown(family: Family) -> _Plan:
-    """One `unknown` family per sample name: every series kept exactly as it is, without a type."""
-    by_name: dict[str, list[Sample]] = {}
-    for sample in family.samples:
-        by_name.setdefault(sample.name, []).append(sample)
-    return [(name, "unknown", samples) for name, samples in by_name.items()] or [(family.name, "unknown", [])]
-
-
-def _openmetrics_plan(family: Family) -> _Plan:
-    """(name, type, samples) in OpenMetrics for one 0.0.4 family, before name clashes are considered.
-
-    What OpenMetrics cannot type the way 0.0.4 did is written as `unknown` (OpenMetrics checks more than 0.0.4:
-    non-negative integral counts, ordered buckets...; and a Prometheus that rejects one family rejects the scrape).
-    """
-    kind = family.type
-    if kind == "counter":
-        if family.name.endswith("_total") and all(
-            s.name == family.name and _counter_like_ok(s.value) for s in family.samples
-        ):
-            return [(family.name[: -len("_total")], "counter", family.samples)]
-        return _as_unknown(family)  # Triton's counters (no `_total`), or negative values
-    if kind in ("histogram", "summary"):
-        ordered = (_openmetrics_histogram if kind == "histogram" else _openmetrics_summary)(family)
-        return [(family.name, kind, ordered)] if ordered is not None else _as_unknown(family)
-    return [(family.name, "unknown" if kind == "untyped" else kind, family.samples)]
-
-
-def _resolve_clashes(families: list[Family], plans: list[_Plan]) -> list[_Plan]:
-    """A typed OpenMetrics family reserves its suffixed names too (counter `x`: `x_total`, `x_created`); where
-    that clashes with another family (0.0.4 allows gauge `x_created` beside counter `x_total`), the typed one is
-    written as `unknown` instead."""
-    changed = True
-    while changed:
-        changed = False
-        owners: dict[str, int] = {}
-        for plan in plans:
-            for name, kind, _ in plan:
-                for reserved in {name + suffix for suffix in _OM_SUFFIXES[kind]}:
-                    owners[reserved] = owners.get(reserved, 0) + 1
-        for i, plan in enumerate(plans):
-            if any(
-                len(_OM_SUFFIXES[kind]) > 1 and any(owners[name + suffix] > 1 for suffix in _OM_SUFFIXES[kind])
-                for name, kind, _ in plan
-            ):
-                plans[i] = _as_unknown(families[i])
-                changed = True
-    return plans
-
-
-def write_openmetrics(families: Iterable[Family]) -> bytes:
-    """OpenMetrics 1.0 text (timestamps in seconds, `# EOF` at the end)."""
-    families = list(families)
-    plans = _resolve_clashes(families, [_openmetrics_plan(f) for f in families])
-    out: list[str] = []
-    for family, plan in zip(families, plans, strict=True):
-        doc = family.help.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-        for name, kind, samples in plan:
-            out.append(f"# HELP {name} {doc}\n")
-            out.append(f"# TYPE {name} {kind}\n")
-            for s in samples:
-                ts = "" if s.timestamp_ms is None else f" {floatToGoString(s.timestamp_ms / 1000.0)}"
-                out.append(f"{s.name}{_label_text(s.labels)} {_value_text(s.value)}{ts}\n")
-    out.append("# EOF\n")
-    return "".join(out).encode("utf-8")
-
-
-def negotiate(accept: str | None) -> tuple[str, str]:
-    """Pick ('openmetrics' | 'text', content type) from an Accept header, honouring q-values.
-
-    OpenMetrics 1.0.0 and 0.0.1 are served as 1.0.0; anything else (or no header) gets text 0.0.4, which every
-    Prometheus understands.
-    """
-    best = ("text", 0.0)
-    for media_range in (accept or "").split(","):
-        parts = [p.strip() for p in media_range.split(";")]
-        kind = parts[0].lower()
-        params = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
-        try:
-            q = float(params.get("q", "1"))
-        except ValueError:
-            q = 0.0
-        if kind == "application/openmetrics-text" and params.get("version", "1.0.0") in ("1.0.0", "0.0.1"):
-            if q > best[1]:
-                best = ("openmetrics", q)
-        elif kind in ("text/plain", "*/*", "text/*") and q > best[1]:
-            best = ("text", q)
-    if best[0] == "openmetrics":
-        return "openmetrics", CONTENT_TYPE_OPENMETRICS
-    return "text", CONTENT_TYPE_TEXT
-
-
-def render(families: list[Family], fmt: str) -> bytes:
-    if fmt == "openmetrics":
-        return write_openmetrics(families)
-    if fmt == "text":
-        return write_text(families)
-    raise ValueError(f"format must be 'text' or 'openmetrics', got {fmt!r}")

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from serving_image.metrics.exposition import Family, Sample, negotiate, render
+from serving_image.metrics.exposition import Family, Sample
+from serving_image.metrics.formats import negotiate, render
 from serving_image.metrics.frontend import FRONTEND_METRICS_PORT
 from serving_image.metrics.merge import merge
 from serving_image.metrics.multiproc import collect_multiproc, reap_dead_processes

@@ -19,12 +19,12 @@ from serving_image.metrics.exposition import (
     Family,
     Sample,
     from_client_metrics,
-    negotiate,
     parse_text,
-    write_openmetrics,
     write_text,
 )
+from serving_image.metrics.formats import negotiate
 from serving_image.metrics.merge import merge
+from serving_image.metrics.openmetrics import write_openmetrics
 
 TRITON = b"""# HELP nv_inference_request_success Number of successful inference requests, all batch sizes
 # TYPE nv_inference_request_success counter
