@@ -85,6 +85,8 @@ class _State:
     duplicates: float = 0.0
     scrapes: dict[str, float] = field(default_factory=lambda: {"text": 0.0, "openmetrics": 0.0})
     last_logged: tuple[str | None, float] = (None, 0.0)
+    last_shadowed: list[tuple[str, str]] = field(default_factory=list)
+    last_duplicates: int = 0
 
 
 class MetricsProxy:
@@ -204,11 +206,18 @@ class MetricsProxy:
             self._state.scrapes[fmt if fmt in self._state.scrapes else "text"] += 1
         own = self._own_families()
         report = merge([("proxy", own), ("vllm", vllm), ("upstream", upstream)])
-        if report.shadowed:
-            log.debug("families left out (name already served by a higher-priority source): %s", report.shadowed)
         with self._state.lock:
             self._state.shadowed = float(len(report.shadowed))
             self._state.duplicates += report.duplicate_series
+            shadowed_changed = report.shadowed != self._state.last_shadowed
+            duplicates_began = report.duplicate_series > 0 and not self._state.last_duplicates
+            self._state.last_shadowed = report.shadowed
+            self._state.last_duplicates = report.duplicate_series
+        if shadowed_changed and report.shadowed:  # expected with Triton's vLLM backend: said once, not per scrape
+            log.info("families served from a higher-priority source instead (source, family): %s", report.shadowed)
+        if duplicates_began:
+            log.warning("%d repeated series (same name and labels) dropped while merging; the first value of each "
+                        "is served", report.duplicate_series)
         # The proxy's own families come first and are never shadowed: redo them so they describe this scrape.
         families = self._own_families() + report.families[len(own):]
         return render(families, fmt)

@@ -199,7 +199,7 @@ def test_upstream_down_then_back(mpdir, writers, caplog):
         server.stop()
 
 
-def test_upstream_family_that_vllm_files_also_hold_is_served_once(mpdir, writers):
+def test_upstream_family_that_vllm_files_also_hold_is_served_once(mpdir, writers, caplog):
     """Triton's vLLM backend exports some `vllm:*` families itself: the engine's own files win, once."""
     body = (
         b"# HELP demo:requests_total bridge copy\n# TYPE demo:requests_total counter\n"
@@ -210,10 +210,14 @@ def test_upstream_family_that_vllm_files_also_hold_is_served_once(mpdir, writers
     upstream = fake_upstream(lambda h: send(h, 200, body))
     handle = _proxy(mpdir, upstream.url)
     try:
-        text = get(handle.url)[2]
+        with caplog.at_level(logging.INFO, logger="serving_image.metrics.proxy"):
+            text = get(handle.url)[2]
+            get(handle.url)  # the same again: logged once, not per scrape
     finally:
         handle.stop()
         upstream.stop()
+    assert sum("('upstream', 'demo:requests_total')" in r.getMessage() for r in caplog.records) == 1
+    assert sum("1 repeated series" in r.getMessage() for r in caplog.records) == 1
     types = type_lines(text)
     assert list(types).count("demo:requests_total") == 1
     values = series(text)
