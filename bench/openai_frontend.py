@@ -1,0 +1,146 @@
+"""This platform's OpenAI front-end against vLLM's own OpenAI server, same model, same load (issue #4).
+
+Both servers run one after the other in this run on the demo model, each driven by vLLM's own serving benchmark
+(`vllm.benchmarks.serve`: random dataset, 64 input and 64 output tokens, 200 prompts, concurrency 32, greedy, so both
+produce the same tokens). Ours is the real entrypoint (startup procedure, metrics proxy, request metrics and log);
+vLLM's is `python -m vllm.entrypoints.openai.api_server`. Targets: throughput ratio >= 0.95, p99 TTFT ratio <= 1.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from serving_image.local_server import ENGINE_ARGS, free_port, publish_demo, start_server
+
+NUM_PROMPTS = 200
+CONCURRENCY = 32
+INPUT_LEN = OUTPUT_LEN = 64
+METRICS = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+           "p99_tpot_ms")
+
+
+def _bench(base_url: str, model_dir: pathlib.Path, label: str) -> dict:
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args([
+        "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", "demo-tiny",
+        "--tokenizer", str(model_dir), "--dataset-name", "random", "--random-input-len", str(INPUT_LEN),
+        "--random-output-len", str(OUTPUT_LEN), "--num-prompts", str(NUM_PROMPTS), "--max-concurrency",
+        str(CONCURRENCY), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        "--seed", "0", "--label", label, "--disable-tqdm",
+    ])
+    result = main(args)
+    if result.get("completed", 0) != NUM_PROMPTS:
+        raise RuntimeError(f"{label}: {result.get('completed')} of {NUM_PROMPTS} requests completed")
+    return result
+
+
+def _vllm_server(model_dir: pathlib.Path, workdir: pathlib.Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = open(workdir / "vllm-server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+         "--served-model-name", "demo-tiny", "--host", "127.0.0.1", "--port", str(port),
+         "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
+         "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"])],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"), start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM's server exited: {(workdir / 'vllm-server.log').read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("vLLM's server did not become ready in 300 s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    import signal
+
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def measure(model_dir: pathlib.Path, workdir: pathlib.Path) -> dict[str, dict]:
+    results = {}
+    package = publish_demo(model_dir, workdir, version="bench")
+    ours = start_server(package, workdir / "ours")
+    try:
+        results["llm-serving"] = _bench(ours.url, model_dir, "llm-serving")
+    finally:
+        ours.stop()
+    proc, url = _vllm_server(model_dir, workdir)
+    try:
+        results["vllm"] = _bench(url, model_dir, "vllm")
+    finally:
+        _stop(proc)
+    return results
+
+
+def run(out_dir: pathlib.Path) -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from serving_image.demo_model import ensure_demo_model
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    model_dir = ensure_demo_model(repo / ".cache" / "llm-serving" / "models" / "demo-tiny")
+    with tempfile.TemporaryDirectory(prefix="bench-openai-") as tmp:
+        results = measure(model_dir, pathlib.Path(tmp))
+    ours, base = results["llm-serving"], results["vllm"]
+    ratio = {m: ours[m] / base[m] if base[m] else float("nan") for m in METRICS}
+    verdict_tp = "met" if ratio["request_throughput"] >= 0.95 else "missed"
+    verdict_ttft = "met" if ratio["p99_ttft_ms"] <= 1.1 else "missed"
+    lines = [
+        f"vLLM's serving benchmark, random dataset, {INPUT_LEN} in / {OUTPUT_LEN} out, {NUM_PROMPTS} prompts, "
+        f"concurrency {CONCURRENCY}, greedy; the two servers run one after the other on the demo model.",
+        "",
+        "| metric | llm-serving | vLLM's server | ratio (ours / vLLM) |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for m in METRICS:
+        lines.append(f"| {m} | {ours[m]:.2f} | {base[m]:.2f} | {ratio[m]:.3f} |")
+    lines += [
+        "",
+        f"Target throughput ratio >= 0.95: **{verdict_tp}** ({ratio['request_throughput']:.3f}). "
+        f"Target p99 TTFT ratio <= 1.1: **{verdict_ttft}** ({ratio['p99_ttft_ms']:.3f}).",
+    ]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = list(METRICS)
+    ax.barh(names, [ratio[m] for m in names], color="tab:blue")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("llm-serving / vLLM's own server (same run)")
+    ax.set_title("OpenAI front-end vs vLLM's server")
+    fig.tight_layout()
+    plot = pathlib.Path(out_dir) / "openai_frontend.png"
+    fig.savefig(plot, dpi=120)
+    plt.close(fig)
+    return {"title": "OpenAI front-end vs vLLM's own server", "markdown": "\n".join(lines), "plots": [plot]}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
+    print(run(parser.parse_args().out)["markdown"])
