@@ -91,8 +91,9 @@ def test_bad_values_name_the_key_and_what_is_allowed(path, value, expected):
 
 
 def test_efa_needs_efa_capable_instances():
-    values = mutate("cluster.gpuNodeGroups[1].instanceTypes", ["g5.2xlarge"], mutate("cluster.gpuNodeGroups[1].efa", True))
-    assert ("llm-serving:cluster.gpuNodeGroups[1].efa: true needs EFA-capable instance types" in error_for(values))
+    values = mutate("cluster.gpuNodeGroups[1].instanceTypes", ["g5.2xlarge"],
+                    mutate("cluster.gpuNodeGroups[1].efa", True))
+    assert "llm-serving:cluster.gpuNodeGroups[1].efa: true needs EFA-capable instance types" in error_for(values)
 
 
 def test_versioned_models_do_not_take_red_black_keys():
