@@ -17,7 +17,7 @@ import httpx
 from llm_serving.package import PackageSpec, build_package
 from llm_serving.store import LocalStore
 
-START_TIMEOUT_S = 300
+START_TIMEOUT_S = 600  # generous: CI machines are small and shared
 ENGINE_ARGS = {"max_model_len": 2048, "kv_cache_memory_bytes": 128 * 1024 * 1024}
 
 
