@@ -1,0 +1,141 @@
+"""The issue's scripted rollout: three prod regions, a failure injected in the second, which stops there and rolls
+that region back; the first keeps its step (docs/rollouts.md, "Multi-region"), the third is not touched.
+
+Runner: `MockRunner`, i.e. the real program (infra/__main__.py) under Pulumi's mock runtime on edited copies of
+the shipped stack files, with the update itself played by infra.rollout.engine (there is no Pulumi CLI, provider or
+cluster here; the Automation API runner cannot run). Prometheus answers are canned per region (rollout_support).
+Each scenario runs the program 6 times (3 starting states, the first region's step, the failed step, the rollback).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from infra.rollout import engine
+from infra.rollout.cli import main
+from infra.rollout.engine import Faults
+from infra.rollout.gate import GateThresholds, PrometheusClient
+from infra.rollout.orchestrate import Options, Rollout, prometheus_gate
+from infra.rollout.runner import MockRunner
+from infra.rollout.stackfile import StackFile
+from tests.infra.rollout_support import CannedPrometheus, Health, copy_stacks
+
+pytestmark = pytest.mark.timeout(900)
+
+STACKS = ["prod-us-east-1", "prod-us-west-2", "prod-eu-west-1"]
+MODEL = "chat-large"
+
+
+@pytest.fixture
+def prom():
+    canned = CannedPrometheus()
+    url = canned.start()
+    yield canned, url
+    canned.stop()
+
+
+def _prepare(runner: MockRunner) -> None:
+    with ThreadPoolExecutor(3) as pool:  # the starting states: the program once per stack, in parallel
+        list(pool.map(runner.prepare, STACKS))
+
+
+def _model(config_dir, stack):
+    return StackFile.load(config_dir / f"Pulumi.{stack}.yaml").model(MODEL)
+
+
+def test_gate_failure_in_the_second_region_stops_there_and_rolls_it_back(tmp_path, prom):
+    """`llm-serving rollout advance` (the command itself) with us-west-2's candidate failing the analysis gate."""
+    canned, url = prom
+    config_dir, state_dir = copy_stacks(tmp_path / "stacks"), tmp_path / "state"
+    # us-east-1 ships at 25%; the other two regions were started at 10% (what `rollout start` leaves).
+    for stack in STACKS[1:]:
+        sf = StackFile.load(config_dir / f"Pulumi.{stack}.yaml")
+        package = _model(config_dir, "prod-us-east-1").version("2.4.0")
+        sf.start(MODEL, {"version": "2.4.0", "package": package.package, "ioFingerprint": package.io_fingerprint},
+                 10)
+        sf.save()
+    _prepare(MockRunner(config_dir, state_dir))
+    third_before = (config_dir / "Pulumi.prod-eu-west-1.yaml").read_text()
+    third_state_before = (state_dir / "prod-eu-west-1.json").read_text()
+    canned.series = {
+        ("prod-us-east-1", MODEL, "2.4.0"): Health(error_ratio=0.01),
+        ("prod-us-west-2", MODEL, "2.4.0"): Health(error_ratio=0.20),
+        ("prod-eu-west-1", MODEL, "2.4.0"): Health(error_ratio=0.0),
+    }
+
+    rc = main(["advance", MODEL, "--stacks", ",".join(STACKS), "--runner", "mock", "--config-dir", str(config_dir),
+               "--state-dir", str(state_dir), *[f"--prometheus={s}={url}/{s}" for s in STACKS]])
+
+    assert rc == 1  # stopped
+    runner = MockRunner(config_dir, state_dir)
+    # First region: its step passed its own gate and stays (50%: 2 + 2 of 4 replicas).
+    first = _model(config_dir, "prod-us-east-1")
+    assert (first.active, first.candidate, first.weight) == ("2.3.0", "2.4.0", 50)
+    live = runner.live("prod-us-east-1")
+    assert engine.route_weights(live, MODEL)["chat-large-http"] == {"2.3.0": 50, "2.4.0": 50}
+    assert engine.ready_replicas(live, MODEL) == {"2.3.0": 2, "2.4.0": 2}
+    assert runner.outputs("prod-us-east-1")["models"][MODEL]["routeWeights"] == {"2.3.0": 50, "2.4.0": 50}
+    # Second region: rolled back in one update, the active version has every replica and all traffic.
+    second = _model(config_dir, "prod-us-west-2")
+    assert (second.active, second.candidate, [v.version for v in second.versions]) == ("2.3.0", None, ["2.3.0"])
+    live = runner.live("prod-us-west-2")
+    assert engine.route_weights(live, MODEL) == {"chat-large-http": {"2.3.0": 100}, "chat-large-grpc": {"2.3.0": 100}}
+    assert engine.ready_replicas(live, MODEL) == {"2.3.0": 2}  # the candidate's Deployment is gone
+    assert runner.outputs("prod-us-west-2")["models"][MODEL]["routeWeights"] == {"2.3.0": 100}
+    # Third region: not touched, not even queried.
+    assert (config_dir / "Pulumi.prod-eu-west-1.yaml").read_text() == third_before
+    assert (state_dir / "prod-eu-west-1.json").read_text() == third_state_before
+    assert {s for s, _ in canned.queries} == {"prod-us-east-1", "prod-us-west-2"}
+
+
+def test_candidate_never_ready_in_the_second_region_never_gets_traffic(tmp_path, prom):
+    """`start` everywhere; us-west-2's candidate never becomes ready: its update stops before the route changes,
+    the rollback removes the candidate; at no moment of any update does traffic reach a version without ready
+    pods, and no red-black step runs more than replicas + surge."""
+    canned, url = prom
+    config_dir, state_dir = copy_stacks(tmp_path / "stacks"), tmp_path / "state"
+    sf = StackFile.load(config_dir / "Pulumi.prod-us-east-1.yaml")
+    entry = sf.model(MODEL).version("2.4.0")
+    version = {"version": "2.4.0", "package": entry.package, "ioFingerprint": entry.io_fingerprint}
+    sf.rollback(MODEL)  # start from no rollout anywhere
+    sf.save()
+    seen: list[tuple[str, str, dict, list, int]] = []
+
+    def observe(stack, live, step):
+        seen.append((stack, step, engine.route_weights(live, MODEL), engine.traffic_to_unready(live, MODEL),
+                     sum(engine.model_replicas(live, MODEL).values())))
+
+    runner = MockRunner(config_dir, state_dir, faults={"prod-us-west-2": Faults(frozenset({(MODEL, "2.4.0")}))},
+                        observe=observe)
+    _prepare(runner)
+    third_before = (config_dir / "Pulumi.prod-eu-west-1.yaml").read_text()
+    canned.series = {(s, MODEL, "2.4.0"): Health() for s in STACKS}
+    clients = {s: PrometheusClient(f"{url}/{s}") for s in STACKS}
+    events: list[str] = []
+    report = Rollout(runner, MODEL, STACKS, Options(), gate=prometheus_gate(clients, GateThresholds()),
+                     on_event=events.append).start(version)
+
+    assert [(s.stack, s.status) for s in report.stacks] == [
+        ("prod-us-east-1", "started"), ("prod-us-west-2", "rolled back"), ("prod-eu-west-1", "not reached")]
+    assert not report.ok
+    failed = report.stacks[1]
+    assert "chat-large-2-4-0-deployment: Deployment did not become ready (0/1 pods ready)" in failed.detail
+    assert failed.gate is None  # the update failed: no gate was read
+    # The first region: candidate at the first step, within replicas + surge at every moment.
+    assert report.stacks[0].after == "2.3.0 90% | 2.4.0 10%"
+    assert report.stacks[0].peak_replicas == 5 == report.stacks[0].gpu_bound
+    # Never traffic to pods that are not ready, anywhere, at any step.
+    assert [s for s in seen if s[3]] == []
+    # In us-west-2 the route never carried 2.4.0: the failed update stopped before it; the rollback kept it so.
+    west = [s for s in seen if s[0] == "prod-us-west-2"]
+    assert west and all(set(w["chat-large-http"]) == {"2.3.0"} for _, _, w, _, _ in west)
+    assert any(step == "create kubernetes:apps/v1:Deployment::chat-large-2-4-0-deployment" for _, step, *_ in west)
+    assert west[-1][1] == "delete kubernetes:apps/v1:Deployment::chat-large-2-4-0-deployment"
+    live = runner.live("prod-us-west-2")
+    assert engine.ready_replicas(live, MODEL) == {"2.3.0": 2}
+    assert _model(config_dir, "prod-us-west-2").candidate is None
+    assert (config_dir / "Pulumi.prod-eu-west-1.yaml").read_text() == third_before
+    assert not [s for s in seen if s[0] == "prod-eu-west-1"]
+    assert any("rolling back (update failed" in e for e in events)
