@@ -9,16 +9,11 @@ vLLM's is `python -m vllm.entrypoints.openai.api_server`. Targets: throughput ra
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
-import subprocess
-import sys
 import tempfile
-import time
 
-import httpx
-
-from serving_image.local_server import ENGINE_ARGS, free_port, publish_demo, start_server
+from bench.vllm_server import start_vllm_server, stop_vllm_server
+from serving_image.local_server import publish_demo, start_server
 
 NUM_PROMPTS = 200
 CONCURRENCY = 32
@@ -46,41 +41,6 @@ def _bench(base_url: str, model_dir: pathlib.Path, label: str) -> dict:
     return result
 
 
-def _vllm_server(model_dir: pathlib.Path, workdir: pathlib.Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = open(workdir / "vllm-server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-         "--served-model-name", "demo-tiny", "--host", "127.0.0.1", "--port", str(port),
-         "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
-         "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"])],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"), start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM's server exited: {(workdir / 'vllm-server.log').read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("vLLM's server did not become ready in 300 s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    import signal
-
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
 def measure(model_dir: pathlib.Path, workdir: pathlib.Path) -> dict[str, dict]:
     results = {}
     package = publish_demo(model_dir, workdir, version="bench")
@@ -89,11 +49,11 @@ def measure(model_dir: pathlib.Path, workdir: pathlib.Path) -> dict[str, dict]:
         results["llm-serving"] = _bench(ours.url, model_dir, "llm-serving")
     finally:
         ours.stop()
-    proc, url = _vllm_server(model_dir, workdir)
+    proc, url = start_vllm_server(model_dir, workdir)
     try:
         results["vllm"] = _bench(url, model_dir, "vllm")
     finally:
-        _stop(proc)
+        stop_vllm_server(proc)
     return results
 
 

@@ -1,0 +1,47 @@
+"""vLLM's own OpenAI server on the same model and engine settings as ours: the baseline of the benchmarks."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from serving_image.local_server import ENGINE_ARGS, free_port
+
+
+def start_vllm_server(model_dir: pathlib.Path, workdir: pathlib.Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = open(workdir / "vllm-server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+         "--served-model-name", "demo-tiny", "--host", "127.0.0.1", "--port", str(port),
+         "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
+         "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"])],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"), start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM's server exited: {(workdir / 'vllm-server.log').read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("vLLM's server did not become ready in 300 s")
+
+
+def stop_vllm_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
