@@ -110,8 +110,12 @@ class LocalStore:
     def _materialise(self, verified: VerifiedPackage, cache: Path) -> None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         staging = cache.parent / f".{cache.name}.{uuid.uuid4().hex}"
-        shutil.copytree(verified.root, staging, symlinks=True)
-        open_package(staging)  # the copy is what pods will read: verify it, not the source
+        try:
+            shutil.copytree(verified.root, staging, symlinks=True)
+            open_package(staging)  # the copy is what pods will read: verify it, not the source
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         if cache.exists():
             shutil.rmtree(cache)
         staging.rename(cache)

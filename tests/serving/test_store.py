@@ -7,6 +7,8 @@ runs its real request path (checksums included).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import boto3
@@ -134,3 +136,64 @@ def test_s3_interrupted_publish_leaves_the_previous_version_intact(model_dir: Pa
     assert store.published_sha256("demo", "3") == previous.sha256
     keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="packages/")["Contents"]}
     assert keys == {"packages/demo/3.tar.gz"}  # the temporary key was cleaned up too
+
+
+def _cache_objects(client, bucket: str, prefix: str) -> dict[str, bytes]:
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
+    return {k: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
+
+
+def test_s3_publish_dying_mid_weights_upload_leaves_the_previous_version_servable(model_dir: Path, tmp_path: Path,
+                                                                                  s3):
+    """The connection dies after some of version 4's files reached the model cache: version 3's package and model
+    cache are byte for byte what they were, and version 4 is not published (a rollout cannot name it)."""
+    client, bucket = s3
+    store = S3Store(f"s3://{bucket}", client=client)
+    store.publish(build_package(PackageSpec(model_dir, "demo", "3"), tmp_path / "a.tar.gz"))
+    before = _cache_objects(client, bucket, "model-cache/demo/3/")
+    package_before = client.get_object(Bucket=bucket, Key="packages/demo/3.tar.gz")["Body"].read()
+    real_put, calls = client.put_object, []
+
+    def dying_put(**kwargs):
+        calls.append(kwargs["Key"])
+        if len(calls) == 2:
+            raise ConnectionError("connection reset by peer")
+        return real_put(**kwargs)
+
+    client.put_object = dying_put
+    try:
+        with pytest.raises(ConnectionError):
+            store.publish(build_package(PackageSpec(model_dir, "demo", "4"), tmp_path / "b.tar.gz"))
+    finally:
+        client.put_object = real_put
+    assert calls[0].startswith("model-cache/demo/4/")
+    assert store.published_sha256("demo", "4") is None
+    assert _cache_objects(client, bucket, "model-cache/demo/3/") == before
+    assert client.get_object(Bucket=bucket, Key="packages/demo/3.tar.gz")["Body"].read() == package_before
+    # And publishing version 4 again completes: the half-written cache prefix is simply overwritten.
+    again = store.publish(build_package(PackageSpec(model_dir, "demo", "4"), tmp_path / "c.tar.gz"))
+    assert not again.already_published and store.published_sha256("demo", "4") == again.sha256
+
+
+def test_local_publish_dying_mid_copy_leaves_the_previous_version_servable(model_dir: Path, tmp_path: Path,
+                                                                           monkeypatch):
+    """The disk fills while version 2 is copied onto the model cache: version 1 still opens and verifies."""
+    store = LocalStore(tmp_path / "store", tmp_path / "cache")
+    first = store.publish(build_package(PackageSpec(model_dir, "demo", "1"), tmp_path / "a.tar.gz"))
+    (model_dir / "model.safetensors").write_bytes(b"version two weights")
+    second = build_package(PackageSpec(model_dir, "demo", "2"), tmp_path / "b.tar.gz")
+    real_copyfile = shutil.copyfile
+
+    def dying_copy(src, dst, *args, **kwargs):
+        if os.fspath(src).endswith("model.safetensors"):
+            raise OSError(28, "No space left on device")
+        return real_copyfile(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "copyfile", dying_copy)
+    with pytest.raises(OSError):
+        store.publish(second)
+    monkeypatch.undo()
+    assert store.published_sha256("demo", "2") is None
+    assert not (tmp_path / "cache" / "demo" / "2").exists()
+    assert open_package(Path(first.model_cache_uri)).manifest.model.version == "1"
+    assert [p.name for p in (tmp_path / "cache" / "demo").iterdir()] == ["1"]  # no half-copied staging left
