@@ -14,6 +14,7 @@ property-tests it. Rules:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -108,12 +109,13 @@ def check_steps(steps: tuple[int, ...] | list[int]) -> tuple[int, ...]:
 
 
 def candidate_replicas(replicas: int, weight: int) -> int:
-    return plan_red_black("a", replicas, "c", weight).candidate.replicas  # type: ignore[union-attr]
+    """The candidate's replicas at `weight`: plan_red_black's rule in integer arithmetic (schedules call it often)."""
+    return max(1, -(-replicas * weight // 100))
 
 
 def active_replicas(replicas: int, weight: int | None) -> int:
     """The active version's replicas at `weight` (None: no candidate, all replicas)."""
-    return replicas if weight is None else plan_red_black("a", replicas, "c", weight).active.replicas
+    return replicas if weight is None else replicas - replicas * weight // 100
 
 
 def transition_peak(replicas: int, from_weight: int | None, to_weight: int) -> int:
@@ -133,7 +135,8 @@ def rollback_peak(replicas: int, weight: int) -> int:
     return replicas + candidate_replicas(replicas, weight)
 
 
-def _path(replicas: int, current: int | None, target: int, surge: int) -> list[int] | None:
+@functools.lru_cache(maxsize=4096)
+def _path(replicas: int, current: int | None, target: int, surge: int) -> tuple[int, ...] | None:
     """The fewest updates from `current` to `target` whose every transition stays within replicas + surge
     (breadth-first over the integer weights in between, larger weights tried first), or None."""
     bound = replicas + surge
@@ -152,7 +155,7 @@ def _path(replicas: int, current: int | None, target: int, surge: int) -> list[i
                     path = [weight]
                     while previous[path[-1]] != current:
                         path.append(previous[path[-1]])  # type: ignore[arg-type]
-                    return path[::-1]
+                    return tuple(path[::-1])
                 following.append(weight)
         frontier = following
     return None
