@@ -69,8 +69,7 @@ def specs(words: dict[int, str]) -> list[dict]:
 
 
 def check(spec: dict, text: str, finish_reason: str, words: dict[int, str]) -> None:
-    tokens = parse(text, words)
-    assert tokens, f"empty output for {spec}"
+    tokens = parse(text, words)  # may be empty: eos first is allowed by allowed_tokens (the reference decides)
     problem = satisfies(validate_constraint(spec, None, None), 1, tokens, finished_by_eos=finish_reason == "stop")
     assert problem is None, f"{spec['kind']}: {problem} (text {text!r}, finish {finish_reason})"
 
