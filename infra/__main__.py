@@ -40,7 +40,8 @@ platform = ServingPlatform("platform", PlatformArgs(
 
 ctx = ServingContext(stack=cfg, provider=cluster.provider, namespace=platform.namespace,
                      service_account=platform.service_account, model_cache_claim=platform.model_cache_claim,
-                     gateway_name=platform.gateway_name, image_ref=image.image_ref, triton=pin,
+                     gateway_name=platform.gateway_name, image_ref=image.image_ref,
+                     repository_url=image.repository_url, triton=pin,
                      depends_on=[*platform.ready, *cluster.node_groups.values()])
 models = {}
 for model in cfg.models:

@@ -220,6 +220,10 @@ class ModelVersion(_Camel):
     version: str = Field(pattern=_VERSION_RE)
     package: str = Field(pattern=r"^s3://[a-z0-9][a-z0-9.-]+/.+\.tar\.gz$")
     io_fingerprint: str = Field(pattern=_FINGERPRINT_RE)
+    # A digest of the stack's serving image repository that this version keeps running (the `servingImage`
+    # output of an earlier update). Without it the version runs the image this update builds. Pinning the active
+    # version and adding a candidate with the same package is how a new serving image goes red-black (§4).
+    image: str | None = Field(default=None, pattern=r"^sha256:[0-9a-f]{64}$")
 
 
 class GpuShape(_Camel):

@@ -48,7 +48,8 @@ class ServingContext:
     service_account: str
     model_cache_claim: str
     gateway_name: str
-    image_ref: pulumi.Input[str]
+    image_ref: pulumi.Input[str]  # <repository>@<digest> of the image this update builds
+    repository_url: pulumi.Input[str]
     triton: TritonPin
     depends_on: list[pulumi.Resource]
 
@@ -79,9 +80,11 @@ def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, repli
     gpus = model.gpu.count
     pkg = model.version(version)
     startup_failures = math.ceil(model.load_time_seconds / PROBE_PERIOD_SECONDS)
+    image = (pulumi.Output.from_input(ctx.repository_url).apply(lambda url: f"{url}@{pkg.image}") if pkg.image
+             else ctx.image_ref)
     container = {
         "name": "model-server",
-        "image": ctx.image_ref,
+        "image": image,
         "imagePullPolicy": "IfNotPresent",
         "env": [
             {"name": "LLM_SERVING_MODEL_ID", "value": model.id},

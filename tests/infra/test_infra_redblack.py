@@ -153,3 +153,27 @@ def test_versioned_model_serves_each_version_on_its_own_route():
     fingerprints = {v["ioFingerprint"] for m in models_config("prod-us-west-2") if m["id"] == "ranker"
                     for v in m["versions"]}
     assert len(fingerprints) == 2
+
+
+def test_a_new_serving_image_goes_red_black_like_a_model_version():
+    """The active version keeps the digest it runs (pinned from an earlier update's `servingImage` output); a
+    candidate with the same package runs the image this update builds, and moves traffic step by step."""
+    old_digest = "sha256:" + "a" * 64
+    models = copy.deepcopy(models_config())
+    chat = next(m for m in models if m["id"] == "chat-large")
+    current = next(v for v in chat["versions"] if v["version"] == "2.3.0")
+    chat["versions"] = [{**current, "image": old_digest}, {**current, "version": "2.3.0-image2"}]
+    chat.update(active="2.3.0", candidate="2.3.0-image2", weight=25)
+    run = run_with(models)
+    active, candidate = parts(run, "chat-large", "2.3.0"), parts(run, "chat-large", "2.3.0-image2")
+
+    def image(dep: MockedResource) -> str:
+        return dep.inputs["spec"]["template"]["spec"]["containers"][0]["image"]
+
+    repository = run.outputs["servingImage"].split("@")[0]
+    assert image(active["deployment"]) == f"{repository}@{old_digest}"
+    assert image(candidate["deployment"]) == run.outputs["servingImage"] != image(active["deployment"])
+    for route in routes(run, "chat-large"):
+        assert depends_on(run, route, candidate["deployment"])
+        assert depends_on(run, active["deployment"], route)
+    assert run.outputs["models"]["chat-large"]["routeWeights"] == {"2.3.0": 75, "2.3.0-image2": 25}
