@@ -28,7 +28,7 @@ def driver(tmp_path_factory) -> Path:
     assert cxx, "a C++ compiler is needed (the package build needs one too)"
     out = tmp_path_factory.mktemp("asan") / "sanitize_driver"
     cmd = [
-        cxx, "-std=c++17", "-O1", "-g", "-fno-omit-frame-pointer",
+        cxx, "-std=c++17", "-O0", "-g", "-fno-omit-frame-pointer",
         "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
         f"-I{NATIVE / 'include'}",
         str(NATIVE / "src" / "core.cpp"), str(NATIVE / "src" / "batch.cpp"),
