@@ -55,17 +55,20 @@ class ConstraintLogitsProcessorV2(LogitsProcessor):
                                      int(os.environ.get(THREADS_ENV, "0")))
         # Per slot: the output tokens consumed so far (the core reads this list at every sync).
         self.history: dict[int, list[int]] = {}
+        self.constrained = np.zeros(req_states.max_num_reqs, dtype=bool)  # per slot, for a vectorised row filter
 
     def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
         spec = constraint_of(sampling_params)
         if spec is None:
             self.batch.clear_row(req_idx)
             self.history.pop(req_idx, None)
+            self.constrained[req_idx] = False
             return False
         hist: list[int] = []
         machine = compile_for_request(spec, sampling_params, self.vocab_size, self.default_eos)
         self.batch.set_row(req_idx, machine, hist)
         self.history[req_idx] = hist  # filled from the device at the next apply (a re-added request replays)
+        self.constrained[req_idx] = True
         return True
 
     def _gather(self, spans: list[tuple[int, int, int]]) -> list[list[int]]:
@@ -114,8 +117,7 @@ class ConstraintLogitsProcessorV2(LogitsProcessor):
         slots_all = ctx.idx_mapping_np
         if len(slots_all) != logits.shape[0]:
             raise ValueError("one logits row per request expected (speculative decoding is not supported)")
-        mine = np.fromiter((self.batch.core.constrained(int(s)) for s in slots_all), dtype=bool,
-                           count=len(slots_all))
+        mine = self.constrained[slots_all]
         if not mine.any():
             return logits
         positions = np.flatnonzero(mine)

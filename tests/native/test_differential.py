@@ -140,3 +140,29 @@ def test_history_shrink_and_rewrite_are_detected():
     out[1] = 17
     assert batch.sync() == 0
     assert batch.core.allowed(0) == [17, 42] and batch.core.consumed(0) == 2
+
+
+@SETTINGS
+@given(st.randoms(use_true_random=True))
+def test_manual_advance_and_rebuild_match_the_reference(rng: random.Random):
+    """The core's direct API (no output list): advance by tokens, rebuild from a history at any time."""
+    vocab, eos = random_vocab(rng)
+    spec = random_spec(rng, vocab, eos)
+    batch = ConstraintBatch(vocab, 1, threads=1)
+    batch.set_row(0, compile_spec(spec, vocab, eos), None)
+    history: list[int] = []
+    ref = ReferenceState(spec, eos)
+    for _ in range(rng.randint(1, 30)):
+        chunk = [next_token(rng, ref.allowed(), vocab, eos) for _ in range(rng.randint(1, 3))]
+        for t in chunk:
+            ref.advance(t)
+        history.extend(chunk)
+        if rng.random() < 0.3:
+            cut = rng.randint(0, len(history))
+            history = history[:cut]
+            ref = ReferenceState.replay(spec, eos, history)
+            batch.core.rebuild(0, history)
+        else:
+            batch.core.advance(0, chunk)
+        assert batch.core.allowed(0) == sorted(ref.allowed())
+        assert batch.core.finished(0) == ref.finished
