@@ -162,6 +162,19 @@ def _execute(stack: str, config: dict[str, Any], stack_outputs: dict | None = No
             })
             return response
 
+        def ReadResource(self, request):  # noqa: N802 (gRPC method name); StackReference and `get` reads
+            response = super().ReadResource(request)
+            parent = request.parent or None
+            if parent and parent.split("::")[2] == "pulumi:pulumi:Stack":
+                parent = None
+            records.append({
+                "type": request.type, "name": request.name, "urn": response.urn,
+                "inputs": _ints(rpc.deserialize_properties(request.properties)), "parent": parent,
+                "dependencies": list(request.dependencies), "custom_timeouts": None,
+                "provider": request.provider or None, "custom": True, "property_dependencies": {},
+            })
+            return response
+
     region = str(config.get("aws:region", "us-east-1"))
     project = Project.load(project_root)
     mocks = PlatformMocks(region=region, stack_outputs=stack_outputs)

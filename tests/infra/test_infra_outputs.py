@@ -73,6 +73,7 @@ def test_the_consumer_example_resolves_its_endpoints_through_a_stack_reference()
     serving = shipped_run("prod-us-east-1")
     run = run_stack("prod-us-east-1", project=CONSUMER, stack_outputs={SERVING_STACK: serving.outputs})
     assert run.project == "llm-consumer"
+    assert [r.name for r in run.of_type("pulumi:pulumi:StackReference")] == [SERVING_STACK]
     refs = [r for r in run.resources if r.type == "kubernetes:core/v1:ConfigMap"]
     assert len(refs) == 1
     data = refs[0].inputs["data"]
