@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable
 
 import pytest
 
 from infra.mockrun import run_stack, shipped_stacks
 from policies.catalog import ALL_POLICIES
+from policies.compat import DEFAULT_PATH as DEFAULT_COMPAT
 from policies.offline import evaluate
 from policies.synthetic import write_compat
 
@@ -99,6 +101,24 @@ def _loosen_irsa_trust(resources):
     role.inputs["assumeRolePolicy"] = json.dumps(doc)
 
 
+_RELEASE = re.compile(r"\d{2}\.\d{2}")
+
+
+def _stated_release(resources) -> str:
+    """The Triton release the program's image build states (its build args name the NGC base image or tag)."""
+    args = _of(resources, "docker-build:index:Image")[0].inputs.get("buildArgs") or {}
+    found = {m.group(0) for k, v in args.items() if "TRITON" in k.upper() for m in [_RELEASE.search(str(v))] if m}
+    assert len(found) == 1, f"the serving image's build args state no single Triton release: {args}"
+    return found.pop()
+
+
+def _move_stated_release(resources, release):
+    image = _of(resources, "docker-build:index:Image")[0].inputs
+    old = _stated_release(resources)
+    image["buildArgs"] = {k: str(v).replace(old, release) for k, v in image["buildArgs"].items()}
+    image["tags"] = [str(t).replace(old, release) for t in image.get("tags", [])]
+
+
 def _routes_stop_waiting_for(resources, deployment):
     for route in resources:
         if route.type.endswith(("HTTPRoute", "GRPCRoute")) and deployment.urn in route.dependencies:
@@ -131,8 +151,7 @@ MUTATIONS: dict[str, Callable] = {
     "iam-no-wildcard-s3-ecr-kms": lambda res, cfg: _policy_doc(
         _of(res, "aws:iam/rolePolicy:RolePolicy")[0], lambda doc: doc["Statement"][0].update(Resource="*")),
     "serving-image-digest": lambda res, cfg: _server(res).update(image="registry.example/llm-serving:latest"),
-    "serving-image-pins": lambda res, cfg: _of(res, "docker-build:index:Image")[0].inputs["buildArgs"].update(
-        TRITON_IMAGE_TAG="24.01-vllm-python-py3"),
+    "serving-image-pins": lambda res, cfg: _move_stated_release(res, "24.01"),
     "serving-gpu-resources": lambda res, cfg: [r.pop("nvidia.com/gpu", None)
                                                for r in _server(res)["resources"].values()],
     "serving-probes": lambda res, cfg: _server(res).pop("livenessProbe"),
@@ -160,10 +179,10 @@ def test_every_mandatory_rule_has_a_mutation():
 @pytest.mark.parametrize("policy", sorted(MUTATIONS))
 def test_rule_catches_a_break_in_the_real_program(policy, runs, tmp_path):
     run = _run(runs, SENSITIVITY_STACK)
-    # Pins as the program built them, so this test is about the rules' reach, not about compat.toml's content
-    # (test_shipped_stack_has_no_mandatory_violation checks the real file).
-    tag = _of(run.resources, "docker-build:index:Image")[0].inputs["buildArgs"]["TRITON_IMAGE_TAG"]
-    compat = write_compat(tmp_path, f'[triton]\nimage_tag = "{tag}"\nvllm_version = "x"\nvllm_backend_branch = "y"\n')
+    # The real compat.toml; before the serving image's issue created it, a copy pinning what the program builds.
+    compat = DEFAULT_COMPAT if DEFAULT_COMPAT.is_file() else write_compat(
+        tmp_path, f'[triton]\nrelease = "{_stated_release(run.resources)}"\nvllm_version = "x"\n'
+                  f'vllm_backend_branch = "y"\n')
     resources, config = copy.deepcopy(run.resources), copy.deepcopy(run.config)
     before = evaluate(resources, run.stack, run.project, config, compat_file=compat)
     assert not [f for f in before if f.blocking]
