@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -93,6 +94,10 @@ class ConstraintLogitsProcessorV1(LogitsProcessor):
         self.constrained_added = 0
         self.steps = 0
         self.max_rows = 0  # most constrained rows masked in one step
+        # Compiled machines by request (SamplingParams object): a preempted request re-added later is not compiled
+        # again. The entry holds the params object, so its id cannot be reused while cached.
+        self._machines: OrderedDict[int, tuple[SamplingParams, object]] = OrderedDict()
+        self._cache_size = 4 * capacity
         stats_dir = os.environ.get(STATS_ENV)
         self._stats_path = Path(stats_dir) / f"{os.getpid()}.json" if stats_dir else None
 
@@ -115,6 +120,17 @@ class ConstraintLogitsProcessorV1(LogitsProcessor):
     def is_argmax_invariant(self) -> bool:
         return False  # it masks tokens, greedy decoding included
 
+    def _machine(self, params: SamplingParams, spec: object):
+        hit = self._machines.get(id(params))
+        if hit is not None and hit[0] is params:
+            self._machines.move_to_end(id(params))
+            return hit[1]
+        machine = compile_for_request(spec, params, self.vocab_size, self.default_eos)
+        self._machines[id(params)] = (params, machine)
+        if len(self._machines) > self._cache_size:
+            self._machines.popitem(last=False)
+        return machine
+
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is not None:
             for index in batch_update.removed:
@@ -124,8 +140,7 @@ class ConstraintLogitsProcessorV1(LogitsProcessor):
                 if spec is None:
                     self.batch.clear_row(index)  # the index may still hold a previous request's state
                     continue
-                machine = compile_for_request(spec, params, self.vocab_size, self.default_eos)
-                self.batch.set_row(index, machine, output_ids)
+                self.batch.set_row(index, self._machine(params, spec), output_ids)
                 self.constrained_added += 1
                 if output_ids:
                     self.readded += 1
