@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from policies.compat import DEFAULT_PATH as DEFAULT_COMPAT
+
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = r'''
@@ -34,6 +36,8 @@ stack.remove("models-pab")                                           # stack rul
 stack.models()[0]["loadTimeSeconds"] = 1800                          # resource rule, reads the models from config
 stack.get("llama-v1").custom_timeouts.update(update="5m")            # resource rule, reads custom timeouts
 inputs_of(stack, "model-cache-fs")["tags"] = {"team": "ml-platform"}  # advisory
+# Stack rule reading the real serving_image/compat.toml (no policy config under the CLI): an old release.
+inputs_of(stack, "serving-image")["buildArgs"] = {"TRITON_IMAGE_TAG": "24.01-vllm-python-py3"}
 
 os.environ.update(
     PULUMI_PROJECT=stack.project, PULUMI_STACK=stack.stack, PULUMI_DRY_RUN="true",
@@ -84,7 +88,8 @@ def test_analyzer_and_offline_runner_agree():
     analyzer = {tuple(x) for x in result["analyzer"]}
     offline = {tuple(x) for x in result["offline"]}
     assert analyzer == offline
-    assert {p for p, _, _ in analyzer} == {
-        "gpu-nodes-approved-instance-types", "s3-public-access-block", "serving-probes", "serving-update-timeout",
-        "cost-allocation-tags",
-    }
+    expected = {"gpu-nodes-approved-instance-types", "s3-public-access-block", "serving-probes",
+                "serving-update-timeout", "cost-allocation-tags"}
+    if DEFAULT_COMPAT.is_file():  # before the file existed the pin rule was not applicable, on both paths
+        expected.add("serving-image-pins")
+    assert {p for p, _, _ in analyzer} == expected
