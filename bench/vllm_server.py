@@ -27,6 +27,7 @@ def start_vllm_server(model_dir: pathlib.Path, workdir: pathlib.Path) -> tuple[s
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            os.killpg(proc.pid, signal.SIGKILL)
             raise RuntimeError(f"vLLM's server exited: {(workdir / 'vllm-server.log').read_text()[-3000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
@@ -34,7 +35,7 @@ def start_vllm_server(model_dir: pathlib.Path, workdir: pathlib.Path) -> tuple[s
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    proc.kill()
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole group: its engine core and worker too
     raise RuntimeError("vLLM's server did not become ready in 300 s")
 
 

@@ -95,6 +95,7 @@ def start_server(package: Path, workdir: Path, *, extra_env: dict | None = None,
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            server.kill()
             raise AssertionError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-5000:]}")
         engine_done = "start-engine: done" in log_path.read_text()
         if accepts(ports["openai"]):
@@ -106,5 +107,5 @@ def start_server(package: Path, workdir: Path, *, extra_env: dict | None = None,
             except httpx.HTTPError:
                 pass
         time.sleep(0.2)
-    server.kill()
+    server.kill()  # the whole process group: vLLM's engine core and worker too
     raise AssertionError(f"server not ready after {START_TIMEOUT_S}s:\n{log_path.read_text()[-5000:]}")

@@ -8,6 +8,7 @@ every OpenAI field); errors have OpenAI's shape and status codes, and nothing a 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import struct
@@ -159,16 +160,26 @@ def create_app(engine: Engine, metrics: FrontendMetrics | None = None,
         outcome = Outcome()
         request_id = f"{ENDPOINTS[kind][2]}-{uuid.uuid4().hex}"
         parsed = None
+        pending = contextlib.ExitStack()  # nv_inference_pending_request_count, until the last byte is sent
+        if metrics is not None:
+            pending.enter_context(metrics.pending(info.name, info.version))
+
+        def done() -> None:
+            pending.close()
+            finish(request_id, kind, parsed, outcome, started)
+
         try:
             parsed = await parse(request, kind)
-            response = await handler(parsed, request_id, outcome, started,
-                                     lambda: finish(request_id, kind, parsed, outcome, started))
+            response = await handler(parsed, request_id, outcome, started, done)
         except APIError as exc:
             outcome.status = exc.status
             outcome.failure = "REJECTED" if exc.status < 500 else "BACKEND"
             response = exc.response()
+        except BaseException:
+            pending.close()
+            raise
         if not isinstance(response, StreamingResponse):
-            finish(request_id, kind, parsed, outcome, started)
+            done()
         return response
 
     # -- completions and chat ----------------------------------------------------------------------------------
