@@ -124,12 +124,15 @@ class Rollout:
         return result
 
     def _rollback(self, stack: str, original_text: str, report: StackReport, why: str) -> None:
-        """One update that gives the active version everything back (or, for a step that had no candidate
-        before, restores the file as it was)."""
+        """One update that gives the active version everything back. With a candidate in the file this is always
+        the no-candidate shape, never a step back to a lower weight: in the candidate shape the active scales after
+        the route moves (right for a forward step), so a lower weight would send traffic to the active before its
+        pods exist; without a candidate the route waits for the active's capacity. Otherwise (a failed finalize,
+        a versioned start) the file is restored as it was before the step."""
         self.on_event(f"{stack}: rolling back ({why})")
         sf = self._file(stack)
         model = sf.model(self.model_id)
-        if model.strategy == "red-black" and model.candidate is not None and model.weight != 100:
+        if model.strategy == "red-black" and model.candidate is not None:
             sf.rollback(self.model_id)
             sf.save()
         else:
