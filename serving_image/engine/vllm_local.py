@@ -219,6 +219,7 @@ class VllmLocalEngine(Engine):
                                                    add_generation_prompt=add_generation_prompt)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
         if not self.is_ready():
@@ -262,8 +263,9 @@ class VllmLocalEngine(Engine):
                 )
         except EngineDeadError as exc:
             raise EngineUnavailableError(f"vLLM engine died: {exc}") from exc
-        except ValueError as exc:  # vLLM's validation (e.g. an unsupported JSON schema) is the caller's error
-            raise EngineInputError(str(exc)) from exc
+        except (ValueError, VLLMClientError) as exc:  # vLLM's validation (an unsupported JSON schema, n > 1 when
+            # greedy, ...) is the caller's error, not the server's
+            raise EngineInputError(str(exc), getattr(exc, "parameter", None)) from exc
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)

@@ -218,12 +218,20 @@ def test_constraint_extension(client, tokenizer):
 
 def test_completions_list_of_prompts_echo_and_token_ids(client, tokenizer):
     response = client.completions.create(model=MODEL, prompt=["alpha", "beta"], max_tokens=3, n=2, echo=True,
-                                         temperature=0)
+                                         temperature=1.0, seed=3)
     assert [c.index for c in response.choices] == [0, 1, 2, 3]
-    assert response.choices[0].text.startswith("alpha") and response.choices[2].text.startswith("beta")
-    ids = tokenizer.encode("alpha")
-    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
-    assert by_ids.choices[0].text == response.choices[0].text.removeprefix("alpha")
+    prefixes = ["alpha", "alpha", "beta", "beta"]
+    assert all(c.text.startswith(p) for c, p in zip(response.choices, prefixes, strict=True))
+    assert 0 < response.usage.completion_tokens <= 4 * 3
+    greedy = client.completions.create(model=MODEL, prompt="alpha", max_tokens=3, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=tokenizer.encode("alpha"), max_tokens=3, temperature=0)
+    assert by_ids.choices[0].text == greedy.choices[0].text
+
+
+def test_n_above_one_with_greedy_is_refused_naming_n(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2, temperature=0)
+    assert "n must be 1" in info.value.body["message"]
 
 
 # -- the four workloads --------------------------------------------------------------------------------------------
