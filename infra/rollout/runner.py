@@ -137,8 +137,9 @@ class _SimulatedRunner:
         live = self.live(stack)
         try:
             nodes, outputs = self.desired(stack)
-        except Exception as err:  # the program (or the config) failed before any resource changed
-            return UpResult(stack, ok=False, message=f"the program failed: {err}")
+        except Exception as err:  # the program, the config or a policy failed before any resource changed
+            what = "a mandatory policy blocked it" if type(err).__name__ == "PolicyBlocked" else "the program failed"
+            return UpResult(stack, ok=False, message=f"{what}: {err}")
         peaks: dict[str, int] = {}
 
         def observe(state: Live, step: str) -> None:
@@ -160,18 +161,35 @@ class _SimulatedRunner:
         return json.loads(path.read_text())["outputs"] if path.is_file() else {}
 
 
+class PolicyBlocked(RuntimeError):
+    """A mandatory policy of the pack rejected the update's resources (before any resource changed)."""
+
+
 class MockRunner(_SimulatedRunner):
-    """The real program under Pulumi's mock runtime on the (edited) config file, then the engine simulation."""
+    """The real program under Pulumi's mock runtime on the (edited) config file, then the engine simulation.
+
+    With `policies` (the default) every update is first checked by the policy pack's rules offline
+    (policies.offline), as `pulumi up --policy-pack policies` would: a mandatory violation blocks the update before
+    any resource changes."""
 
     def __init__(self, config_dir: Path, state_dir: Path, faults: dict[str, Faults] | None = None,
-                 observe: Callable[[str, Live, str], None] | None = None, project_dir: Path | None = None):
+                 observe: Callable[[str, Live, str], None] | None = None, project_dir: Path | None = None,
+                 policies: bool = True):
         super().__init__(config_dir, state_dir, faults, observe)
         self.project_dir = project_dir
+        self.policies = policies
 
     def desired(self, stack: str) -> tuple[list[Node], dict]:
         from infra.mockrun import run_stack
 
         run = run_stack(stack, config_file=self.config_path(stack), project=self.project_dir)
+        if self.policies:
+            from policies.offline import ADVISORY, NOT_APPLICABLE, evaluate
+
+            blocking = [f for f in evaluate(run.resources, stack, run.project, run.config)
+                        if f.enforcement not in (ADVISORY, NOT_APPLICABLE)]
+            if blocking:
+                raise PolicyBlocked("; ".join(f"[{f.policy}] {f.resource}: {f.message}" for f in blocking))
         return nodes_of_run(run), run.outputs
 
 

@@ -9,6 +9,7 @@ Each scenario runs the program 6 times (3 starting states, the first region's st
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -139,3 +140,23 @@ def test_candidate_never_ready_in_the_second_region_never_gets_traffic(tmp_path,
     assert (config_dir / "Pulumi.prod-eu-west-1.yaml").read_text() == third_before
     assert not [s for s in seen if s[0] == "prod-eu-west-1"]
     assert any("rolling back (update failed" in e for e in events)
+
+
+def test_a_mandatory_policy_blocks_the_update_before_anything_changes(tmp_path, capsys):
+    """The mock runner checks every update with the policy pack offline, as `pulumi up --policy-pack` would: a
+    red-black candidate whose I/O fingerprint differs from the active's is refused (§4: that is what versioned is
+    for), the file goes back, and the deployed state never changed."""
+    config_dir, state_dir = copy_stacks(tmp_path / "stacks"), tmp_path / "state"
+    path = config_dir / "Pulumi.prod-eu-west-1.yaml"
+    before = path.read_text()
+    rc = main(["start", MODEL, "--stacks", "prod-eu-west-1", "--version", "3.0.0", "--package",
+               "s3://acme-llm-prod-us-east-1/models/chat-large/3.0.0.tar.gz", "--io-fingerprint", "sha256:" + "ab" * 32,
+               "--runner", "mock", "--config-dir", str(config_dir), "--state-dir", str(state_dir), "--no-gate",
+               "--json"])
+    assert rc == 1
+    (entry,) = json.loads(capsys.readouterr().out)["stacks"]
+    assert entry["status"] == "rolled back"
+    assert "a mandatory policy blocked it: [rollout-versioned-only-on-io-change]" in entry["detail"]
+    assert path.read_text() == before
+    live = MockRunner(config_dir, state_dir).live("prod-eu-west-1")
+    assert engine.model_replicas(live, MODEL) == {"2.3.0": 2}
