@@ -143,3 +143,18 @@ def test_entry_point_is_accepted_by_both_model_runners_loaders():
 
     assert ConstraintLogitsProcessor in _load_logitsprocs_plugins()
     assert ConstraintLogitsProcessor in _load_v2_logitsprocs_plugins()
+
+
+def test_usable_by_import_path_in_both_runners():
+    from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns
+    from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs_by_fqcns
+
+    from serving_image.constraints.vllm_v1 import ConstraintLogitsProcessorV1
+    from serving_image.constraints.vllm_v2 import ConstraintLogitsProcessorV2
+
+    assert _load_logitsprocs_by_fqcns(["serving_image.constraints.vllm_v1:ConstraintLogitsProcessorV1"]) == [
+        ConstraintLogitsProcessorV1]
+    assert _load_v2_logitsprocs_by_fqcns(["serving_image.constraints.vllm_v2:ConstraintLogitsProcessorV2"]) == [
+        ConstraintLogitsProcessorV2]
+    path = "serving_image.constraints.vllm_processor:ConstraintLogitsProcessor"
+    assert _load_logitsprocs_by_fqcns([path]) == _load_v2_logitsprocs_by_fqcns([path]) == [ConstraintLogitsProcessor]
