@@ -111,7 +111,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             self.service.check_model(request.model_name, request.model_version)
             tensors, parameters, outputs = decode_request(request)
-            self.service.parse(tensors, parameters, outputs, request.id)
+            self.service.check_fits(self.service.parse(tensors, parameters, outputs, request.id))
         except ModelNotFound as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except KServeInputError as exc:

@@ -37,29 +37,53 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-async def _json_body(request: Request) -> dict:
+async def _json_body(request: Request, binary: bool = False) -> dict | tuple[dict, bytes]:
+    """The JSON body; with `binary`, also the binary-data section that follows a JSON header of
+    `Inference-Header-Content-Length` bytes (Triton's binary tensor data extension, which tritonclient.http uses)."""
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
         raise KServeInputError("body", f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
+    rest = b""
+    header_length = request.headers.get("inference-header-content-length")
+    if binary and header_length is not None:
+        try:
+            cut = int(header_length)
+        except ValueError:
+            cut = -1
+        if not 0 <= cut <= len(raw):
+            raise KServeInputError("Inference-Header-Content-Length", "Inference-Header-Content-Length must be "
+                                   f"an integer in 0..{len(raw)}, got {header_length!r}")
+        raw, rest = raw[:cut], raw[cut:]
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise KServeInputError("body", f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise KServeInputError("body", "request body must be a JSON object")
-    return body
+    return (body, rest) if binary else body
 
 
-def _infer_tensors(body: dict) -> tuple[list[Tensor], dict, list[str]]:
+def _infer_tensors(body: dict, binary: bytes = b"") -> tuple[list[Tensor], dict, list[str]]:
     inputs = body.get("inputs")
     if not isinstance(inputs, list):
         raise KServeInputError("inputs", "inputs must be a list of tensors")
     tensors = []
+    offset = 0
     for i, item in enumerate(inputs):
+        size = item.get("parameters", {}).get("binary_data_size") if isinstance(item, dict) and isinstance(
+            item.get("parameters"), dict) else None
+        chunk = None
+        if size is not None:
+            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+                raise KServeInputError(f"inputs[{i}]", f"inputs[{i}].parameters.binary_data_size {size!r} does not "
+                                       f"fit the {len(binary) - offset} bytes of binary data left")
+            chunk, offset = binary[offset:offset + size], offset + size
         try:
-            tensors.append(decode_json_input(item, i))
+            tensors.append(decode_json_input(item, i, chunk))
         except TensorError as exc:
             raise KServeInputError(exc.field, str(exc)) from exc
+    if offset != len(binary):
+        raise KServeInputError("body", f"{len(binary) - offset} bytes of binary data belong to no input")
     parameters = body.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise KServeInputError("parameters", "parameters must be an object")
@@ -139,9 +163,9 @@ def create_kserve_app(service: KServeModelService) -> FastAPI:
     async def infer(model: str, request: Request, version: str = "") -> JSONResponse:
         try:
             service.check_model(model, version)
-            body = await _json_body(request)
-            tensors, parameters, outputs = _infer_tensors(body)
-            service.parse(tensors, parameters, outputs, str(body.get("id", "")))
+            body, binary = await _json_body(request, binary=True)
+            tensors, parameters, outputs = _infer_tensors(body, binary)
+            service.check_fits(service.parse(tensors, parameters, outputs, str(body.get("id", ""))))
         except ModelNotFound as exc:
             return _error(404, str(exc))
         except KServeInputError as exc:

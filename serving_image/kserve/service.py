@@ -101,6 +101,22 @@ class KServeModelService:
         return parse_generate(tensors, parameters, info=self.info, request_id=request_id or f"kserve-{uuid.uuid4()}",
                               structured_key=self.structured_key, output_names=outputs)
 
+    def check_fits(self, call: GenerateCall) -> None:
+        """What the engine would refuse about the request's size, found without running it (for the unary calls,
+        which never reach the engine): the prompt and max_tokens against the context window."""
+        prompt = call.request.prompt
+        tokens = len(prompt) if isinstance(prompt, list) else len(
+            self.engine.encode_prompt(prompt, add_special_tokens=call.request.add_special_tokens))
+        window = self.info.max_model_len
+        if tokens >= window:
+            raise KServeInputError("text_input", f"input 'text_input': the prompt has {tokens} tokens; this model's "
+                                   f"context window is {window}")
+        max_tokens = call.request.sampling.max_tokens
+        if max_tokens is not None and tokens + max_tokens > window:
+            raise KServeInputError("sampling_parameters.max_tokens", f"sampling_parameters.max_tokens: {max_tokens} "
+                                   f"plus the prompt's {tokens} tokens exceed this model's context window of "
+                                   f"{window} tokens")
+
     def observe_rejected(self) -> None:
         if self.metrics is not None:
             self.metrics.observe(self.info.name, self.info.version, success=False, duration_s=0.0,

@@ -76,6 +76,22 @@ def join_raw_bytes(values: Sequence[bytes]) -> bytes:
     return b"".join(struct.pack("<I", len(v)) + v for v in values)
 
 
+def decode_raw(name: str, datatype: str, shape: tuple[int, ...], raw: bytes) -> tuple:
+    """Values from raw content (gRPC raw_input_contents, or an HTTP binary-data section)."""
+    count = element_count(shape)
+    if datatype == "BYTES":
+        return split_raw_bytes(name, raw, count)
+    if datatype == "BOOL":
+        if len(raw) != count:
+            raise TensorError(f"input '{name}'", f"input '{name}': raw BOOL content has {len(raw)} bytes, shape "
+                              f"needs {count}")
+        return tuple(b != 0 for b in raw)
+    if len(raw) != 4 * count:
+        raise TensorError(f"input '{name}'", f"input '{name}': raw UINT32 content has {len(raw)} bytes, shape "
+                          f"needs {4 * count}")
+    return struct.unpack(f"<{count}I", raw)
+
+
 def decode_grpc_input(tensor, raw: bytes | None) -> Tensor:
     """A `ModelInferRequest.InferInputTensor` (and its raw_input_contents entry, if any) as a Tensor."""
     name, datatype = tensor.name, tensor.datatype
@@ -86,18 +102,7 @@ def decode_grpc_input(tensor, raw: bytes | None) -> Tensor:
                           f"model uses ({', '.join(SUPPORTED_DATATYPES)})")
     contents = tensor.contents
     if raw is not None:
-        if datatype == "BYTES":
-            values: tuple = split_raw_bytes(name, raw, count)
-        elif datatype == "BOOL":
-            if len(raw) != count:
-                raise TensorError(f"input '{name}'", f"input '{name}': raw BOOL content has {len(raw)} bytes, shape "
-                                  f"needs {count}")
-            values = tuple(b != 0 for b in raw)
-        else:
-            if len(raw) != 4 * count:
-                raise TensorError(f"input '{name}'", f"input '{name}': raw UINT32 content has {len(raw)} bytes, "
-                                  f"shape needs {4 * count}")
-            values = struct.unpack(f"<{count}I", raw)
+        values: tuple = decode_raw(name, datatype, shape, raw)
     elif datatype == "BYTES":
         values = tuple(contents.bytes_contents)
         for v in values:
@@ -114,8 +119,9 @@ def decode_grpc_input(tensor, raw: bytes | None) -> Tensor:
     return Tensor(name, datatype, shape, values)
 
 
-def decode_json_input(item: Mapping[str, Any], index: int) -> Tensor:
-    """One entry of a KServe v2 HTTP `inputs` array ({name, shape, datatype, data})."""
+def decode_json_input(item: Mapping[str, Any], index: int, binary: bytes | None = None) -> Tensor:
+    """One entry of a KServe v2 HTTP `inputs` array ({name, shape, datatype, data}); `binary` is its slice of the
+    binary-data section when it declared `parameters.binary_data_size` (Triton's binary tensor extension)."""
     if not isinstance(item, Mapping):
         raise TensorError(f"inputs[{index}]", f"inputs[{index}] must be an object")
     name = item.get("name")
@@ -129,6 +135,8 @@ def decode_json_input(item: Mapping[str, Any], index: int) -> Tensor:
     if datatype not in SUPPORTED_DATATYPES:
         raise TensorError(f"input '{name}'", f"input '{name}': datatype {datatype!r} is not one this model uses "
                           f"({', '.join(SUPPORTED_DATATYPES)})")
+    if binary is not None:
+        return Tensor(name, datatype, shape, decode_raw(name, datatype, shape, binary))
     data = item.get("data")
     flat: list = []
 
