@@ -137,7 +137,12 @@ class Rollout:
             sf.save()
         else:
             sf.path.write_text(original_text)
+        bound = rollback_peak(model.replicas, model.weight) if model.candidate is not None else model.replicas
         result = self._up(stack, "rollback")
+        if self.model_id in result.peak_replicas:
+            # capacity first: the active is back at all replicas while the candidate still serves
+            report.peak_replicas = result.peak_replicas[self.model_id]
+            report.gpu_bound = bound
         after = self._model(stack)
         report.after = describe(after)
         if result.ok:
@@ -287,7 +292,7 @@ class Rollout:
             if model.candidate is None:
                 entry.after, entry.detail = entry.before, "no rollout in progress"
                 continue
-            entry.peak_replicas = rollback_peak(model.replicas, model.weight)  # type: ignore[arg-type]
+            entry.gpu_bound = rollback_peak(model.replicas, model.weight)  # type: ignore[arg-type]
             self._rollback(stack, sf.path.read_text(), entry, "abort")
             if entry.status == "rolled back":
                 entry.detail = f"{model.candidate} removed; {model.active} has all replicas and traffic"
