@@ -8,9 +8,11 @@ production; the last test drains it with SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 import signal
+import struct
 import threading
 import time
 from pathlib import Path
@@ -244,7 +246,9 @@ def test_embeddings(client):
     assert vectors[0] == pytest.approx(vectors[1])
     assert vectors[0] != pytest.approx(vectors[2])
     b64 = client.embeddings.create(model=MODEL, input="the platform", encoding_format="base64")
-    assert b64.data[0].embedding == pytest.approx(vectors[0], abs=1e-6)
+    # Asked for explicitly, base64 comes back as the string: little-endian float32, as OpenAI sends it.
+    raw = base64.b64decode(b64.data[0].embedding)
+    assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(vectors[0], abs=1e-6)
     with pytest.raises(openai.BadRequestError) as info:
         client.embeddings.create(model=MODEL, input="x", dimensions=64)
     assert info.value.body["param"] == "dimensions"
