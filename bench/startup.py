@@ -12,7 +12,7 @@ import time
 from bench.vllm_server import start_vllm_server, stop_vllm_server
 from serving_image.local_server import publish_demo, start_server
 
-ROUNDS = 3
+ROUNDS = 2
 
 
 def measure(model_dir: pathlib.Path, workdir: pathlib.Path) -> dict:
