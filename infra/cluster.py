@@ -20,6 +20,7 @@ from infra.naming import GPU_NODE_GROUP_LABEL, POOL_LABEL
 
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}
 SYSTEM_AMI = "AL2023_x86_64_STANDARD"
+SYSTEM_DISK_GIB = 100
 CLUSTER_POLICIES = ["arn:aws:iam::aws:policy/AmazonEKSClusterPolicy"]
 NODE_POLICIES = [
     "arn:aws:iam::aws:policy/AmazonEKSWorkerNodePolicy",
@@ -65,6 +66,20 @@ def _kubeconfig(name: pulumi.Output[str], endpoint: pulumi.Output[str], ca: pulu
     return pulumi.Output.all(name, endpoint, ca).apply(build)
 
 
+def launch_template_args(name: str, disk_size_gib: int, tags: dict[str, str]) -> dict:
+    """Every node group's launch template: an encrypted gp3 root disk, and IMDSv2 only with one hop, so pods
+    cannot borrow the node's role (they get theirs through IRSA)."""
+    return {
+        "block_device_mappings": [{
+            "device_name": "/dev/xvda",
+            "ebs": {"volume_size": disk_size_gib, "volume_type": "gp3", "encrypted": "true",
+                    "delete_on_termination": "true"},
+        }],
+        "metadata_options": {"http_endpoint": "enabled", "http_tokens": "required", "http_put_response_hop_limit": 1},
+        "tag_specifications": [{"resource_type": "instance", "tags": {**tags, "Name": name}}],
+    }
+
+
 class Cluster(pulumi.ComponentResource):
     name: pulumi.Output[str]
     node_security_group_id: pulumi.Output[str]
@@ -108,6 +123,9 @@ class Cluster(pulumi.ComponentResource):
 
         node_role = role_with_policy(f"{name}-node", service_trust("ec2.amazonaws.com"), None, NODE_POLICIES,
                                      args.tags, child)
+        system_template = aws.ec2.LaunchTemplate(
+            f"{name}-system", update_default_version=True, tags=args.tags, opts=child,
+            **launch_template_args(f"{name}-system", SYSTEM_DISK_GIB, args.tags))
         system = aws.eks.NodeGroup(
             f"{name}-system",
             cluster_name=cluster.name,
@@ -119,9 +137,10 @@ class Cluster(pulumi.ComponentResource):
                             "max_size": cfg.system_node_group.scaling.max_size,
                             "desired_size": cfg.system_node_group.scaling.desired_size},
             labels={POOL_LABEL: "system"},
+            launch_template={"id": system_template.id, "version": system_template.latest_version.apply(str)},
             update_config={"max_unavailable": 1},
             tags=args.tags,
-            opts=child,
+            opts=pulumi.ResourceOptions(parent=self, ignore_changes=["scalingConfig.desiredSize"]),
         )
         self.node_groups = {"system": system}
         for group in cfg.gpu_node_groups:
@@ -147,17 +166,7 @@ class Cluster(pulumi.ComponentResource):
                         node_role: aws.iam.Role, args: ClusterArgs) -> aws.eks.NodeGroup:
         child = pulumi.ResourceOptions(parent=self)
         full = f"{name}-gpu-{group.name}"
-        lt_args: dict = {
-            "block_device_mappings": [{
-                "device_name": "/dev/xvda",
-                "ebs": {"volume_size": group.disk_size_gib, "volume_type": "gp3", "encrypted": "true",
-                        "delete_on_termination": "true"},
-            }],
-            # IMDSv2 only, one hop: pods cannot borrow the node's role (they get theirs through IRSA).
-            "metadata_options": {"http_endpoint": "enabled", "http_tokens": "required",
-                                 "http_put_response_hop_limit": 1},
-            "tag_specifications": [{"resource_type": "instance", "tags": {**args.tags, "Name": full}}],
-        }
+        lt_args = launch_template_args(full, group.disk_size_gib, args.tags)
         subnets: list[pulumi.Input[str]] = args.private_subnet_ids
         if group.efa:
             # EFA wants the nodes close together: one AZ and a cluster placement group, one EFA interface per node.

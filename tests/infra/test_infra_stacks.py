@@ -85,6 +85,10 @@ def test_gpu_node_groups_follow_the_config(stack):
     groups = {r.name: r for r in run.of_type("aws:eks/nodeGroup:NodeGroup")}
     assert set(groups) == {"eks-system"} | {f"eks-gpu-{g.name}" for g in cfg.cluster.gpu_node_groups}
     assert groups["eks-system"].inputs.get("taints") is None
+    system_template = run.find("aws:ec2/launchTemplate:LaunchTemplate", "eks-system").inputs
+    assert system_template["metadataOptions"] == {"httpEndpoint": "enabled", "httpTokens": "required",
+                                                  "httpPutResponseHopLimit": 1}
+    assert system_template["blockDeviceMappings"][0]["ebs"]["encrypted"] == "true"
     for g in cfg.cluster.gpu_node_groups:
         ng = groups[f"eks-gpu-{g.name}"].inputs
         assert ng["amiType"] == g.ami_type
