@@ -160,3 +160,36 @@ def test_a_mandatory_policy_blocks_the_update_before_anything_changes(tmp_path, 
     assert path.read_text() == before
     live = MockRunner(config_dir, state_dir).live("prod-eu-west-1")
     assert engine.model_replicas(live, MODEL) == {"2.3.0": 2}
+
+
+def test_step_order_of_a_forward_step_and_of_a_rollback_in_the_real_program(tmp_path):
+    """§4's order, from the program's own dependencies: a step grows the candidate, then moves the routes, then
+    shrinks the active; a rollback grows the active back (capacity), then moves the routes, then removes the
+    candidate."""
+    config_dir, state_dir = copy_stacks(tmp_path / "stacks"), tmp_path / "state"
+    steps: list[str] = []
+    runner = MockRunner(config_dir, state_dir, observe=lambda stack, live, step: steps.append(step))
+    runner.prepare("prod-us-east-1")
+    rollout = Rollout(runner, MODEL, ["prod-us-east-1"])
+
+    def order(*names: str) -> list[int]:
+        return [next(i for i, s in enumerate(steps) if s.endswith(name)) for name in names]
+
+    report = rollout.advance()  # 25% -> 50%: candidate 1 -> 2, active 3 -> 2 (4 replicas, surge 1)
+    assert [(s.status, s.after, s.peak_replicas, s.gpu_bound) for s in report.stacks] == [
+        ("advanced", "2.3.0 50% | 2.4.0 50%", 5, 5)]
+    cand, http, grpc, active = order("Deployment::chat-large-2-4-0-deployment", "HTTPRoute::chat-large-http",
+                                     "GRPCRoute::chat-large-grpc", "Deployment::chat-large-2-3-0-deployment")
+    assert cand < http and cand < grpc and max(http, grpc) < active
+
+    steps.clear()
+    report = rollout.abort()
+    assert [(s.status, s.after) for s in report.stacks] == [("rolled back", "2.3.0 100%")]
+    active, http, grpc, gone = order("Deployment::chat-large-2-3-0-deployment", "HTTPRoute::chat-large-http",
+                                     "GRPCRoute::chat-large-grpc", "delete kubernetes:apps/v1:Deployment::"
+                                     "chat-large-2-4-0-deployment")
+    assert steps[active].startswith("update") and active < http and active < grpc and max(http, grpc) < gone
+    assert report.stacks[0].peak_replicas == 6 == report.stacks[0].gpu_bound  # 4 back on the active + 2 candidate
+    live = runner.live("prod-us-east-1")
+    assert engine.ready_replicas(live, MODEL) == {"2.3.0": 4}
+    assert engine.route_weights(live, MODEL)["chat-large-http"] == {"2.3.0": 100}
