@@ -22,6 +22,7 @@ from infra.rollout.engine import Faults
 from infra.rollout.gate import GateThresholds, PrometheusClient
 from infra.rollout.orchestrate import Options, Report, Rollout, RolloutError, prometheus_gate
 from infra.rollout.planner import DEFAULT_STEPS, PlanError, check_steps
+from infra.rollout.runner import RunnerUnavailable
 from infra.rollout.stackfile import StackFile, StackFileError, version_entry
 
 console = Console(stderr=True)
@@ -158,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                     table.add_column(col, overflow="fold")
                 for r in rows:
                     table.add_row(r["stack"], r["strategy"], r["config"], r.get("next", ""),
-                                  json.dumps(r["deployed"]) if r["deployed"] else "not recorded")
+                                  json.dumps(r["deployed"]) if r["deployed"] else r.get("deployedError",
+                                                                                        "not recorded"))
                 console.print(table)
             return 0
         if args.action == "start":
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             report = rollout.advance()
         else:
             report = rollout.abort()
-    except (RolloutError, StackFileError, ConfigError, PlanError) as err:
+    except (RolloutError, StackFileError, ConfigError, PlanError, RunnerUnavailable) as err:
         console.print(f"[red]error:[/] {err}")
         return 2
     _print_report(report)

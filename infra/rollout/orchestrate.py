@@ -74,6 +74,8 @@ def describe(model: ModelConfig) -> str:
 def waves(stacks: list[str], first: int = 1) -> list[list[str]]:
     if not stacks:
         raise RolloutError("--stacks: name at least one stack")
+    if first < 1:
+        raise RolloutError(f"--first-wave: at least 1 stack, got {first}")
     dupes = sorted({s for s in stacks if stacks.count(s) > 1})
     if dupes:
         raise RolloutError(f"--stacks: {dupes} named twice")
@@ -171,6 +173,8 @@ class Rollout:
                 report.stacks.append(entry)
                 try:
                     gate_version = step(stack, entry, sf, model)
+                    if entry.status != "unchanged":
+                        sf.save()  # validated by the program's schema first: an invalid edit is never written
                 except (PlanError, StackFileError) as err:
                     entry.status, entry.detail = "failed", str(err)
                     stopped = True
@@ -178,7 +182,6 @@ class Rollout:
                 if entry.status == "unchanged":
                     entry.after = entry.before
                     continue
-                sf.save()
                 result = self._up(stack, f"{entry.before} -> {describe(sf.model(self.model_id))}")
                 entry.peak_replicas = result.peak_replicas.get(self.model_id)
                 if not result.ok:
@@ -318,7 +321,10 @@ class Rollout:
                         row["next"] = f"blocked: {err}"
             else:
                 row["overlapGpus"] = (len(model.versions) - 1) * model.replicas * model.gpu.count
-            deployed = (self.runner.outputs(stack).get("models") or {}).get(self.model_id)
+            try:
+                deployed = (self.runner.outputs(stack).get("models") or {}).get(self.model_id)
+            except Exception as err:  # e.g. no Pulumi CLI for the Automation API: shown, not hidden
+                deployed, row["deployedError"] = None, f"{type(err).__name__}: {err}"
             row["deployed"] = ({"routeWeights": deployed.get("routeWeights"), "replicas": deployed.get("replicas")}
                                if deployed else None)
             rows.append(row)

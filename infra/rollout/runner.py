@@ -52,6 +52,10 @@ class StackRunner(Protocol):
 # -- Automation API -------------------------------------------------------------------------------------------
 
 
+class RunnerUnavailable(RuntimeError):
+    """The runner cannot run here (no Pulumi CLI); raised before any stack file is edited."""
+
+
 class AutomationRunner:
     """`pulumi up` through the Automation API. Not runnable here (no Pulumi CLI); see the module docstring."""
 
@@ -70,7 +74,11 @@ class AutomationRunner:
         from pulumi import automation as auto
 
         # LocalWorkspace reads Pulumi.yaml (and its stackConfigDir) from work_dir, so the edited file is used as is.
-        return auto.select_stack(stack_name=stack, work_dir=str(self.project_dir))
+        try:
+            return auto.select_stack(stack_name=stack, work_dir=str(self.project_dir))
+        except FileNotFoundError as err:
+            raise RunnerUnavailable(f"the Automation API needs the Pulumi CLI ({err}); offline, use --runner mock"
+                                    ) from None
 
     def prepare(self, stack: str) -> None:
         # Refresh first: the update must start from what is really deployed, not from the last recorded state.

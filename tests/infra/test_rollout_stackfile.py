@@ -129,3 +129,15 @@ def test_llm_serving_rollout_status_through_the_main_cli(stacks, tmp_path):
     help_proc = subprocess.run([*cmd[:3], "rollout", "--help"], cwd=REPO, capture_output=True, text=True,
                                timeout=60)
     assert help_proc.returncode == 0 and "--stacks" in help_proc.stdout
+
+
+def test_automation_runner_without_the_pulumi_cli_fails_before_editing(tmp_path, capsys):
+    """The default runner is the Automation API, which drives the Pulumi CLI; on this machine there is none
+    (../shared/notes/pulumi-offline.md), and the command says so before touching any file."""
+    project = tmp_path / "project"
+    copy_stacks(project / "stacks")
+    (project / "Pulumi.yaml").write_text((REPO / "Pulumi.yaml").read_text())
+    before = {p.name: p.read_text() for p in (project / "stacks").glob("*.yaml")}
+    assert main(["advance", "chat-large", "--stacks", "prod-us-east-1", "--project", str(project), "--no-gate"]) == 2
+    assert "the Automation API needs the Pulumi CLI" in " ".join(capsys.readouterr().err.split())
+    assert {p.name: p.read_text() for p in (project / "stacks").glob("*.yaml")} == before
