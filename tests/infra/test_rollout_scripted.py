@@ -193,3 +193,32 @@ def test_step_order_of_a_forward_step_and_of_a_rollback_in_the_real_program(tmp_
     live = runner.live("prod-us-east-1")
     assert engine.ready_replicas(live, MODEL) == {"2.3.0": 4}
     assert engine.route_weights(live, MODEL)["chat-large-http"] == {"2.3.0": 100}
+
+
+def test_versioned_idle_version_removed_by_a_later_update(tmp_path, prom, capsys):
+    """prod-us-west-2's ranker serves 3.0.0 and 4.0.0 (the shipped versioned shape). With requests on 3.0.0 in the
+    idle window nothing is removed; once it has none, `advance` removes it in one update (the newest, 4.0.0, is
+    never queried), and the overlap's GPUs are reported."""
+    canned, url = prom
+    config_dir, state_dir = copy_stacks(tmp_path / "stacks"), tmp_path / "state"
+    args = ["advance", "ranker", "--stacks", "prod-us-west-2", "--runner", "mock", "--config-dir", str(config_dir),
+            "--state-dir", str(state_dir), f"--prometheus=prod-us-west-2={url}/prod-us-west-2", "--idle-window",
+            "3d", "--json"]
+    canned.series = {("prod-us-west-2", "ranker", "3.0.0"): Health(requests=12)}
+    assert main(args) == 0
+    (entry,) = json.loads(capsys.readouterr().out)["stacks"]
+    assert entry["status"] == "unchanged" and entry["overlap_gpus"] == 2  # 2 replicas x 1 GPU on 3.0.0
+    assert "3.0.0 (12 requests)" in entry["detail"]
+
+    canned.series = {}
+    assert main(args) == 0
+    (entry,) = json.loads(capsys.readouterr().out)["stacks"]
+    assert entry["status"] == "removed idle"
+    assert "removed ['3.0.0'] (no request in 3d), freeing 2 GPUs; kept 4.0.0 (newest)" in entry["detail"]
+    assert [v.version for v in StackFile.load(config_dir / "Pulumi.prod-us-west-2.yaml").model("ranker").versions] \
+        == ["4.0.0"]
+    live = MockRunner(config_dir, state_dir).live("prod-us-west-2")
+    assert engine.model_replicas(live, "ranker") == {"4.0.0": 2}
+    assert engine.route_weights(live, "ranker") == {"ranker-4-0-0-http": {"4.0.0": 100},
+                                                    "ranker-4-0-0-grpc": {"4.0.0": 100}}
+    assert {q.split('app_kubernetes_io_version="')[1].split('"')[0] for _, q in canned.queries} == {"3.0.0"}
