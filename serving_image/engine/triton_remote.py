@@ -25,7 +25,7 @@ from serving_image.engine.base import (
     ModelInfo,
 )
 from serving_image.kserve.tensors import Tensor
-from serving_image.kserve.translate import ClientTranslationError, OutputReader, request_tensors
+from serving_image.kserve.translate import ClientTranslationError, OutputReader, request_tensors, triton_prompt
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class TritonRemoteEngine(Engine):
         self._client = client
         self.info = info
         self._tokenizer = tokenizer
+        self._adds_bos = tokenizer.bos_token_id is not None and tokenizer.encode("a")[:1] == [tokenizer.bos_token_id]
         self._structured_key = structured_key
         self._model_name = model_name
         self._ready = True
@@ -110,6 +111,9 @@ class TritonRemoteEngine(Engine):
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids)
 
+    def _decode_with_special(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
+
     def render_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
         if not getattr(self._tokenizer, "chat_template", None):
             raise EngineInputError(f"model {self.info.name} has no chat template; use /v1/completions", "messages")
@@ -124,7 +128,8 @@ class TritonRemoteEngine(Engine):
         if not self.is_ready():
             raise EngineUnavailableError(self._dead or "Triton engine not ready")
         try:
-            tensors = request_tensors(request, self._structured_key)
+            tensors = request_tensors(request, self._structured_key, triton_prompt(
+                request, self._decode_with_special, self._tokenizer.bos_token, self._adds_bos))
         except ClientTranslationError as exc:
             raise EngineInputError(str(exc), exc.param) from exc
         inputs = to_infer_inputs(grpcaio, tensors)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -455,13 +455,34 @@ def sampling_parameters_json(spec: SamplingSpec, structured_key: str) -> str:
     return json.dumps(params, separators=(",", ":"))
 
 
-def request_tensors(request: EngineRequest, structured_key: str) -> list[Tensor]:
+def triton_prompt(request: EngineRequest, decode: Callable[[list[int]], str] | None, bos_token: str | None,
+                  tokenizer_adds_bos: bool) -> str:
+    """The text to send as text_input: Triton's vLLM backend takes text and always tokenizes it with special tokens.
+
+    Token-id prompts (what the OpenAI front-end renders) are decoded back to text with their special tokens, and a
+    leading BOS is dropped when the tokenizer adds one itself, so the model does not see two BOS tokens that the
+    local engine never sends. The backend re-tokenizes the text; for text that came out of the same tokenizer this
+    gives the same ids (the round-trip test checks the outputs against the direct engine)."""
+    prompt = request.prompt
+    if not isinstance(prompt, str):
+        if decode is None:
+            raise ClientTranslationError("token-id prompts cannot be sent to Triton's vLLM backend without a "
+                                         "tokenizer to turn them into text_input", "prompt")
+        prompt = decode(list(prompt))
+        special_applied = True  # ids rendered by a front-end already hold whatever special tokens they need
+    else:
+        special_applied = not request.add_special_tokens
+    if special_applied and tokenizer_adds_bos and bos_token and prompt.startswith(bos_token):
+        prompt = prompt[len(bos_token):]
+    return prompt
+
+
+def request_tensors(request: EngineRequest, structured_key: str, prompt: str | None = None) -> list[Tensor]:
     """The streaming request the Triton adapters send: text only, prompt excluded, every output switched on."""
-    if not isinstance(request.prompt, str):
-        raise ClientTranslationError("token-id prompts cannot be sent to Triton's vLLM backend (text_input is text)",
-                                     "prompt")
+    if prompt is None:
+        prompt = triton_prompt(request, None, None, False)
     return [
-        Tensor("text_input", "BYTES", (1,), (request.prompt.encode("utf-8"),)),
+        Tensor("text_input", "BYTES", (1,), (prompt.encode("utf-8"),)),
         Tensor("stream", "BOOL", (1,), (True,)),
         Tensor("exclude_input_in_output", "BOOL", (1,), (True,)),
         Tensor("sampling_parameters", "BYTES", (1,), (sampling_parameters_json(request.sampling,

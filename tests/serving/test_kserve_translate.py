@@ -302,3 +302,20 @@ def test_json_inputs():
                 {"name": "text_input", "shape": [2], "datatype": "BYTES", "data": ["a"]}):
         with pytest.raises(TensorError):
             decode_json_input(bad, 0)
+
+
+def test_triton_prompt_decodes_ids_and_avoids_a_second_bos():
+    from serving_image.kserve.translate import triton_prompt
+
+    vocab = {1: "<s>", 5: "Hi", 6: " there"}
+
+    def decode(ids):
+        return "".join(vocab[i] for i in ids)
+
+    rendered = EngineRequest("id", [1, 5, 6], add_special_tokens=False)
+    assert triton_prompt(rendered, decode, "<s>", tokenizer_adds_bos=True) == "Hi there"
+    assert triton_prompt(rendered, decode, "<s>", tokenizer_adds_bos=False) == "<s>Hi there"
+    chat_text = EngineRequest("id", "<s>Hi", add_special_tokens=False)
+    assert triton_prompt(chat_text, decode, "<s>", tokenizer_adds_bos=True) == "Hi"
+    plain = EngineRequest("id", "<s>Hi", add_special_tokens=True)
+    assert triton_prompt(plain, decode, "<s>", tokenizer_adds_bos=True) == "<s>Hi"
