@@ -73,8 +73,13 @@ class Batch {
   // the benchmark's physical floor (streaming or plain stores).
   void write_neg_inf(float* out, int64_t n, bool stream, int threads);
 
+  int64_t rescued() const { return rescued_.load(); }
+
  private:
   void check(int32_t row) const;
+  template <typename T>
+  void rescue(T* logits, int64_t row_stride, int32_t ncols, const int32_t* logit_rows, const int32_t* mask_rows,
+              int64_t n, int threads);
   template <typename T, typename F>
   void apply_impl(T* logits, int64_t row_stride, int32_t ncols, const int32_t* logit_rows, const int32_t* mask_rows,
                   int64_t n, int threads, F kernel);
@@ -84,6 +89,7 @@ class Batch {
   std::vector<RowState> rows_;
   std::vector<std::vector<int32_t>> dirty_;  // per bitmask row (not per request): words left non-zero
   ThreadPool pool_;
+  std::atomic<int64_t> rescued_{0};  // rows whose allowed tokens were all -inf before the mask (see rescue)
 };
 
 }  // namespace cons

@@ -2,6 +2,7 @@
 #include "constraint_batch.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -161,14 +162,53 @@ void Batch::apply_impl(T* logits, int64_t row_stride, int32_t ncols, const int32
   });
 }
 
+namespace {
+inline bool is_ninf(float v) { return std::isinf(v) && v < 0; }
+inline bool is_ninf(uint16_t v) { return v == 0xFF80; }
+inline void set_zero(float& v) { v = 0.0f; }
+inline void set_zero(uint16_t& v) { v = 0; }
+}  // namespace
+
+// A row whose allowed tokens had all been set to -inf before this processor ran (another processor disagreed:
+// min_tokens masking eos when the constraint can only end, a logit bias of -inf) would leave the sampler nothing
+// to sample. The constraint wins: its allowed tokens get logit 0. Checked for sparse sets only (a few reads per
+// row); a dense set has too many tokens for all of them to have been masked by accident.
+template <typename T>
+void Batch::rescue(T* logits, int64_t row_stride, int32_t ncols, const int32_t* logit_rows, const int32_t* mask_rows,
+                   int64_t n, int threads) {
+  pool_.run(n, threads, 32, [&](int64_t begin, int64_t end) {
+    std::vector<Token> allowed;
+    for (int64_t i = begin; i < end; ++i) {
+      const RowState& st = rows_[static_cast<size_t>(mask_rows[i])];
+      if (!st.m) continue;
+      const uint32_t* dense = nullptr;
+      st.allowed(allowed, dense);
+      if (dense) continue;
+      T* row = logits + static_cast<int64_t>(logit_rows[i]) * row_stride;
+      bool any = false;
+      for (Token t : allowed)
+        if (t < ncols && !is_ninf(row[t])) {
+          any = true;
+          break;
+        }
+      if (any) continue;
+      for (Token t : allowed)
+        if (t < ncols) set_zero(row[t]);
+      rescued_.fetch_add(1);
+    }
+  });
+}
+
 void Batch::apply_f32(float* logits, int64_t row_stride, int32_t ncols, const int32_t* logit_rows,
                       const int32_t* mask_rows, int64_t n, int threads) {
   apply_impl(logits, row_stride, ncols, logit_rows, mask_rows, n, threads, apply_row_f32);
+  rescue(logits, row_stride, ncols, logit_rows, mask_rows, n, threads);
 }
 
 void Batch::apply_bf16(uint16_t* logits, int64_t row_stride, int32_t ncols, const int32_t* logit_rows,
                        const int32_t* mask_rows, int64_t n, int threads) {
   apply_impl(logits, row_stride, ncols, logit_rows, mask_rows, n, threads, apply_row_bf16);
+  rescue(logits, row_stride, ncols, logit_rows, mask_rows, n, threads);
 }
 
 void Batch::write_neg_inf(float* out, int64_t n, bool stream, int threads) {

@@ -205,6 +205,7 @@ class Engine {
   bool finished(int32_t row) { return batch_.state(row).finished; }
   size_t consumed(int32_t row) const { return histories_.at(static_cast<size_t>(row)).consumed; }
   bool constrained(int32_t row) const { return batch_.constrained(row); }
+  int64_t rescued() const { return batch_.rescued(); }
 
  private:
   static int64_t read(PyObject* list, size_t i) {
@@ -298,5 +299,6 @@ PYBIND11_MODULE(_native, m) {
       .def("finished", &Engine::finished, py::arg("row"))
       .def("consumed", &Engine::consumed, py::arg("row"))
       .def_readonly("stalls", &Engine::stalls_)
-      .def_readonly("rebuilds", &Engine::rebuilds_);
+      .def_readonly("rebuilds", &Engine::rebuilds_)
+      .def_property_readonly("rescued", &Engine::rescued);
 }

@@ -109,6 +109,7 @@ class ConstraintLogitsProcessorV1(LogitsProcessor):
             "max_rows": self.max_rows,
             "stalls": self.batch.core.stalls,  # masked, then no new token: a sample the engine discarded
             "rebuilds": self.batch.core.rebuilds,  # histories that shrank or changed, replayed
+            "rescued": self.batch.core.rescued,  # rows whose allowed tokens another processor had all masked
         }
 
     def _write_stats(self) -> None:

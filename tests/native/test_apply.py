@@ -109,3 +109,23 @@ def test_large_logits_take_the_streaming_path_and_stay_exact(dtype):
     want = expected_logits(logits, sets)
     batch.fill_apply(logits)
     assert torch.equal(logits, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_left_with_nothing_to_sample_gets_its_allowed_tokens_back(dtype):
+    """An earlier processor set every allowed token to -inf (min_tokens masking eos when the constraint can only
+    end): the constraint wins, its allowed tokens get logit 0, and the row still has something to sample."""
+    vocab, eos = 1000, 0
+    batch = ConstraintBatch(vocab, 2, threads=1)
+    for row in (0, 1):
+        batch.set_row(row, compile_spec(AllowedTokensSpec(tokens=(3, 7)), vocab, eos), None)
+    logits = torch.randn(2, vocab).to(dtype)
+    logits[0, [eos, 3, 7]] = float("-inf")  # every allowed token already masked
+    logits[1, eos] = float("-inf")  # eos masked, 3 and 7 still there: nothing to rescue
+    kept = logits[1, [3, 7]].clone()
+    batch.fill_apply(logits)
+    assert torch.isfinite(logits[0].float()).nonzero().flatten().tolist() == [eos, 3, 7]
+    assert (logits[0, [eos, 3, 7]] == 0).all()
+    assert torch.isfinite(logits[1].float()).nonzero().flatten().tolist() == [3, 7]
+    assert torch.equal(logits[1, [3, 7]], kept)
+    assert batch.core.rescued == 1

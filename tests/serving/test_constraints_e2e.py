@@ -22,6 +22,9 @@ pytestmark = pytest.mark.slow
 
 N_REQUESTS = 48
 MAX_TOKENS = 80
+# Plus a few requests whose constraint must end after one item while min_tokens forbids eos: the processor lets
+# the constraint win (eos stays sampleable) instead of leaving a row with every logit at -inf.
+N_CONFLICTING = 3
 
 
 def make_specs(rng: random.Random, vocab: int, eos: int) -> list[dict]:
@@ -83,11 +86,15 @@ def engine_run(demo_model_dir, tmp_path_factory):
             {"prompt_token_ids": [rng.randrange(3, tokenizer.vocab_size) for _ in range(rng.randint(40, 70))]}
             for _ in range(N_REQUESTS)
         ]
+        conflicting = [{"kind": "choice_sequence", "choices": [[10], [11, 12]], "separator": [13], "max_items": 1}
+                       for _ in range(N_CONFLICTING)]
+        prompts += [{"prompt_token_ids": [5, 6, 7, 8]} for _ in conflicting]
         # No per-request seed: with one, a preempted request kills the CPU engine (vllm-on-cpu.md).
         params = [
             SamplingParams(max_tokens=MAX_TOKENS, min_tokens=60, temperature=1.0, extra_args={"constraint": s})
             for s in specs
-        ]
+        ] + [SamplingParams(max_tokens=MAX_TOKENS, min_tokens=12, extra_args={"constraint": c}) for c in conflicting]
+        specs += conflicting
         outputs = llm.generate(prompts, params, use_tqdm=False)
         metrics = {m.name: m for m in llm.get_metrics()}
     finally:
@@ -105,14 +112,16 @@ def test_every_output_satisfies_its_constraint(engine_run):
         completion = out.outputs[0]
         tokens = list(completion.token_ids)
         by_eos = completion.finish_reason == "stop"
-        if by_eos and tokens and tokens[-1] == eos:
-            tokens = tokens[:-1]
+        if eos in tokens:  # should vLLM sample on after an eos (below min_tokens): after the first eos, only eos
+            first = tokens.index(eos)
+            assert set(tokens[first:]) == {eos}, tokens
+            tokens, by_eos = tokens[:first], True
         assert tokens, f"empty output for {spec}"
         problem = satisfies(validate_constraint(spec, vocab, eos), eos, tokens, finished_by_eos=by_eos)
         assert problem is None, f"{spec['kind']}: {problem}"
         kinds.add(spec["kind"])
     assert kinds == {"token_dfa", "choice_sequence", "allowed_tokens"}
-    assert len(engine_run["outputs"]) == N_REQUESTS
+    assert len(engine_run["outputs"]) == N_REQUESTS + N_CONFLICTING
 
 
 def test_preemptions_and_chunked_prefills_happened(engine_run):
@@ -126,6 +135,19 @@ def test_preemptions_and_chunked_prefills_happened(engine_run):
     assert stats["stalls"] > 0, "no chunked prefill observed"
     # The 600 kB cache holds about eight sequences at once: several constrained rows share every step.
     assert stats["max_rows"] >= 4, "constrained requests were never batched together"
+
+
+def test_constraint_wins_over_min_tokens(engine_run):
+    """The constraint can only end (one item, then eos) while min_tokens masks eos: the row keeps eos sampleable
+    (logit 0) rather than leaving nothing to sample: the output is one item, then eos (which ends it here)."""
+    eos = engine_run["eos"]
+    [stats] = engine_run["stats"]
+    assert stats["rescued"] > 0
+    for out in engine_run["outputs"][N_REQUESTS:]:
+        tokens = list(out.outputs[0].token_ids)
+        item = tokens[:1] if tokens[:1] == [10] else tokens[:2]
+        assert item in ([10], [11, 12]) and set(tokens[len(item):]) == {eos}, tokens
+        assert out.outputs[0].finish_reason == "stop"
 
 
 def test_unconstrained_tokens_are_not_in_any_output(engine_run):
