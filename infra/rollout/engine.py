@@ -149,8 +149,8 @@ def apply_update(live: Live, desired: Iterable[Node], faults: Faults = Faults(),
                                f"ready) before its timeout; the update stopped, {len(pending)} step(s) not run")
             return outcome
         done.add(key)
-    # Deletes last, dependents before what they depend on (of the state's recorded dependencies we only need the
-    # desired graph's, plus: a route is deleted before the Services/Deployments it sends traffic to).
+    # Deletes last, as Pulumi does, dependents first: routes, then Services and the rest, then Deployments (the
+    # live state keeps no dependency list; among the serving resources this is the order their dependencies give).
     doomed = [k for k in live if k not in nodes]
     order = sorted(doomed, key=lambda k: (0 if live[k].type in ROUTE_TYPES else 1 if live[k].type != DEPLOYMENT
                                           else 2, k))
@@ -166,7 +166,8 @@ def converge(desired: Iterable[Node]) -> Live:
     """The live state of a stack that was deployed from `desired` and is healthy (the starting point)."""
     live: Live = {}
     outcome = apply_update(live, desired)
-    assert outcome.ok
+    if not outcome.ok:  # cannot happen without faults; kept loud in case apply_update changes
+        raise UpdateError(f"converging a healthy stack failed: {outcome.message}")
     return live
 
 
