@@ -151,3 +151,13 @@ def test_triton_pin_comes_from_compat_toml_and_the_config_key_only_as_a_fallback
     compat.write_text("[triton]\n")
     with pytest.raises(ConfigError, match=r"needs \[triton\] release"):
         triton_pin(ServingConfig(domain="llm.example.com"), compat)
+
+
+def test_plain_and_structured_values_reach_the_program_as_pulumi_hands_them_over():
+    """`team` is a plain string, `cluster` an object (JSON-encoded by the engine); a string where an object belongs
+    is reported under its key."""
+    run = run_stack("dev-us-east-1", {"team": "search-ranking"})
+    bucket = run.find("aws:s3/bucket:Bucket", "storage-models")
+    assert bucket.inputs["tags"]["team"] == "search-ranking" and bucket.inputs["tags"]["env"] == "dev"
+    with pytest.raises(ConfigError, match=r"^llm-serving:cluster: Input should be a valid dictionary"):
+        run_stack("dev-us-east-1", {"cluster": "big"})
