@@ -81,14 +81,16 @@ def start_server(package: Path, workdir: Path, *, extra_env: dict | None = None,
     """Start the entrypoint on free ports and wait until /health/ready answers 200. Records whether the OpenAI
     port accepted a connection before the engine step had finished (it must not)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    ports = {"openai": free_port(), "metrics": free_port(), "frontend": free_port()}
+    ports = {"openai": free_port(), "metrics": free_port(), "frontend": free_port(), "kserve_http": free_port(),
+             "kserve_grpc": free_port()}
     log_path = workdir / "server.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", **(extra_env or {}))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "serving_image.startup", str(package), "--workdir", str(workdir / "run"),
              "--host", "127.0.0.1", "--openai-port", str(ports["openai"]), "--metrics-port", str(ports["metrics"]),
-             "--frontend-metrics-port", str(ports["frontend"]), *(extra_args or [])],
+             "--frontend-metrics-port", str(ports["frontend"]), "--kserve-http-port", str(ports["kserve_http"]),
+             "--kserve-grpc-port", str(ports["kserve_grpc"]), *(extra_args or [])],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
     server = Server(proc, log_path, ports, workdir)
@@ -98,6 +100,8 @@ def start_server(package: Path, workdir: Path, *, extra_env: dict | None = None,
             server.kill()
             raise AssertionError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-5000:]}")
         engine_done = "start-engine: done" in log_path.read_text()
+        if not engine_done and accepts(ports["kserve_grpc"]):
+            server.early_connect.append("KServe gRPC port accepted before the engine was ready")
         if accepts(ports["openai"]):
             if not engine_done:
                 server.early_connect.append("openai port accepted before the engine was ready")

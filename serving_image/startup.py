@@ -61,6 +61,8 @@ class StartupConfig:
     workdir: Path  # unpacked tarballs and installed plugins go here
     host: str = "0.0.0.0"
     openai_port: int = OPENAI_PORT
+    kserve_http_port: int = 8000
+    kserve_grpc_port: int = 8001
     metrics_port: int = 8002
     frontend_metrics_port: int = 8004
     multiproc_dir: Path | None = None  # default: $PROMETHEUS_MULTIPROC_DIR, else <workdir>/prometheus
@@ -86,6 +88,7 @@ class Started:
     timings: list[StepTiming]
     servers: list = field(default_factory=list)  # objects with .stop() (threads) or uvicorn servers
     uvicorn_servers: list = field(default_factory=list)
+    grpc_servers: list = field(default_factory=list)  # grpc.aio servers (stopped with a grace period)
     tasks: list = field(default_factory=list)
     draining: bool = False
 
@@ -191,10 +194,16 @@ async def _start_engine(package: VerifiedPackage, config: StartupConfig):
     if manifest.model.backend is not Backend.VLLM:
         # Python-backend packages run inside Triton (its Python backend); there is no local equivalent engine.
         raise RuntimeError("a python-backend package needs Triton; the local engine serves vllm-backend packages")
-    from serving_image.engine.vllm_local import VllmLocalEngine
+    from serving_image.triton.runtime import check_pins, runtime, start_triton_engine
 
+    pins = check_pins()  # the vLLM here must be compat.toml's, before anything is loaded (§3.9)
     engine_cfg = manifest.engine
     args = {**engine_cfg.args, **config.engine_overrides}
+    if runtime() == "triton":
+        engine = await start_triton_engine(package, config.workdir, int(args.get("max_model_len", 4096)))
+        return f"{pins}; Triton in-process ready: {engine.info.name} {engine.info.version}", engine
+    from serving_image.engine.vllm_local import VllmLocalEngine
+
     engine = await VllmLocalEngine.start(
         name=manifest.model.id,
         version=manifest.model.version,
@@ -204,7 +213,7 @@ async def _start_engine(package: VerifiedPackage, config: StartupConfig):
         tasks=tuple(engine_cfg.tasks),
     )
     info = engine.info
-    return (f"vLLM {_vllm_version()} ready: {info.name} {info.version}, tasks {'+'.join(engine_cfg.tasks)}, "
+    return (f"{pins}; vLLM {_vllm_version()} ready: {info.name} {info.version}, tasks {'+'.join(engine_cfg.tasks)}, "
             f"context {info.max_model_len}, vocabulary {info.vocab_size}"), engine
 
 
@@ -244,6 +253,21 @@ async def _open_ports(started: Started, config: StartupConfig) -> str:
     proxy = start_proxy(ProxyConfig(multiproc_dir=config.multiproc_dir, upstream_url=frontend_metrics.url,
                                     host=config.host, port=config.metrics_port))
     started.servers.append(proxy)
+    from llm_serving.manifest import ServingMode
+    from serving_image.kserve.frontends import start_kserve
+
+    # KServe v2 on 8000/8001 in both serving modes; the OpenAI front-end only in `openai` mode (`standalone` is
+    # Triton alone: its KServe API and nothing else, ARCHITECTURE §3.4).
+    kserve = await start_kserve(started.engine, metrics, host=config.host, grpc_port=config.kserve_grpc_port,
+                                http_port=config.kserve_http_port, is_draining=lambda: started.draining)
+    started.grpc_servers.append(kserve.grpc_server)
+    started.uvicorn_servers.append(kserve.http_server)
+    started.tasks.append(kserve.http_task)
+    kserve_detail = f"KServe HTTP :{config.kserve_http_port} gRPC :{kserve.grpc_port}"
+    mode = started.package.manifest.serving_mode
+    if mode is ServingMode.STANDALONE:
+        return (f"serving mode standalone: {kserve_detail}, metrics :{proxy.port} "
+                f"(front-end metrics :{frontend_metrics.port}); no OpenAI front-end")
     app = create_app(started.engine, metrics, is_draining=lambda: started.draining, config=api_config)
     openai_server = _uvicorn_server(app, config.host, config.openai_port)
     started.uvicorn_servers.append(openai_server)
@@ -254,8 +278,8 @@ async def _open_ports(started: Started, config: StartupConfig) -> str:
             raise RuntimeError(f"OpenAI front-end stopped before listening on {config.openai_port}")
         await asyncio.sleep(0.02)
     started.tasks.append(task)
-    return (f"OpenAI :{config.openai_port}, metrics :{proxy.port} (front-end metrics :{frontend_metrics.port}); "
-            "KServe :8000/:8001 arrive with their issue")
+    return (f"serving mode openai: OpenAI :{config.openai_port}, {kserve_detail}, metrics :{proxy.port} "
+            f"(front-end metrics :{frontend_metrics.port})")
 
 
 async def start(config: StartupConfig) -> Started:
@@ -280,6 +304,8 @@ async def start(config: StartupConfig) -> Started:
 async def close(started: Started) -> None:
     for server in started.uvicorn_servers:
         server.should_exit = True
+    for grpc_server in started.grpc_servers:
+        await grpc_server.stop(30)  # in-flight calls get up to 30 s, new ones are refused
     for task in started.tasks:
         try:
             await asyncio.wait_for(task, timeout=35)
@@ -365,6 +391,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary directory")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--openai-port", type=int, default=OPENAI_PORT)
+    parser.add_argument("--kserve-http-port", type=int, default=8000)
+    parser.add_argument("--kserve-grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--frontend-metrics-port", type=int, default=8004)
     args = parser.parse_args(argv)
@@ -372,6 +400,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give the package path or set MODEL_PACKAGE")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="llm-serving-"))
     config = StartupConfig(package=args.package, workdir=workdir, host=args.host, openai_port=args.openai_port,
+                           kserve_http_port=args.kserve_http_port, kserve_grpc_port=args.kserve_grpc_port,
                            metrics_port=args.metrics_port, frontend_metrics_port=args.frontend_metrics_port)
     sys.exit(run(config))
 

@@ -225,7 +225,8 @@ def _run_to_failure(package: Path, workdir: Path) -> tuple[int, str]:
     result = subprocess.run(
         [sys.executable, "-m", "serving_image.startup", str(package), "--workdir", str(workdir),
          "--host", "127.0.0.1", "--openai-port", str(port), "--metrics-port", str(free_port()),
-         "--frontend-metrics-port", str(free_port())],
+         "--frontend-metrics-port", str(free_port()), "--kserve-http-port", str(free_port()),
+         "--kserve-grpc-port", str(free_port())],
         capture_output=True, text=True, timeout=240, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert not accepts(port)
     return result.returncode, result.stderr
