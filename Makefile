@@ -8,6 +8,7 @@ SERVING := .venv-serving
 INFRA := .venv-infra
 CHECKOV := .venv-checkov
 MODEL ?=
+MODE ?=
 PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -18,7 +19,7 @@ NATIVE_SOURCES := native/CMakeLists.txt $(wildcard native/src/* native/include/*
 .PHONY: up test plan bench lint serving-env infra-env checkov-env crd-validate-env clean
 
 up: serving-env
-	$(SERVING)/bin/llm-serving up $(if $(MODEL),--model "$(MODEL)",)
+	$(SERVING)/bin/llm-serving up $(if $(MODEL),--model "$(MODEL)",) $(if $(MODE),--serving-mode "$(MODE)",)
 
 test: serving-env infra-env checkov-env crd-validate-env
 	$(SERVING)/bin/ruff check .

@@ -92,19 +92,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _print_ready(started) -> None:
     info = started.engine.info
     console.rule(f"[bold green]serving {info.name} {info.version}")
+    openai_mode = started.package.manifest.serving_mode is ServingMode.OPENAI
     console.print(
-        "  OpenAI API     http://localhost:9000/v1   (models, completions, chat/completions)\n"
-        "  readiness      http://localhost:9000/health/ready\n"
+        ("  OpenAI API     http://localhost:9000/v1   (models, completions, chat/completions)\n"
+         "  readiness      http://localhost:9000/health/ready\n" if openai_mode else
+         "  serving mode   standalone: KServe only, no OpenAI front-end\n") +
         "  metrics        http://localhost:8002/metrics   (vLLM + Triton-named front-end metrics)\n"
-        "  KServe v2      ports 8000/8001 arrive with their issue (#6)\n"
+        "  KServe v2      http://localhost:8000/v2 (health, metadata, generate)   gRPC localhost:8001 "
+        "(tritonclient; stream with ModelStreamInfer)\n"
     )
     example = json.dumps({"model": info.name, "messages": [{"role": "user", "content": "Say hello"}],
                           "max_tokens": 32, "response_format": {"type": "json_schema", "json_schema": {
                               "name": "greeting", "schema": {"type": "object", "properties": {
                                   "greeting": {"type": "string", "maxLength": 20}}, "required": ["greeting"]}}}})
     console.print("Try:", style="bold")
-    console.print(f"  curl -s http://localhost:9000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-                  f"       -d '{example}'", markup=False, highlight=False, soft_wrap=True)
+    if openai_mode:
+        console.print(f"  curl -s http://localhost:9000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+                      f"       -d '{example}'", markup=False, highlight=False, soft_wrap=True)
+    kserve = json.dumps({"text_input": "Say hello", "parameters": {"max_tokens": 16}})
+    console.print(f"  curl -s http://localhost:8000/v2/models/{info.name}/generate -d '{kserve}'", markup=False,
+                  highlight=False, soft_wrap=True)
     console.print("The demo model has random weights: expect schema-valid nonsense.  Ctrl-C stops everything.")
 
 
@@ -129,7 +136,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     version = _content_version(model_dir, engine_args)
     console.print(f"[bold]model[/] {model_dir} -> {model_id} {version}")
     with console.status("packaging"):
-        package = build_package(PackageSpec(model_dir, model_id, version, engine_args=engine_args),
+        package = build_package(PackageSpec(model_dir, model_id, version, engine_args=engine_args,
+                                            serving_mode=ServingMode(getattr(args, "serving_mode", "openai"))),
                                 cache / "packages" / f"{model_id}-{version}.tar.gz")
     console.print(f"[green]packaged[/] {package}")
     store = LocalStore(cache / "store", cache / "model-cache")
@@ -175,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="what `make up` runs: demo model (or --model DIR), package, publish, serve")
     p.add_argument("--model", default=None, help="a Hugging Face model directory instead of the demo model")
     p.add_argument("--engine-arg", type=_engine_arg, action="append", metavar="KEY=VALUE")
+    p.add_argument("--serving-mode", choices=[m.value for m in ServingMode], default="openai",
+                   help="openai: OpenAI + KServe front-ends; standalone: KServe only (the local stand-in for Triton)")
     p.set_defaults(func=cmd_up)
 
     # Rollouts live in the control plane (.venv-infra): imported only when run; its own parser reads every argument
