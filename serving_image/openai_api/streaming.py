@@ -79,6 +79,9 @@ async def merged(streams: list[AsyncIterator[EngineOutput]]) -> AsyncIterator[tu
             task.cancel()
 
 
+_background: set[asyncio.Task] = set()  # aborts in flight (the loop keeps only weak references to tasks)
+
+
 def sse(body: dict) -> bytes:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
 
@@ -147,8 +150,11 @@ async def stream_events(plan: StreamPlan, streams: list[AsyncIterator[EngineOutp
         finished = True
     finally:
         if not finished:
-            # The client went away mid-stream: stop spending engine time on it.
+            # The client went away mid-stream: stop spending engine time on it. Not awaited: the server's cancel
+            # scope would cancel any await here, and the bookkeeping below must run regardless.
             outcome.status, outcome.failure = 499, "CANCELED"
             for req in plan.requests:
-                await asyncio.shield(abort(req.request_id))
+                task = asyncio.get_running_loop().create_task(abort(req.request_id))
+                _background.add(task)
+                task.add_done_callback(_background.discard)
         on_done()
