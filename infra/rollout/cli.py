@@ -20,10 +20,16 @@ from rich.table import Table
 from infra.config import REPO_ROOT, ConfigError
 from infra.rollout.engine import Faults
 from infra.rollout.gate import GateThresholds, PrometheusClient
-from infra.rollout.orchestrate import Options, Report, Rollout, RolloutError, prometheus_gate
 from infra.rollout.planner import DEFAULT_STEPS, PlanError, check_steps
-from infra.rollout.runner import RunnerUnavailable
-from infra.rollout.stackfile import StackFile, StackFileError, version_entry
+
+try:  # ruamel.yaml and the Pulumi SDKs are in .venv-infra only; `llm-serving` is installed in both venvs
+    from infra.rollout.orchestrate import Options, Report, Rollout, RolloutError, prometheus_gate
+    from infra.rollout.runner import RunnerUnavailable
+    from infra.rollout.stackfile import StackFile, StackFileError, version_entry
+except ModuleNotFoundError as _err:
+    _MISSING: ModuleNotFoundError | None = _err
+else:
+    _MISSING = None
 
 console = Console(stderr=True)
 
@@ -132,6 +138,10 @@ def _print_report(report: Report) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if _MISSING is not None:
+        console.print(f"[red]error:[/] `llm-serving rollout` runs in .venv-infra (`make infra-env`; "
+                      f"{sys.executable} lacks {_MISSING.name!r})")
+        return 2
     stacks = [s for s in args.stacks.split(",") if s]
     try:
         runner = _runner(args)
