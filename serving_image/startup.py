@@ -200,7 +200,9 @@ async def _start_engine(package: VerifiedPackage, config: StartupConfig):
     engine_cfg = manifest.engine
     args = {**engine_cfg.args, **config.engine_overrides}
     if runtime() == "triton":
-        engine = await start_triton_engine(package, config.workdir, int(args.get("max_model_len", 4096)))
+        engine = await start_triton_engine(package, config.workdir, int(args.get("max_model_len", 4096)),
+                                           http_port=config.kserve_http_port, grpc_port=config.kserve_grpc_port,
+                                           metrics_port=config.frontend_metrics_port)
         return f"{pins}; Triton in-process ready: {engine.info.name} {engine.info.version}", engine
     from serving_image.engine.vllm_local import VllmLocalEngine
 
@@ -246,6 +248,15 @@ async def _open_ports(started: Started, config: StartupConfig) -> str:
     from serving_image.openai_api.app import create_app
 
     api_config = APIConfig.from_env()  # a bad LLM_SERVING_* value fails this step, naming the variable
+    from serving_image.triton.runtime import standalone_in_image
+
+    if standalone_in_image(started.package):
+        # Triton alone: its own KServe ports are already up (step 4); the proxy fetches Triton's metrics port.
+        proxy = start_proxy(ProxyConfig(multiproc_dir=config.multiproc_dir, host=config.host, port=config.metrics_port,
+                                        upstream_url=f"http://127.0.0.1:{config.frontend_metrics_port}/metrics"))
+        started.servers.append(proxy)
+        return (f"serving mode standalone: Triton's KServe HTTP :{config.kserve_http_port} gRPC "
+                f":{config.kserve_grpc_port}, metrics :{proxy.port} (Triton's :{config.frontend_metrics_port})")
 
     metrics = FrontendMetrics()
     frontend_metrics = serve_frontend_metrics(metrics, port=config.frontend_metrics_port)

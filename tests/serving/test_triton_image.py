@@ -163,3 +163,42 @@ def test_inprocess_engine_needs_the_triton_image():
     with pytest.raises(ModuleNotFoundError, match="tritonserver"):
         asyncio.run(TritonInProcessEngine.start(repository=Path("/nonexistent"), model_name="m", version="1",
                                                 tokenizer_path=Path("/nonexistent"), max_model_len=16))
+
+
+# -- standalone mode in the image (tritonserver exists only inside the Triton image) -----------------------------
+
+
+def test_tritonserver_command_line():
+    from serving_image.triton.standalone import tritonserver_command
+
+    command = tritonserver_command(Path("/run/repo"), "demo-tiny", http_port=8000, grpc_port=8001, metrics_port=8004)
+    assert command[0] == "tritonserver"
+    assert {"--model-repository=/run/repo", "--model-control-mode=explicit", "--load-model=demo-tiny",
+            "--http-port=8000", "--grpc-port=8001", "--metrics-port=8004", "--strict-readiness=true"} <= set(command)
+
+
+def test_standalone_start_reports_a_tritonserver_that_exits(tmp_path, monkeypatch):
+    """A stand-in `tritonserver` executable (Triton cannot run here) that fails at once: step 4 must report its
+    exit status instead of waiting for a model that never comes."""
+    import asyncio
+    import os
+
+    from serving_image.triton.standalone import start_standalone
+
+    fake = tmp_path / "bin" / "tritonserver"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'E: failed to load model' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(RuntimeError, match="tritonserver exited with status 3"):
+        asyncio.run(start_standalone(repository=tmp_path, model_id="m", version="1", tokenizer_path=tmp_path,
+                                     max_model_len=16, http_port=1, grpc_port=free_grpc_port(), metrics_port=1,
+                                     structured_key="structured_outputs"))
+
+
+def free_grpc_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
