@@ -61,6 +61,10 @@ def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, logit_rows:
     index = torch.tensor(logit_rows, device=logits.device, dtype=torch.long)
     rows = logits.index_select(0, index)
     rows.masked_fill_(~allowed, float("-inf"))
+    # As the core does: a row left with nothing to sample (another processor had masked every allowed token) gets
+    # its allowed tokens back at logit 0; the constraint wins.
+    dead = torch.isneginf(rows).all(dim=1, keepdim=True)
+    rows.masked_fill_(dead & allowed, 0.0)
     logits.index_copy_(0, index, rows)
 
 

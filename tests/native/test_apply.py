@@ -111,7 +111,7 @@ def test_large_logits_take_the_streaming_path_and_stay_exact(dtype):
     assert torch.equal(logits, want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])  # float16: the torch path
 def test_a_row_left_with_nothing_to_sample_gets_its_allowed_tokens_back(dtype):
     """An earlier processor set every allowed token to -inf (min_tokens masking eos when the constraint can only
     end): the constraint wins, its allowed tokens get logit 0, and the row still has something to sample."""
@@ -128,4 +128,5 @@ def test_a_row_left_with_nothing_to_sample_gets_its_allowed_tokens_back(dtype):
     assert (logits[0, [eos, 3, 7]] == 0).all()
     assert torch.isfinite(logits[1].float()).nonzero().flatten().tolist() == [3, 7]
     assert torch.equal(logits[1, [3, 7]], kept)
-    assert batch.core.rescued == 1
+    if dtype != torch.float16:  # counted by the core; the torch path (other devices) does the same in torch
+        assert batch.core.rescued == 1
