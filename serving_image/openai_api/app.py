@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -83,9 +83,9 @@ def create_app(engine: Engine, metrics: FrontendMetrics | None = None,
         log.exception("unexpected error")  # a bug of ours, not the client's input: say so
         return APIError(500, f"internal error ({type(exc).__name__})", type_="server_error").response()
 
-    @app.get("/health/live")
-    async def live() -> Response:
-        return Response(status_code=200)
+    @app.get("/health/live", response_class=PlainTextResponse)
+    async def live() -> PlainTextResponse:
+        return PlainTextResponse("live")
 
     @app.get("/health/ready")
     async def ready() -> JSONResponse:

@@ -366,14 +366,20 @@ def test_64_concurrent_streams_do_not_cross_talk(server):
         assert text == f"tag-{i}-{i * 7919 % 1000}"
 
 
-def _gauge(server: Server, name: str) -> float:
+def _metric(server: Server, name: str, **labels: str) -> float:
+    """Sum of the series of `name` (with these label values) on the merged /metrics."""
     body = httpx.get(server.metrics_url, timeout=10).text
-    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", body, re.M)]
-    assert values, f"{name} not exported"
-    return sum(values)
+    total, found = 0.0, False
+    for match in re.finditer(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", body, re.M):
+        series = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1) or ""))
+        if all(series.get(k) == v for k, v in labels.items()):
+            total, found = total + float(match.group(2)), True
+    assert found or labels, f"{name} not exported"
+    return total
 
 
 def test_client_disconnect_aborts_the_request_in_the_engine(server, eos):
+    aborted_before = _metric(server, "vllm:request_success_total", finished_reason="abort")
     body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story"}], "max_tokens": 1900,
             "stream": True, "logit_bias": {eos: -100}}
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60,
@@ -381,17 +387,20 @@ def test_client_disconnect_aborts_the_request_in_the_engine(server, eos):
         lines = response.iter_lines()
         for _ in range(3):
             next(lines)
-        assert _gauge(server, "vllm:num_requests_running") >= 1
-    # The connection is closed: the engine drops the request long before 1900 tokens could be generated.
-    deadline = time.monotonic() + 10
-    while _gauge(server, "vllm:num_requests_running") > 0:
+    # The connection is closed after 3 events: vLLM counts the request as aborted, and nothing is left running.
+    deadline = time.monotonic() + 15
+    while _metric(server, "vllm:request_success_total", finished_reason="abort") < aborted_before + 1:
+        assert time.monotonic() < deadline, "the engine did not abort the abandoned request"
+        time.sleep(0.2)
+    while _metric(server, "vllm:num_requests_running") > 0:
         assert time.monotonic() < deadline, "the engine kept running the abandoned request"
-        time.sleep(0.1)
-    time.sleep(0.5)
+        time.sleep(0.2)
     records = [json.loads(line.split("llm_serving.requests: ", 1)[1]) for line in server.log().splitlines()
                if "llm_serving.requests: " in line]
     aborted = [r for r in records if r["status"] == 499]
     assert aborted and aborted[-1]["completion_tokens"] < 1900
+    # Its admission was released: the server still takes requests.
+    assert post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}).status_code == 200
 
 
 def test_async_client_non_streaming(server):
