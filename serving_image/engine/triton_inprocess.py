@@ -90,8 +90,10 @@ class TritonInProcessEngine(Engine):
         except BaseException:
             server.stop()
             raise
-        info = ModelInfo(name=model_name, version=version, max_model_len=max_model_len, vocab_size=len(tokenizer),
-                         eos_token_id=tokenizer.eos_token_id)
+        from serving_image.engine.triton_remote import model_vocab_size
+
+        info = ModelInfo(name=model_name, version=version, max_model_len=max_model_len,
+                         vocab_size=model_vocab_size(tokenizer_path, tokenizer), eos_token_id=tokenizer.eos_token_id)
         return cls(server, model, info, tokenizer, structured_key)
 
     def is_ready(self) -> bool:

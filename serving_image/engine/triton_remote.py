@@ -51,6 +51,17 @@ def result_outputs(result) -> dict[str, list]:
     return outputs
 
 
+def model_vocab_size(model_path: Path, tokenizer) -> int:
+    """The model's vocabulary (config.json's vocab_size, what token ids and constraints are checked against), which
+    may exceed the tokenizer's; the tokenizer's size when the directory has no model config."""
+    import json
+
+    try:
+        return int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return len(tokenizer)
+
+
 def _input_error_from_message(message: str) -> EngineInputError:
     """Triton's stream errors carry text only; the local server and the backend both name the field in it."""
     field = None
@@ -95,7 +106,7 @@ class TritonRemoteEngine(Engine):
         config_len = getattr(tokenizer, "model_max_length", None)
         info = ModelInfo(name=model_name, version=version,
                          max_model_len=max_model_len or (config_len if config_len and config_len < 10**7 else 4096),
-                         vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+                         vocab_size=model_vocab_size(tokenizer_path, tokenizer), eos_token_id=tokenizer.eos_token_id)
         return cls(client, info, tokenizer, structured_key, model_name)
 
     def is_ready(self) -> bool:

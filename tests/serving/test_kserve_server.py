@@ -420,6 +420,18 @@ async def test_bad_input_on_unary_call_is_invalid_argument(servers, case, tensor
         assert (await stub.ModelReady(service_pb2.ModelReadyRequest(name=servers.model))).ready
 
 
+async def test_a_message_over_the_grpc_limit_is_refused_by_grpc(servers):
+    """Above 64 MiB gRPC itself refuses the message (RESOURCE_EXHAUSTED) before any of the server's code runs."""
+    async with grpc.aio.insecure_channel(servers.grpc_url, options=[
+            ("grpc.max_send_message_length", 128 * 1024 * 1024)]) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        request = _raw_request(servers.model, [("text_input", "BYTES", [1], _bytes(b"x" * (65 * 1024 * 1024)))])
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.ModelInfer(request)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (await stub.ServerReady(service_pb2.ServerReadyRequest())).ready
+
+
 async def test_engine_refusal_arrives_on_the_stream_and_the_stream_carries_on(servers):
     results, errors = await _stream(servers.grpc_url, servers.model,
                                     _inputs(grpcaio, "hi", params={"max_tokens": 100000}))

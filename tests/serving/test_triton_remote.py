@@ -73,7 +73,8 @@ async def paths(demo_model_dir):
 
 async def test_remote_adapter_reports_the_model(paths):
     assert paths.remote_engine.is_ready()
-    assert paths.remote_engine.info.vocab_size == len(paths.remote_engine._tokenizer)
+    assert paths.remote_engine.info.vocab_size == paths.engine.info.vocab_size  # the model's, not the tokenizer's
+    assert paths.remote_engine.info.eos_token_id == paths.engine.info.eos_token_id
     assert paths.remote_engine.encode_prompt("hello", add_special_tokens=True) == \
         paths.engine.encode_prompt("hello", add_special_tokens=True)
     assert [m.id for m in (await paths.remote.models.list()).data] == [MODEL]
