@@ -340,14 +340,22 @@ void fill_row(const RowState& state, uint32_t* row, int32_t words, std::vector<i
 // Two loops the compiler vectorises: a fully masked word is 32 plain stores, a mixed word a masked blend. With
 // `stream`, fully masked words are written with non-temporal stores: for logits far larger than the caches this
 // skips the read-for-ownership of every line, so the apply moves only the bytes it must write.
+//
+// x86-64 builds carry AVX-512, AVX2 and baseline versions of the kernels, picked at load time; other
+// architectures (e.g. Grace/Graviton) get one portable version.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define CONS_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define CONS_MULTIVERSION
+#endif
+
 namespace {
 #if defined(__SSE2__)
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 #endif
 }  // namespace
 
-__attribute__((target_clones("avx512f", "avx2", "default"))) void apply_row_f32(float* logits, const uint32_t* mask,
-                                                                                 int32_t n, bool stream) {
+CONS_MULTIVERSION void apply_row_f32(float* logits, const uint32_t* mask, int32_t n, bool stream) {
   const float ninf = -std::numeric_limits<float>::infinity();
   const int32_t full = n / 32;
 #if defined(__SSE2__)
@@ -383,9 +391,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void apply_row_f32(
 #endif
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default"))) void apply_row_bf16(uint16_t* logits,
-                                                                                  const uint32_t* mask, int32_t n,
-                                                                                  bool stream) {
+CONS_MULTIVERSION void apply_row_bf16(uint16_t* logits, const uint32_t* mask, int32_t n, bool stream) {
   const uint16_t ninf = 0xFF80;  // bfloat16 -inf
   const int32_t full = n / 32;
 #if defined(__SSE2__)
