@@ -152,6 +152,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     await queue.put(service_pb2.ModelStreamInferResponse(infer_response=response))
             except (KServeInputError, EngineUnavailableError) as exc:
                 await queue.put(_error(request_id, str(exc)))
+            except Exception as exc:  # anything else still ends this request with an answer, never a silent hang
+                log.exception("request %s failed", request_id)
+                await queue.put(_error(request_id, f"internal error: {type(exc).__name__}: {exc}"))
             finally:
                 await results.aclose()
 

@@ -241,7 +241,7 @@ def create_kserve_app(service: KServeModelService) -> FastAPI:
                     yield f"data: {json.dumps(flat(call, first.tensors))}\n\n".encode()
                 async for result in results:
                     yield f"data: {json.dumps(flat(call, result.tensors))}\n\n".encode()
-            except (KServeInputError, EngineUnavailableError) as exc:
+            except Exception as exc:  # the status line is sent: the error becomes the stream's last event
                 yield f"data: {json.dumps({'error': str(exc)})}\n\n".encode()
             finally:
                 await results.aclose()
