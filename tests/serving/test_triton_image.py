@@ -8,6 +8,7 @@ with compat.toml, and the probe and constraints step it runs are run against the
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -202,3 +203,22 @@ def free_grpc_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_image_runtime_generates_the_repository_before_starting_triton(demo_model_dir, tmp_path):
+    """Step 4 in the image: the package's repository is generated under the workdir, then Triton is started on it
+    (which, here, stops at the missing tritonserver module)."""
+    import asyncio
+
+    from llm_serving.package import PackageSpec, build_package, open_package
+    from serving_image.triton.runtime import start_triton_engine
+
+    package = open_package(build_package(PackageSpec(demo_model_dir, "demo-tiny", "1.0.0",
+                                                     engine_args={"max_model_len": 512}), tmp_path / "pkg"))
+    with pytest.raises(ModuleNotFoundError, match="tritonserver"):
+        asyncio.run(start_triton_engine(package, tmp_path / "work", 512, http_port=8000, grpc_port=8001,
+                                        metrics_port=8004))
+    model_dir = tmp_path / "work" / "model-repository" / "demo-tiny"
+    engine = json.loads((model_dir / "1" / "model.json").read_text())
+    assert engine["model"] == str(package.root / "weights") and engine["max_model_len"] == 512
+    assert 'backend: "vllm"' in (model_dir / "config.pbtxt").read_text()
