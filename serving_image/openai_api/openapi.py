@@ -46,6 +46,11 @@ SCORE_SCHEMA = {
                                                            "tokens": {"type": "integer"}}}},
     },
 }
+# The error statuses the read-only endpoints can answer (FastAPI's generated 422 is never sent: bodies are parsed
+# by the request models and refused as 400).
+GET_ERRORS = {"/v1/models": ("401",), "/v1/models/{model_id}": ("401", "404")}
+READY_SCHEMA = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"},
+                                                                          "reason": {"type": ["string", "null"]}}}
 ERROR_STATUSES = {"400": "bad input", "401": "missing or wrong API key", "404": "unknown model",
                   "413": "body too large", "429": "admission limit hit (see Retry-After)", "503": "not ready"}
 
@@ -86,6 +91,16 @@ def install_openapi(app: FastAPI, endpoints: dict[str, tuple[str, type[BaseModel
             operation["responses"] = {"200": {"description": "OK", "content": ok}, **{
                 status: {"description": why, "content": {"application/json": {"schema": {"$ref": REF.format(
                     model="Error")}}}} for status, why in ERROR_STATUSES.items()}}
+        for path, operations in spec["paths"].items():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+            for status in GET_ERRORS.get(path, ()):
+                operations["get"]["responses"][status] = {"description": ERROR_STATUSES[status], "content": {
+                    "application/json": {"schema": {"$ref": REF.format(model="Error")}}}}
+        ready = spec["paths"]["/health/ready"]["get"]["responses"]
+        ready_json = {"application/json": {"schema": READY_SCHEMA}}
+        ready["200"]["content"] = ready_json
+        ready["503"] = {"description": "not ready, or draining", "content": ready_json}
         app.openapi_schema = spec
         return spec
 

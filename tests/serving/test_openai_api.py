@@ -13,7 +13,6 @@ import json
 import re
 import signal
 import struct
-import threading
 import time
 from pathlib import Path
 
@@ -379,26 +378,28 @@ def _metric(server: Server, name: str, **labels: str) -> float:
 
 
 def test_client_disconnect_aborts_the_request_in_the_engine(server, eos):
-    aborted_before = _metric(server, "vllm:request_success_total", finished_reason="abort")
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story"}], "max_tokens": 1900,
-            "stream": True, "logit_bias": {eos: -100}}
+    """16 choices of 1900 tokens (about 30,000 tokens, many seconds of work); the client leaves after 3 events:
+    the engine's running count drops to 0 at once and it stops generating far short of the full request."""
+    tokens_before = _metric(server, "vllm:generation_tokens_total")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story"}], "max_tokens": 1900, "n": 16,
+            "temperature": 1.0, "stream": True, "logit_bias": {eos: -100}}
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60,
                       headers={"Authorization": f"Bearer {KEY}"}) as response:
         lines = response.iter_lines()
         for _ in range(3):
             next(lines)
-    # The connection is closed after 3 events: vLLM counts the request as aborted, and nothing is left running.
-    deadline = time.monotonic() + 15
-    while _metric(server, "vllm:request_success_total", finished_reason="abort") < aborted_before + 1:
-        assert time.monotonic() < deadline, "the engine did not abort the abandoned request"
-        time.sleep(0.2)
+        assert _metric(server, "vllm:num_requests_running") >= 1
+    deadline = time.monotonic() + 10
     while _metric(server, "vllm:num_requests_running") > 0:
         assert time.monotonic() < deadline, "the engine kept running the abandoned request"
         time.sleep(0.2)
+    generated = _metric(server, "vllm:generation_tokens_total") - tokens_before
+    assert generated < 16 * 1900 / 2, generated
+    time.sleep(0.5)
     records = [json.loads(line.split("llm_serving.requests: ", 1)[1]) for line in server.log().splitlines()
                if "llm_serving.requests: " in line]
     aborted = [r for r in records if r["status"] == 499]
-    assert aborted and aborted[-1]["completion_tokens"] < 1900
+    assert aborted and aborted[-1]["completion_tokens"] < 16 * 1900
     # Its admission was released: the server still takes requests.
     assert post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}).status_code == 200
 
@@ -414,10 +415,14 @@ def test_async_client_non_streaming(server):
 def test_fuzzing_the_openapi_schema_finds_no_server_error(server):
     import schemathesis
     from hypothesis import HealthCheck, given, settings
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import (
+        content_type_conformance,
+        response_schema_conformance,
+        status_code_conformance,
+    )
 
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
-    failures: list[str] = []
-    lock = threading.Lock()
     def check_operation(op) -> None:
         @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         @given(case=op.as_strategy())
@@ -425,19 +430,16 @@ def test_fuzzing_the_openapi_schema_finds_no_server_error(server):
             case.headers = {**(case.headers or {}), "Authorization": f"Bearer {KEY}"}
             if isinstance(case.body, dict) and isinstance(case.body.get("max_tokens"), int):
                 case.body["max_tokens"] = min(case.body["max_tokens"], 16)
-            response = case.call(timeout=120)
-            try:
-                case.validate_response(response)
-            except Exception as exc:  # collected and reported together below
-                with lock:
-                    failures.append(f"{op.method.upper()} {op.path}: {exc}")
-            assert response.status_code < 500, response.text
+            # No 5xx, documented status codes and content types, every response matching its schema. (Schemathesis'
+            # positive-data checks do not apply: a schema-valid body can still be refused, e.g. max_tokens that do
+            # not fit the context window.)
+            case.call_and_validate(timeout=120, checks=[not_a_server_error, status_code_conformance,
+                                                        content_type_conformance, response_schema_conformance])
 
         check()
 
     for operation in schema.get_all_operations():
         check_operation(operation.ok())
-    assert failures == [], "\n".join(failures[:10])
 
 
 def test_sigterm_drains_readiness_first_then_exits(server):
