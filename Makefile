@@ -57,13 +57,14 @@ $(SERVING)/.stamp: pyproject.toml $(NATIVE_SOURCES)
 	  $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus)
 	touch $@
 
-# The control plane never needs the native core: LLM_SERVING_BUILD_NATIVE=OFF skips the C++ build.
+# The control plane never needs the native core: LLM_SERVING_BUILD_NATIVE=OFF skips the C++ build, in a build
+# directory of its own so that it never reconfigures the serving build.
 $(INFRA)/.stamp: pyproject.toml
 	@echo "== setting up $(INFRA) (Pulumi SDKs, pulumi_policy, boto3)"
 	test -x $(INFRA)/bin/python || $(PYTHON) -m venv $(INFRA)
 	$(INFRA)/bin/pip install -q --upgrade pip
 	$(INFRA)/bin/pip install -q scikit-build-core pybind11
-	LLM_SERVING_BUILD_NATIVE=OFF $(INFRA)/bin/pip install -q --no-build-isolation -e '.[infra,test]'
+	LLM_SERVING_BUILD_NATIVE=OFF $(INFRA)/bin/pip install -q --no-build-isolation --config-settings=build-dir=build/infra -e '.[infra,test]'
 	$(INFRA)/bin/python -c "import pulumi, pulumi_aws, pulumi_kubernetes, pulumi_policy"
 	touch $@
 
