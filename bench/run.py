@@ -27,6 +27,7 @@ MODULES = [
     "bench.metrics_proxy",
     "bench.rollout_cost",
     "bench.openai_frontend",
+    "bench.kserve",
     "bench.startup",
     "bench.soak",
 ]

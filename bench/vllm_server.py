@@ -21,7 +21,7 @@ def start_vllm_server(model_dir: pathlib.Path, workdir: pathlib.Path) -> tuple[s
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
          "--served-model-name", "demo-tiny", "--host", "127.0.0.1", "--port", str(port),
          "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
-         "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"])],
+         "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"]), "--dtype", ENGINE_ARGS["dtype"]],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"), start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300

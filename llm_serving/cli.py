@@ -22,7 +22,7 @@ from llm_serving.store import LocalStore, PublishError, open_store
 
 console = Console(stderr=True)
 REPO_CACHE = Path(os.environ.get("LLM_SERVING_CACHE", Path.cwd() / ".cache" / "llm-serving"))
-DEMO_ENGINE_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 256 * 1024 * 1024}
+DEMO_ENGINE_ARGS = {"max_model_len": 2048, "kv_cache_memory_bytes": 256 * 1024 * 1024, "dtype": "float32"}
 
 
 def _engine_arg(text: str) -> tuple[str, object]:

@@ -71,6 +71,11 @@ CHAT: dict[str, Field] = {
     "constraint": Field("extension", "step-wise token constraint (ARCHITECTURE §3.5), `extra_body` in the client"),
     "structured_outputs": Field("extension", "exactly one of `regex`, `choice`, `grammar`, `json` (vLLM's "
                                              "structured outputs); not combinable with response_format/constraint"),
+    "top_k": Field("extension", "vLLM's: sample from the k most likely tokens; 0 or -1 disables"),
+    "min_p": Field("extension", "vLLM's: drop tokens below this fraction of the most likely one's probability"),
+    "repetition_penalty": Field("extension", "vLLM's: (0, 2]; above 1 discourages tokens already in the text"),
+    "min_tokens": Field("extension", "vLLM's: end-of-sequence and stop strings are ignored before this many tokens"),
+    "ignore_eos": Field("extension", "vLLM's: keep generating past end-of-sequence until max tokens"),
 }
 
 COMPLETIONS: dict[str, Field] = {
@@ -95,6 +100,7 @@ COMPLETIONS: dict[str, Field] = {
     "constraint": CHAT["constraint"],
     "structured_outputs": CHAT["structured_outputs"],
     "response_format": Field("extension", "as in chat completions (not part of OpenAI's completions API)"),
+    **{name: CHAT[name] for name in ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos")},
 }
 
 TABLES = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}

@@ -106,6 +106,12 @@ class _SamplingFields(_Strict):
     # Platform extensions (extra_body in the openai client).
     constraint: dict[str, Any] | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's sampling extensions, with vLLM's names, so vLLM clients and its benchmark work unchanged.
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
 
     @field_validator("stop")
     @classmethod

@@ -89,6 +89,11 @@ def sampling_spec(req: ChatCompletionRequest | CompletionRequest, info: ModelInf
         logit_bias=bias,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
+        top_k=req.top_k if req.top_k not in (None, -1, 0) else None,
+        min_p=req.min_p or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_tokens=req.min_tokens or 0,
+        ignore_eos=bool(req.ignore_eos),
         structured=_structured(req),
         constraint=constraint,
     )

@@ -157,6 +157,14 @@ def test_penalties_reduce_repetition(client, eos, penalty):
     assert _repeats(tokens(**{penalty: 2.0})) < _repeats(plain)
 
 
+def test_vllm_sampling_extensions(client):
+    greedy = chat(client, "ext", max_tokens=12, temperature=0).choices[0].message.content
+    top1 = chat(client, "ext", max_tokens=12, temperature=1.0, extra_body={"top_k": 1}).choices[0].message.content
+    assert top1 == greedy
+    forced = chat(client, "ext", max_tokens=30, extra_body={"ignore_eos": True, "min_tokens": 30})
+    assert forced.usage.completion_tokens == 30 and forced.choices[0].finish_reason == "length"
+
+
 def test_stream_with_usage(client):
     chunks = list(chat(client, "stream", max_tokens=10, temperature=0, stream=True,
                        stream_options={"include_usage": True}))
