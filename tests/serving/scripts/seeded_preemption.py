@@ -13,8 +13,8 @@ if __name__ == "__main__":
 
     model_dir = sys.argv[1]
     # The settings of ../shared/notes/vllm-on-cpu.md that force preemption and chunked prefill on the tiny model.
-    llm = LLM(model=model_dir, max_model_len=256, kv_cache_memory_bytes=600_000, max_num_batched_tokens=64, dtype="float32",
-              disable_log_stats=False, enforce_eager=True)
+    llm = LLM(model=model_dir, max_model_len=256, kv_cache_memory_bytes=600_000, max_num_batched_tokens=64,
+              dtype="float32", disable_log_stats=False, enforce_eager=True)
     rng = random.Random(0)
     vocab = llm.get_tokenizer().vocab_size
     prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(rng.randint(40, 70))])
