@@ -8,6 +8,7 @@ pure-Python reference's, so the sanitized build is held to the same semantics as
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import subprocess
@@ -20,6 +21,12 @@ from tests.native.gen import next_token, random_spec, random_vocab, script_line
 
 REPO = Path(__file__).resolve().parents[2]
 NATIVE = REPO / "native"
+
+
+def _driver_env() -> dict[str, str]:
+    """The driver's environment without LD_PRELOAD: a library preloaded into the test session (vLLM's CPU platform
+    sets LD_PRELOAD for its allocator) makes ASan refuse to start unless its runtime comes first."""
+    return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +104,8 @@ def make_script(seed: int) -> tuple[str, list[str]]:
 def test_sanitized_core_replays_random_scripts_like_the_reference(driver: Path):
     for seed in range(60):
         script, expected = make_script(seed)
-        run = subprocess.run([str(driver)], input=script, capture_output=True, text=True, timeout=120)
+        run = subprocess.run([str(driver)], input=script, capture_output=True, text=True, timeout=120,
+                             env=_driver_env())
         assert run.returncode == 0, f"seed {seed}: driver failed\n{run.stderr[-4000:]}"
         assert "runtime error" not in run.stderr, run.stderr[-4000:]  # UBSan, belt and braces
         assert run.stdout.splitlines() == expected, f"seed {seed}"
@@ -110,6 +118,6 @@ def test_sanitized_core_rejects_malformed_machines(driver: Path):
         "BATCH 64 2 1\nCHOICE 0 0 1 1 5 1 5 1 -1 0\n",  # separator's first token inside a choice
         "BATCH 64 2 1\nALLOWED 5 0 1 3\n",  # row outside the batch
     ):
-        run = subprocess.run([str(driver)], input=bad, capture_output=True, text=True, timeout=60)
+        run = subprocess.run([str(driver)], input=bad, capture_output=True, text=True, timeout=60, env=_driver_env())
         assert run.returncode != 0
         assert "AddressSanitizer" not in run.stderr and "runtime error" not in run.stderr, run.stderr

@@ -396,7 +396,6 @@ def test_client_disconnect_aborts_the_request_in_the_engine(server, eos):
         lines = response.iter_lines()
         for _ in range(3):
             next(lines)
-        assert _metric(server, "vllm:num_requests_running") >= 1
     deadline = time.monotonic() + 10
     while _metric(server, "vllm:num_requests_running") > 0:
         assert time.monotonic() < deadline, "the engine kept running the abandoned request"
