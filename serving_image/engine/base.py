@@ -165,3 +165,23 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def shutdown(self) -> None: ...
+
+
+class HFTokenizerMixin:
+    """encode_prompt / decode / render_chat over a Hugging Face tokenizer in `self._tokenizer`: the same for every
+    adapter, because the front-ends render and tokenize with the served model's own tokenizer."""
+
+    _tokenizer: Any
+    info: ModelInfo
+
+    def encode_prompt(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids)
+
+    def render_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise EngineInputError(f"model {self.info.name} has no chat template; use /v1/completions", "messages")
+        return self._tokenizer.apply_chat_template(messages, tokenize=False,
+                                                   add_generation_prompt=add_generation_prompt)

@@ -30,6 +30,7 @@ from serving_image.engine.base import (
     EngineOutput,
     EngineRequest,
     EngineUnavailableError,
+    HFTokenizerMixin,
     ModelInfo,
 )
 from serving_image.kserve.tensors import Tensor
@@ -57,7 +58,7 @@ def inprocess_outputs(outputs: Mapping[str, Any]) -> dict[str, list]:
     return flat
 
 
-class TritonInProcessEngine(Engine):
+class TritonInProcessEngine(HFTokenizerMixin, Engine):
     def __init__(self, server, model, info: ModelInfo, tokenizer, structured_key: str):
         self._server = server
         self._model = model
@@ -109,20 +110,8 @@ class TritonInProcessEngine(Engine):
             return f"Triton reports model {self.info.name} not ready"
         return None
 
-    def encode_prompt(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids)
-
     def _decode_with_special(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=False)
-
-    def render_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
-        if not getattr(self._tokenizer, "chat_template", None):
-            raise EngineInputError(f"model {self.info.name} has no chat template; use /v1/completions", "messages")
-        return self._tokenizer.apply_chat_template(messages, tokenize=False,
-                                                   add_generation_prompt=add_generation_prompt)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         if not self.is_ready():

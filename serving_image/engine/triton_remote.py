@@ -22,6 +22,7 @@ from serving_image.engine.base import (
     EngineOutput,
     EngineRequest,
     EngineUnavailableError,
+    HFTokenizerMixin,
     ModelInfo,
 )
 from serving_image.kserve.tensors import Tensor
@@ -72,7 +73,7 @@ def _input_error_from_message(message: str) -> EngineInputError:
     return EngineInputError(message, {"text_input": "prompt"}.get(field or "", field))
 
 
-class TritonRemoteEngine(Engine):
+class TritonRemoteEngine(HFTokenizerMixin, Engine):
     def __init__(self, client, info: ModelInfo, tokenizer, structured_key: str, model_name: str):
         self._client = client
         self.info = info
@@ -116,20 +117,8 @@ class TritonRemoteEngine(Engine):
     def dead_reason(self) -> str | None:
         return self._dead
 
-    def encode_prompt(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids)
-
     def _decode_with_special(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=False)
-
-    def render_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
-        if not getattr(self._tokenizer, "chat_template", None):
-            raise EngineInputError(f"model {self.info.name} has no chat template; use /v1/completions", "messages")
-        return self._tokenizer.apply_chat_template(messages, tokenize=False,
-                                                   add_generation_prompt=add_generation_prompt)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         import grpc

@@ -25,6 +25,7 @@ from serving_image.engine.base import (
     EngineOutput,
     EngineRequest,
     EngineUnavailableError,
+    HFTokenizerMixin,
     ModelInfo,
     SamplingSpec,
     TokenLogprob,
@@ -145,7 +146,7 @@ def _logprobs(token_ids, entries, tokenizer, k: int) -> tuple[TokenLogprob, ...]
     return tuple(out)
 
 
-class VllmLocalEngine(Engine):
+class VllmLocalEngine(HFTokenizerMixin, Engine):
     def __init__(self, llm, info: ModelInfo, embedder=None):
         self._llm = llm
         self._embedder = embedder  # a second, pooling AsyncLLM on the same weights when "embed" is served
@@ -205,18 +206,6 @@ class VllmLocalEngine(Engine):
             if llm.is_stopped:
                 return f"{label} stopped"
         return None
-
-    def encode_prompt(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids)
-
-    def render_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
-        if not getattr(self._tokenizer, "chat_template", None):
-            raise EngineInputError(f"model {self.info.name} has no chat template; use /v1/completions", "messages")
-        return self._tokenizer.apply_chat_template(messages, tokenize=False,
-                                                   add_generation_prompt=add_generation_prompt)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         from vllm.exceptions import VLLMClientError
