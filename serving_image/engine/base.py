@@ -97,6 +97,19 @@ class ChoiceDelta:
     stop_reason: str | int | None = None
 
 
+def raise_if_cut_short(request_id: str, delta: ChoiceDelta) -> None:
+    """A choice the engine ended by aborting it, or by an internal error, is incomplete: raise instead of letting a
+    front-end pass it on as a normal finish (a client would read truncated text as a whole answer).
+
+    Aborts this server asks for (a client that went away) never reach here: their stream is cancelled first."""
+    if delta.finish_reason == "abort":
+        raise EngineUnavailableError(f"the engine aborted request {request_id} (choice {delta.index}) before it "
+                                     f"finished; the output is incomplete, retry the request")
+    if delta.finish_reason == "error":
+        raise EngineUnavailableError(f"the engine failed request {request_id} (choice {delta.index}) with an "
+                                     f"internal error; the output is incomplete, retry the request")
+
+
 @dataclass(frozen=True)
 class EngineOutput:
     request_id: str

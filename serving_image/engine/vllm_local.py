@@ -30,6 +30,7 @@ from serving_image.engine.base import (
     SamplingSpec,
     TokenLogprob,
     TopLogprob,
+    raise_if_cut_short,
 )
 
 log = logging.getLogger(__name__)
@@ -234,7 +235,7 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
                 for completion in output.outputs:
                     if completion.finish_reason is not None:
                         finished.add(completion.index)
-                    choices.append(ChoiceDelta(
+                    delta = ChoiceDelta(
                         index=completion.index,
                         text=completion.text,
                         token_ids=tuple(completion.token_ids),
@@ -243,7 +244,9 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
                                   else (() if spec.logprobs is not None else None)),
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
-                    ))
+                    )
+                    raise_if_cut_short(request.request_id, delta)
+                    choices.append(delta)
                 yield EngineOutput(
                     request_id=request.request_id,
                     prompt_tokens=len(output.prompt_token_ids or prompt_ids),

@@ -30,6 +30,7 @@ from serving_image.engine.base import (
     ModelInfo,
     SamplingSpec,
     StructuredOutput,
+    raise_if_cut_short,
 )
 from serving_image.kserve.tensors import Tensor
 
@@ -517,13 +518,15 @@ class OutputReader:
             finish = None if reason == "None" else reason
             if finish is not None:
                 self.finished.add(index)
-            choices.append(ChoiceDelta(
+            delta = ChoiceDelta(
                 index=index,
                 text=text.decode("utf-8") if isinstance(text, bytes) else str(text),
                 # Token ids do not cross the KServe API, only their count: -1 placeholders keep the count (vLLM
                 # itself uses -1 for not-yet-known ids) and must never be read as ids.
                 token_ids=(-1,) * int(counts[index]),
                 finish_reason=finish,
-            ))
+            )
+            raise_if_cut_short(self.request_id, delta)
+            choices.append(delta)
         return EngineOutput(self.request_id, self.prompt_tokens, tuple(choices),
                             finished=final or len(self.finished) == self.n)

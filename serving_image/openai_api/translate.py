@@ -142,7 +142,10 @@ class Accumulator:
 def openai_finish_reason(delta: ChoiceDelta) -> str | None:
     if delta.finish_reason is None:
         return None
-    return {"stop": "stop", "length": "length", "abort": "stop", "error": "stop"}.get(delta.finish_reason, "stop")
+    if delta.finish_reason in ("stop", "length"):
+        return delta.finish_reason
+    # The engine adapters raise on "abort" and "error" (engine.base.raise_if_cut_short): reaching here is a bug.
+    raise ValueError(f"finish reason {delta.finish_reason!r} has no OpenAI equivalent")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -495,3 +495,18 @@ async def test_client_cancel_aborts_the_engine_request(servers):
         await asyncio.sleep(0.05)
     assert not servers.engine._llm.output_processor.has_unfinished_requests()
 
+
+
+async def test_an_engine_side_abort_is_an_error_not_a_finish(servers):
+    """vLLM ends a request it aborted itself with finish_reason "abort" and the text so far. Passed on as a finish,
+    a client would read truncated text as a whole answer; the adapter raises instead (HTTP 503 / UNAVAILABLE)."""
+    from serving_image.engine.base import EngineRequest, EngineUnavailableError, SamplingSpec
+
+    stream = servers.engine.generate(EngineRequest("engine-side-abort", "long",
+                                                   SamplingSpec(max_tokens=400, ignore_eos=True)))
+    first = await stream.__anext__()
+    assert not first.finished
+    await servers.engine._llm.abort("engine-side-abort")  # vLLM's own abort: not one a front-end asked for
+    with pytest.raises(EngineUnavailableError, match="aborted request engine-side-abort"):
+        async for _ in stream:
+            pass

@@ -19,6 +19,7 @@ from serving_image.engine.base import (
     ChoiceDelta,
     EngineOutput,
     EngineRequest,
+    EngineUnavailableError,
     ModelInfo,
     SamplingSpec,
     StructuredOutput,
@@ -264,6 +265,16 @@ def test_output_reader_rebuilds_deltas():
     last = reader.read({"text_output": [b"c"], "finish_reason": [b"length"], "num_output_tokens": [1]})
     assert last.finished and last.choices[0].finish_reason == "length" and last.prompt_tokens == 4
     assert reader.read({}, final=True).finished
+
+
+@pytest.mark.parametrize("reason", ["abort", "error"])
+def test_output_reader_raises_on_a_choice_the_engine_cut_short(reason):
+    """Triton's vLLM backend passes vLLM's finish reason on: "abort" or "error" means the text is incomplete, and a
+    front-end must not hand it on as a normal finish."""
+    reader = OutputReader("r7", n=1)
+    reader.read({"text_output": [b"ab"], "finish_reason": [b"None"], "num_output_tokens": [2]})
+    with pytest.raises(EngineUnavailableError, match=f"{'aborted' if reason == 'abort' else 'failed'} request r7"):
+        reader.read({"text_output": [b""], "finish_reason": [reason.encode()], "num_output_tokens": [0]})
 
 
 # -- tensors ------------------------------------------------------------------------------------------------------
