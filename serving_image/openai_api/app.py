@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive
 
 from serving_image.engine.base import Engine, EngineInputError, EngineRequest, EngineUnavailableError
 from serving_image.metrics.frontend import FrontendMetrics
@@ -41,6 +42,7 @@ from serving_image.openai_api.streaming import (
     first_then_rest,
     merged,
     stream_events,
+    unless_disconnected,
 )
 
 request_log = logging.getLogger("llm_serving.requests")
@@ -170,7 +172,7 @@ def create_app(engine: Engine, metrics: FrontendMetrics | None = None,
 
         try:
             parsed = await parse(request, kind)
-            response = await handler(parsed, request_id, outcome, started, done)
+            response = await handler(parsed, request_id, outcome, started, done, request.receive)
         except APIError as exc:
             outcome.status = exc.status
             outcome.failure = "REJECTED" if exc.status < 500 else "BACKEND"
@@ -243,7 +245,8 @@ def create_app(engine: Engine, metrics: FrontendMetrics | None = None,
             raise engine_error(exc) from exc
         return streams
 
-    async def generate(parsed, request_id: str, outcome: Outcome, started: float, on_done) -> Response:
+    async def generate(parsed, request_id: str, outcome: Outcome, started: float, on_done,
+                       receive: Receive) -> Response:
         chat = isinstance(parsed, ChatCompletionRequest)
         requests = engine_requests(parsed, request_id)
         tokens = admission.admit(budget(requests))
@@ -276,11 +279,23 @@ def create_app(engine: Engine, metrics: FrontendMetrics | None = None,
                 return StreamingResponse(events, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
             accumulators = [translate.Accumulator(n=n) for _ in requests]
-            try:
+
+            async def collect() -> None:
                 async for i, output in merged(streams):
                     accumulators[i].add(output)
+
+            try:
+                completed, _ = await unless_disconnected(collect(), receive)
             except (EngineInputError, EngineUnavailableError) as exc:
                 raise engine_error(exc) from exc
+            if not completed:  # the client left: stop spending engine time on an answer nobody will read
+                for req in requests:
+                    await engine.abort(req.request_id)
+                outcome.status, outcome.failure = 499, "CANCELED"
+                outcome.prompt_tokens = sum(a.prompt_tokens for a in accumulators)
+                outcome.completion_tokens = sum(a.completion_tokens for a in accumulators)
+                release()
+                return Response(status_code=499)
         except BaseException:
             release()
             raise
@@ -302,7 +317,7 @@ def create_app(engine: Engine, metrics: FrontendMetrics | None = None,
     # -- embeddings and scoring --------------------------------------------------------------------------------
 
     async def embeddings(parsed: EmbeddingRequest, request_id: str, outcome: Outcome, started: float,
-                         on_done) -> Response:
+                         on_done, receive: Receive) -> Response:
         if info.embedding_dim is None:
             raise bad_request(f"model {info.name} does not serve embeddings (its package's engine.tasks has no "
                               "'embed')", param="model", code="embeddings_not_served")
@@ -335,7 +350,7 @@ def create_app(engine: Engine, metrics: FrontendMetrics | None = None,
                                        "total_tokens": outcome.prompt_tokens}})
 
     async def score(parsed: ScoreRequest, request_id: str, outcome: Outcome, started: float,
-                    on_done) -> Response:
+                    on_done, receive: Receive) -> Response:
         tokens = admission.admit(len(parsed.prompt) // 2 + sum(len(c) for c in parsed.candidates))
         try:
             scores = await engine.score(parsed.prompt, parsed.candidates, request_id)

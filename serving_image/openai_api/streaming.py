@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -77,6 +78,34 @@ async def merged(streams: list[AsyncIterator[EngineOutput]]) -> AsyncIterator[tu
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def until_disconnected(receive: Callable[[], Awaitable[dict]]) -> None:
+    """Returns when the client closes its connection. Only for after the request body has been read: every other
+    message on the ASGI channel is then dropped."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(work: Awaitable, receive: Callable[[], Awaitable[dict]]) -> tuple[bool, object]:
+    """Run `work` until it finishes or the client leaves, whichever is first: (True, its result), or (False, None)
+    with `work` cancelled. A non-streaming request has no write to fail on, so without this a client that gave up
+    would keep the engine busy until the whole answer was generated."""
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(until_disconnected(receive))
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this request itself cancelled (the server stopping): take the work down with it
+        task.cancel()
+        raise
+    finally:
+        listener.cancel()
+    if task.done():
+        return True, task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False, None
 
 
 _background: set[asyncio.Task] = set()  # aborts in flight (the loop keeps only weak references to tasks)

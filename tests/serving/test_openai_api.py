@@ -385,6 +385,22 @@ def _metric(server: Server, name: str, **labels: str) -> float:
     return total
 
 
+def _assert_abandoned_request_stopped(server: Server, tokens_before: float) -> None:
+    """After a client left a 16 x 1900-token request: the engine's running count drops to 0 within seconds, far
+    short of the whole request; the request log records a 499; its admission was released."""
+    deadline = time.monotonic() + 10
+    while _metric(server, "vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "the engine kept running the abandoned request"
+        time.sleep(0.2)
+    generated = _metric(server, "vllm:generation_tokens_total") - tokens_before
+    assert generated < 16 * 1900 / 2, generated
+    time.sleep(0.5)
+    records = [json.loads(line.split("llm_serving.requests: ", 1)[1]) for line in server.log().splitlines()
+               if "llm_serving.requests: " in line]
+    assert records[-1]["status"] == 499 and records[-1]["completion_tokens"] < 16 * 1900, records[-1]
+    assert post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}).status_code == 200
+
+
 def test_client_disconnect_aborts_the_request_in_the_engine(server, eos):
     """16 choices of 1900 tokens (about 30,000 tokens, many seconds of work); the client leaves after 3 events:
     the engine's running count drops to 0 at once and it stops generating far short of the full request."""
@@ -396,19 +412,19 @@ def test_client_disconnect_aborts_the_request_in_the_engine(server, eos):
         lines = response.iter_lines()
         for _ in range(3):
             next(lines)
-    deadline = time.monotonic() + 10
-    while _metric(server, "vllm:num_requests_running") > 0:
-        assert time.monotonic() < deadline, "the engine kept running the abandoned request"
-        time.sleep(0.2)
-    generated = _metric(server, "vllm:generation_tokens_total") - tokens_before
-    assert generated < 16 * 1900 / 2, generated
-    time.sleep(0.5)
-    records = [json.loads(line.split("llm_serving.requests: ", 1)[1]) for line in server.log().splitlines()
-               if "llm_serving.requests: " in line]
-    aborted = [r for r in records if r["status"] == 499]
-    assert aborted and aborted[-1]["completion_tokens"] < 16 * 1900
-    # Its admission was released: the server still takes requests.
-    assert post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}).status_code == 200
+    _assert_abandoned_request_stopped(server, tokens_before)
+
+
+def test_client_disconnect_aborts_a_non_streaming_request(server, eos):
+    """The same for a non-streaming request, which has no write to fail on: the client gives up (its timeout) and
+    the engine stops within seconds instead of generating all 16 x 1900 tokens for nobody."""
+    tokens_before = _metric(server, "vllm:generation_tokens_total")
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 1900, "n": 16, "temperature": 1.0,
+            "logit_bias": {eos: -100}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=2),
+                   headers={"Authorization": f"Bearer {KEY}"})
+    _assert_abandoned_request_stopped(server, tokens_before)
 
 
 def test_async_client_non_streaming(server):
