@@ -2,6 +2,7 @@
 
     config (validated) -> network -> EKS + node groups -> model storage (S3 + FSx) -> ECR + serving image
         -> shared Kubernetes objects -> per-model serving -> stack outputs (docs/stack-outputs.md)
+    the cluster's monitoring namespace: alert rules, PodMonitor, Grafana dashboard (deploy/observability/)
 """
 
 import pulumi
@@ -10,6 +11,7 @@ from infra.cluster import Cluster, ClusterArgs
 from infra.config import from_pulumi_config, triton_pin
 from infra.naming import aws_tags
 from infra.network import Network, NetworkArgs
+from infra.observability import Observability, ObservabilityArgs
 from infra.platform import PlatformArgs, ServingPlatform
 from infra.registry import ServingImage, ServingImageArgs
 from infra.serving import ModelServing, ServingContext
@@ -37,6 +39,8 @@ platform = ServingPlatform("platform", PlatformArgs(
     oidc_issuer_url=cluster.oidc_issuer_url, bucket_arn=storage.bucket_arn, kms_key_arn=storage.kms_key_arn,
     file_system_id=storage.file_system_id, file_system_dns_name=storage.file_system_dns_name,
     file_system_mount_name=storage.file_system_mount_name, fsx_csi_addon=cluster.fsx_csi_addon, tags=tags))
+# The committed alert rules and dashboard, and the scrape of every model server (independent of the models).
+Observability("observability", ObservabilityArgs(config=cfg, provider=cluster.provider))
 
 ctx = ServingContext(stack=cfg, provider=cluster.provider, namespace=platform.namespace,
                      service_account=platform.service_account, model_cache_claim=platform.model_cache_claim,

@@ -210,6 +210,12 @@ class ServingConfig(_Camel):
     termination_grace_period_seconds: int = Field(default=120, ge=30, le=3600)
     prometheus_address: str = "http://prometheus-operated.monitoring.svc:9090"
     monitoring_namespace: str = Field(default="monitoring", pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+    # The `release` label on the PodMonitor and PrometheusRule (infra/observability.py): kube-prometheus-stack's
+    # Prometheus selects both by `release: <its Helm release name>` by default. null: no release label, for a
+    # Prometheus whose podMonitorSelector and ruleSelector select everything.
+    monitoring_release_label: str | None = Field(
+        default="kube-prometheus-stack", max_length=63,
+        pattern=r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")  # a Kubernetes label value, not empty
     target_queue_depth: int = Field(default=8, ge=1, le=1000)
 
 

@@ -2,9 +2,10 @@
 
 - `kubernetes-validate` against the Kubernetes OpenAPI schema of the cluster's version (strict: unknown fields are
   errors), for every built-in kind;
-- custom resources (Gateway API, KEDA) have no schema in Kubernetes' OpenAPI document: they are checked against
-  their CRDs' JSON schemas by `infra/crd_validate/validate.mjs` (the validators @kubernetes-models generates from
-  the upstream CRDs; pinned in its package.json, installed by the Makefile with `npm ci`);
+- custom resources (Gateway API, KEDA, Prometheus Operator) have no schema in Kubernetes' OpenAPI document: they
+  are checked against their CRDs' JSON schemas by `infra/crd_validate/validate.mjs` (the validators
+  @kubernetes-models generates from the upstream CRDs; pinned in its package.json, installed by the Makefile with
+  `npm ci`);
 - checkov's Kubernetes checks (run by `infra.plan` in its own environment), with suppressions only from
   `infra/checkov_suppressions.yaml`, each with a written reason.
 """

@@ -1,13 +1,17 @@
 // Validates custom resources against their CRDs' JSON schemas, with the validators that @kubernetes-models
-// generates from the upstream CRDs (Gateway API v1, KEDA v2). Reads a JSON array of manifests on stdin and prints
-// a JSON array of {index, kind, name, errors}: a kind this file does not know is an error, never a pass.
+// generates from the upstream CRDs (Gateway API v1, KEDA v2, Prometheus Operator v1: PodMonitor, PrometheusRule).
+// Reads a JSON array of manifests on stdin and prints a JSON array of {index, kind, name, errors}: a kind this file
+// does not know is an error, never a pass.
 import { Gateway } from "@kubernetes-models/gateway-api/gateway.networking.k8s.io/v1/Gateway";
 import { GRPCRoute } from "@kubernetes-models/gateway-api/gateway.networking.k8s.io/v1/GRPCRoute";
 import { HTTPRoute } from "@kubernetes-models/gateway-api/gateway.networking.k8s.io/v1/HTTPRoute";
 import { ScaledObject } from "@kubernetes-models/keda/keda.sh/v1alpha1/ScaledObject";
+import { PodMonitor } from "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/PodMonitor";
+import { PrometheusRule } from "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/PrometheusRule";
 
 const MODELS = new Map(
-  [Gateway, GRPCRoute, HTTPRoute, ScaledObject].map((m) => [`${m.apiVersion}/${m.kind}`, m]),
+  [Gateway, GRPCRoute, HTTPRoute, ScaledObject, PodMonitor, PrometheusRule]
+    .map((m) => [`${m.apiVersion}/${m.kind}`, m]),
 );
 
 let input = "";
