@@ -97,6 +97,19 @@ class ChoiceDelta:
     stop_reason: str | int | None = None
 
 
+def context_window_error(prompt_tokens: int, max_tokens: int | None, window: int, *, prompt_field: str = "prompt",
+                         max_tokens_field: str = "max_tokens") -> EngineInputError | None:
+    """What of a request does not fit in the model's context window, as the error naming the field (each front-end
+    names the fields in its own protocol's terms), or None when it fits."""
+    if prompt_tokens >= window:
+        return EngineInputError(f"{prompt_field}: the prompt has {prompt_tokens} tokens; this model's context window "
+                                f"is {window}", prompt_field)
+    if max_tokens is not None and max_tokens > window - prompt_tokens:
+        return EngineInputError(f"{max_tokens_field} {max_tokens} plus the prompt's {prompt_tokens} tokens exceed "
+                                f"this model's context window of {window} tokens", max_tokens_field)
+    return None
+
+
 def raise_if_cut_short(request_id: str, delta: ChoiceDelta) -> None:
     """A choice the engine ended by aborting it, or by an internal error, is incomplete: raise instead of letting a
     front-end pass it on as a normal finish (a client would read truncated text as a whole answer).

@@ -30,6 +30,7 @@ from serving_image.engine.base import (
     SamplingSpec,
     TokenLogprob,
     TopLogprob,
+    context_window_error,
     raise_if_cut_short,
 )
 
@@ -218,14 +219,8 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
                       else self.encode_prompt(request.prompt, add_special_tokens=request.add_special_tokens))
         room = self.info.max_model_len - len(prompt_ids)
         spec = request.sampling
-        if room <= 0:
-            raise EngineInputError(
-                f"the prompt has {len(prompt_ids)} tokens; this model's context window is {self.info.max_model_len}",
-                "prompt")
-        if spec.max_tokens is not None and spec.max_tokens > room:
-            raise EngineInputError(
-                f"max_tokens {spec.max_tokens} plus the prompt's {len(prompt_ids)} tokens exceed this model's "
-                f"context window of {self.info.max_model_len} tokens", "max_tokens")
+        if error := context_window_error(len(prompt_ids), spec.max_tokens, self.info.max_model_len):
+            raise error
         try:
             params = to_sampling_params(spec, default_max_tokens=room, control_ids=self._control_ids)
             stream = self._llm.generate({"prompt_token_ids": prompt_ids}, params, request.request_id)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from llm_serving.tensor_contract import VLLM_INPUTS, VLLM_OUTPUTS, TensorSpec
-from serving_image.engine.base import Engine, EngineInputError, EngineUnavailableError
+from serving_image.engine.base import Engine, EngineInputError, EngineUnavailableError, context_window_error
 from serving_image.kserve.tensors import Tensor
 from serving_image.kserve.translate import GenerateCall, KServeInputError, ResponseBuilder, parse_generate
 from serving_image.metrics.frontend import FrontendMetrics
@@ -107,15 +107,10 @@ class KServeModelService:
         prompt = call.request.prompt
         tokens = len(prompt) if isinstance(prompt, list) else len(
             self.engine.encode_prompt(prompt, add_special_tokens=call.request.add_special_tokens))
-        window = self.info.max_model_len
-        if tokens >= window:
-            raise KServeInputError("text_input", f"input 'text_input': the prompt has {tokens} tokens; this model's "
-                                   f"context window is {window}")
-        max_tokens = call.request.sampling.max_tokens
-        if max_tokens is not None and tokens + max_tokens > window:
-            raise KServeInputError("sampling_parameters.max_tokens", f"sampling_parameters.max_tokens: {max_tokens} "
-                                   f"plus the prompt's {tokens} tokens exceed this model's context window of "
-                                   f"{window} tokens")
+        if error := context_window_error(tokens, call.request.sampling.max_tokens, self.info.max_model_len,
+                                         prompt_field="text_input",
+                                         max_tokens_field="sampling_parameters.max_tokens"):
+            raise KServeInputError(error.param, str(error))
 
     def observe_rejected(self) -> None:
         if self.metrics is not None:

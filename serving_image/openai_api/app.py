@@ -23,7 +23,13 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive
 
-from serving_image.engine.base import Engine, EngineInputError, EngineRequest, EngineUnavailableError
+from serving_image.engine.base import (
+    Engine,
+    EngineInputError,
+    EngineRequest,
+    EngineUnavailableError,
+    context_window_error,
+)
 from serving_image.metrics.frontend import FrontendMetrics
 from serving_image.openai_api import translate
 from serving_image.openai_api.admission import Admission, APIConfig, check_api_key
@@ -214,15 +220,10 @@ def create_app(engine: Engine, metrics: FrontendMetrics | None = None,
         for i, ids in enumerate(prompts):
             param = "messages" if isinstance(parsed, ChatCompletionRequest) else (
                 f"prompt[{i}]" if len(prompts) > 1 else "prompt")
-            room = info.max_model_len - len(ids)
-            if room <= 0:
-                raise bad_request(f"{param}: the prompt has {len(ids)} tokens; this model's context window is "
-                                  f"{info.max_model_len}", param=param, code="context_length_exceeded")
-            if spec.max_tokens is not None and spec.max_tokens > room:
-                field = "max_completion_tokens" if getattr(parsed, "max_completion_tokens", None) else "max_tokens"
-                raise bad_request(f"{field} {spec.max_tokens} plus the prompt's {len(ids)} tokens exceed this "
-                                  f"model's context window of {info.max_model_len} tokens", param=field,
-                                  code="context_length_exceeded")
+            field = "max_completion_tokens" if getattr(parsed, "max_completion_tokens", None) else "max_tokens"
+            if error := context_window_error(len(ids), spec.max_tokens, info.max_model_len, prompt_field=param,
+                                             max_tokens_field=field):
+                raise bad_request(str(error), param=error.param, code="context_length_exceeded")
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             requests.append(EngineRequest(rid, ids, spec, add_special_tokens=False))
         return requests
