@@ -148,7 +148,9 @@ def run(out_dir: pathlib.Path) -> dict:
     ax2.hist(result.latencies, bins=50)
     ax2.set_xlabel("request latency (s)")
     fig.tight_layout()
-    plot = pathlib.Path(out_dir) / "soak.png"
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot = out_dir / "soak.png"
     fig.savefig(plot, dpi=120)
     plt.close(fig)
     if result.failures or not growth_ok:

@@ -70,7 +70,9 @@ def run(out_dir: pathlib.Path) -> dict:
     ax.set_xlabel("seconds to ready")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    plot = pathlib.Path(out_dir) / "startup.png"
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot = out_dir / "startup.png"
     fig.savefig(plot, dpi=120)
     plt.close(fig)
     return {"title": "Startup time vs vLLM's own server", "markdown": "\n".join(lines), "plots": [plot]}
