@@ -131,6 +131,43 @@ class EngineOutput:
     finished: bool
 
 
+@dataclass
+class ChoiceTotals:
+    """One choice's output so far."""
+
+    text: str = ""
+    tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class OutputTotals:
+    """Folds a request's engine deltas into per-choice totals: what every front-end builds a whole answer (and its
+    usage) from."""
+
+    prompt_tokens: int = 0
+    choices: dict[int, ChoiceTotals] = field(default_factory=dict)
+
+    def add(self, output: EngineOutput) -> None:
+        self.prompt_tokens = max(self.prompt_tokens, output.prompt_tokens)
+        for delta in output.choices:
+            state = self.choices.setdefault(delta.index, ChoiceTotals())
+            state.text += delta.text
+            state.tokens += len(delta.token_ids)
+            if delta.logprobs:
+                state.logprobs.extend(delta.logprobs)
+            if delta.finish_reason is not None:
+                state.finish_reason = delta.finish_reason
+
+    def choice(self, index: int) -> ChoiceTotals:
+        return self.choices.get(index, ChoiceTotals())
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.tokens for c in self.choices.values())
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     name: str  # the served model id (what clients put in `model`)

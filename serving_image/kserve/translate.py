@@ -28,6 +28,7 @@ from serving_image.engine.base import (
     EngineOutput,
     EngineRequest,
     ModelInfo,
+    OutputTotals,
     SamplingSpec,
     StructuredOutput,
     raise_if_cut_short,
@@ -357,42 +358,29 @@ def _token(root: str, key: str, value: Any, info: ModelInfo) -> int:
 
 
 @dataclass
-class _Choice:
-    text: str = ""
-    tokens: int = 0
-    finish_reason: str | None = None
-
-
-@dataclass
 class ResponseBuilder:
     """Folds engine deltas into response tensors: one response per delta when streaming, one at the end otherwise."""
 
     call: GenerateCall
-    prompt_tokens: int = 0
-    choices: dict[int, _Choice] = field(default_factory=dict)
+    totals: OutputTotals = field(default_factory=OutputTotals)
 
     def _tensors(self, texts: list[str], tokens: list[int]) -> list[Tensor]:
         n = self.call.request.sampling.n
-        finish = [str(self.choices.get(i, _Choice()).finish_reason) for i in range(n)]  # "None" while running
+        finish = [str(self.totals.choice(i).finish_reason) for i in range(n)]  # "None" while running
         tensors = {
             "text_output": Tensor("text_output", "BYTES", (n,), tuple(t.encode("utf-8") for t in texts)),
             "finish_reason": Tensor("finish_reason", "BYTES", (n,), tuple(f.encode() for f in finish)),
-            "num_input_tokens": Tensor("num_input_tokens", "UINT32", (1,), (self.prompt_tokens,)),
+            "num_input_tokens": Tensor("num_input_tokens", "UINT32", (1,), (self.totals.prompt_tokens,)),
             "num_output_tokens": Tensor("num_output_tokens", "UINT32", (n,), tuple(tokens)),
         }
         return [tensors[name] for name in self.call.outputs]
 
     def add(self, output: EngineOutput) -> list[Tensor] | None:
         """Record a delta; when streaming, return the response tensors for it."""
-        self.prompt_tokens = max(self.prompt_tokens, output.prompt_tokens)
+        self.totals.add(output)
         n = self.call.request.sampling.n
         delta_text, delta_tokens = [""] * n, [0] * n
         for delta in output.choices:
-            state = self.choices.setdefault(delta.index, _Choice())
-            state.text += delta.text
-            state.tokens += len(delta.token_ids)
-            if delta.finish_reason is not None:
-                state.finish_reason = delta.finish_reason
             delta_text[delta.index] += delta.text
             delta_tokens[delta.index] += len(delta.token_ids)
         if not self.call.stream:
@@ -404,12 +392,8 @@ class ResponseBuilder:
         n = self.call.request.sampling.n
         prefix = self.call.request.prompt if self.call.prepend_input else ""
         assert isinstance(prefix, str)
-        return self._tensors([prefix + self.choices.get(i, _Choice()).text for i in range(n)],
-                             [self.choices.get(i, _Choice()).tokens for i in range(n)])
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(c.tokens for c in self.choices.values())
+        return self._tensors([prefix + self.totals.choice(i).text for i in range(n)],
+                             [self.totals.choice(i).tokens for i in range(n)])
 
 
 # -- requests and responses (client side: the Triton engine adapters) ----------------------------------------------

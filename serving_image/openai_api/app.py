@@ -28,6 +28,7 @@ from serving_image.engine.base import (
     EngineInputError,
     EngineRequest,
     EngineUnavailableError,
+    OutputTotals,
     context_window_error,
 )
 from serving_image.metrics.frontend import FrontendMetrics
@@ -279,7 +280,7 @@ def create_app(engine: Engine, metrics: FrontendMetrics | None = None,
                 events = stream_events(plan, streams, outcome, engine.abort, done)
                 return StreamingResponse(events, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
-            accumulators = [translate.Accumulator(n=n) for _ in requests]
+            accumulators = [OutputTotals() for _ in requests]
 
             async def collect() -> None:
                 async for i, output in merged(streams):
@@ -289,23 +290,21 @@ def create_app(engine: Engine, metrics: FrontendMetrics | None = None,
                 completed, _ = await unless_disconnected(collect(), receive)
             except (EngineInputError, EngineUnavailableError) as exc:
                 raise engine_error(exc) from exc
+            outcome.prompt_tokens = sum(a.prompt_tokens for a in accumulators)
+            outcome.completion_tokens = sum(a.completion_tokens for a in accumulators)
             if not completed:  # the client left: stop spending engine time on an answer nobody will read
                 for req in requests:
                     await engine.abort(req.request_id)
                 outcome.status, outcome.failure = 499, "CANCELED"
-                outcome.prompt_tokens = sum(a.prompt_tokens for a in accumulators)
-                outcome.completion_tokens = sum(a.completion_tokens for a in accumulators)
                 release()
                 return Response(status_code=499)
         except BaseException:
             release()
             raise
         release()
-        outcome.prompt_tokens = sum(a.prompt_tokens for a in accumulators)
-        outcome.completion_tokens = sum(a.completion_tokens for a in accumulators)
         if chat:
             return JSONResponse(translate.chat_response(request_id, info.name, accumulators[0], want_logprobs))
-        combined = translate.Accumulator(n=n, prompt_tokens=outcome.prompt_tokens)
+        combined = OutputTotals(prompt_tokens=outcome.prompt_tokens)
         prefixes = {}
         for i, acc in enumerate(accumulators):
             for index, state in acc.choices.items():

@@ -9,7 +9,13 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from serving_image.engine.base import EngineInputError, EngineOutput, EngineRequest, EngineUnavailableError
+from serving_image.engine.base import (
+    EngineInputError,
+    EngineOutput,
+    EngineRequest,
+    EngineUnavailableError,
+    OutputTotals,
+)
 from serving_image.openai_api import translate
 from serving_image.openai_api.errors import APIError, bad_request
 
@@ -130,7 +136,7 @@ class StreamPlan:
 async def stream_events(plan: StreamPlan, streams: list[AsyncIterator[EngineOutput]], outcome: Outcome,
                         abort: Callable[[str], Awaitable[None]], on_done: Callable[[], None]) -> AsyncIterator[bytes]:
     created = int(time.time())
-    accumulators = [translate.Accumulator(n=plan.n) for _ in plan.requests]
+    accumulators = [OutputTotals() for _ in plan.requests]
     chunk = translate.chat_chunk if plan.chat else translate.completion_chunk
     extra = {"usage": None} if plan.include_usage else {}
     n = plan.n
@@ -149,7 +155,7 @@ async def stream_events(plan: StreamPlan, streams: list[AsyncIterator[EngineOutp
             outcome.completion_tokens = sum(a.completion_tokens for a in accumulators)
             choices = []
             for delta in output.choices:
-                finish = translate.openai_finish_reason(delta)
+                finish = translate.openai_finish_reason(delta.finish_reason)
                 if not delta.text and finish is None and not delta.token_ids:
                     continue
                 logprobs = None

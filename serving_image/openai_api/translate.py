@@ -7,13 +7,11 @@ shared by every engine adapter.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from serving_image.constraints.spec import ConstraintError, spec_to_json, validate_constraint
 from serving_image.engine.base import (
-    ChoiceDelta,
-    EngineOutput,
     ModelInfo,
+    OutputTotals,
     SamplingSpec,
     StructuredOutput,
     TokenLogprob,
@@ -107,45 +105,11 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
 # -- responses ------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class ChoiceState:
-    text: str = ""
-    tokens: int = 0
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-@dataclass
-class Accumulator:
-    """Folds engine deltas into per-choice state (for non-streaming responses and usage)."""
-
-    n: int
-    prompt_tokens: int = 0
-    choices: dict[int, ChoiceState] = field(default_factory=dict)
-
-    def add(self, output: EngineOutput, index_offset: int = 0) -> None:
-        self.prompt_tokens = max(self.prompt_tokens, output.prompt_tokens)
-        for delta in output.choices:
-            state = self.choices.setdefault(delta.index + index_offset, ChoiceState())
-            state.text += delta.text
-            state.tokens += len(delta.token_ids)
-            if delta.logprobs:
-                state.logprobs.extend(delta.logprobs)
-            if delta.finish_reason is not None:
-                state.finish_reason = openai_finish_reason(delta)
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(c.tokens for c in self.choices.values())
-
-
-def openai_finish_reason(delta: ChoiceDelta) -> str | None:
-    if delta.finish_reason is None:
-        return None
-    if delta.finish_reason in ("stop", "length"):
-        return delta.finish_reason
+def openai_finish_reason(reason: str | None) -> str | None:
+    if reason is None or reason in ("stop", "length"):
+        return reason
     # The engine adapters raise on "abort" and "error" (engine.base.raise_if_cut_short): reaching here is a bug.
-    raise ValueError(f"finish reason {delta.finish_reason!r} has no OpenAI equivalent")
+    raise ValueError(f"finish reason {reason!r} has no OpenAI equivalent")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -174,7 +138,7 @@ def completion_logprobs(items: list[TokenLogprob], text_offset: int = 0) -> dict
     }
 
 
-def chat_response(request_id: str, model: str, acc: Accumulator, want_logprobs: bool) -> dict:
+def chat_response(request_id: str, model: str, acc: OutputTotals, want_logprobs: bool) -> dict:
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -185,7 +149,7 @@ def chat_response(request_id: str, model: str, acc: Accumulator, want_logprobs: 
                 "index": index,
                 "message": {"role": "assistant", "content": state.text, "refusal": None},
                 "logprobs": chat_logprobs(state.logprobs) if want_logprobs else None,
-                "finish_reason": state.finish_reason,
+                "finish_reason": openai_finish_reason(state.finish_reason),
             }
             for index, state in sorted(acc.choices.items())
         ],
@@ -193,7 +157,7 @@ def chat_response(request_id: str, model: str, acc: Accumulator, want_logprobs: 
     }
 
 
-def completion_response(request_id: str, model: str, acc: Accumulator, want_logprobs: bool,
+def completion_response(request_id: str, model: str, acc: OutputTotals, want_logprobs: bool,
                         echo_prefix: dict[int, str]) -> dict:
     choices = []
     for index, state in sorted(acc.choices.items()):
@@ -202,7 +166,7 @@ def completion_response(request_id: str, model: str, acc: Accumulator, want_logp
             "index": index,
             "text": prefix + state.text,
             "logprobs": completion_logprobs(state.logprobs, len(prefix)) if want_logprobs else None,
-            "finish_reason": state.finish_reason,
+            "finish_reason": openai_finish_reason(state.finish_reason),
         })
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(acc.prompt_tokens, acc.completion_tokens)}
