@@ -3,12 +3,12 @@ mid-stream under the real entrypoint."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -48,60 +48,72 @@ def server(demo_model_dir: Path, tmp_path: Path):
 
 
 def test_engine_killed_mid_stream(server, demo_model_dir: Path):
-    """Kill the engine core under live streams: every caller gets an error within seconds,
-    readiness turns false, and the server exits non-zero so Kubernetes restarts it. Nothing hangs, and no stream
-    ends as if it had finished (a truncated answer passed off as whole is the failure this guards against)."""
+    """Kill the engine core under live streams: every caller gets an error within seconds, readiness turns false,
+    and the server exits non-zero so Kubernetes restarts it. Nothing hangs, and no stream ends as if it had finished
+    (a truncated answer passed off as whole is the failure this guards against).
+
+    The callers are asyncio tasks on one thread. With a thread per caller, a thread reading a fast stream starved
+    the others of the GIL for seconds (measured: callers started 4 s late), so streams could finish before the
+    kill and the test measured the client, not the server."""
     body = {"model": "demo-tiny", "prompt": "a long story", "max_tokens": 1900, "stream": True,
             "logit_bias": {"1": -100}}
-    outcomes: dict[int, str] = {}
-    started = threading.Barrier(9)
-
-    def stream(i: int) -> None:
-        try:
-            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
-                lines = response.iter_lines()
-                next(lines)
-                started.wait(timeout=60)
-                events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-                outcomes[i] = "error" if "error" in events[-1] else f"completed: {events[-1]}"
-        except (httpx.HTTPError, threading.BrokenBarrierError) as exc:
-            outcomes[i] = f"error: {type(exc).__name__}"
-
-    # vLLM's engine core and its worker: every child of the server but Python's resource tracker. Found before the
-    # streams start: walking /proc while eight threads parse events starves this thread of the GIL for seconds,
-    # long enough for the streams to finish before the kill.
+    # vLLM's engine core and its worker: every child of the server but Python's resource tracker.
     engine = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)
               if "resource_tracker" not in " ".join(p.cmdline())]
     assert engine
-    readiness: list[int] = []
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
-    for thread in threads:
-        thread.start()
-    started.wait(timeout=60)
 
-    def watch_readiness() -> None:
-        while True:
-            try:
-                readiness.append(httpx.get(f"{server.url}/health/ready", timeout=2).status_code)
-            except httpx.HTTPError:
-                return
-            time.sleep(0.05)
+    async def scenario() -> tuple[dict[int, str], float, list[int]]:
+        outcomes: dict[int, str] = {}
+        readiness: list[int] = []
+        first_tokens = [asyncio.get_running_loop().create_future() for _ in range(8)]
+        killed = asyncio.Event()
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            # Warm-up: a fresh engine's first batch of a size can stall on shape-specialized compilation.
+            await asyncio.gather(*(client.post("/v1/completions", json={"model": "demo-tiny", "prompt": "warm",
+                                                                         "max_tokens": 8}) for _ in range(8)))
 
-    watcher = threading.Thread(target=watch_readiness)
-    killed_at = time.monotonic()
-    for pid in engine:
-        os.kill(pid, signal.SIGKILL)  # one system call each: psutil's checks read /proc under the same GIL
-    watcher.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    assert all(not t.is_alive() for t in threads), "a caller hung after the engine died"
-    assert time.monotonic() - killed_at < 30
+            async def stream(i: int) -> None:
+                try:
+                    async with client.stream("POST", "/v1/completions", json=body) as response:
+                        lines = response.aiter_lines()
+                        await anext(lines)
+                        first_tokens[i].set_result(None)
+                        await killed.wait()  # read nothing more until the engine is gone
+                        events = [json.loads(line[6:]) async for line in lines if line.startswith("data: {")]
+                        outcomes[i] = "error" if "error" in events[-1] else f"completed: {events[-1]}"
+                except httpx.HTTPError as exc:
+                    outcomes[i] = f"error: {type(exc).__name__}"
+                    if not first_tokens[i].done():
+                        first_tokens[i].set_exception(exc)
+
+            async def watch_readiness() -> None:
+                while True:
+                    try:
+                        readiness.append((await client.get("/health/ready", timeout=2)).status_code)
+                    except httpx.HTTPError:
+                        return
+                    await asyncio.sleep(0.05)
+
+            callers = [asyncio.create_task(stream(i)) for i in range(8)]
+            await asyncio.wait_for(asyncio.gather(*first_tokens), timeout=60)
+            for pid in engine:
+                os.kill(pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            killed.set()
+            watcher = asyncio.create_task(watch_readiness())
+            done, pending = await asyncio.wait(callers, timeout=30)
+            assert not pending, "a caller hung after the engine died"
+            elapsed = time.monotonic() - killed_at
+            await asyncio.wait_for(watcher, timeout=90)
+        return outcomes, elapsed, readiness
+
+    outcomes, elapsed, readiness = asyncio.run(scenario())
+    assert elapsed < 30
     assert sorted(outcomes) == list(range(8))
     # 1900 tokens each take seconds; the kill follows the first tokens within milliseconds.
     assert all(o.startswith("error") for o in outcomes.values()), outcomes
     code = server.proc.wait(timeout=60)
     assert code != 0
     assert "engine died" in server.log()
-    watcher.join(timeout=10)
     if 503 in readiness:  # once not ready, never ready again
         assert 200 not in readiness[readiness.index(503):]
