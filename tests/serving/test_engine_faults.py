@@ -21,20 +21,19 @@ from serving_image.local_server import publish_demo, start_server
 SCRIPT = Path(__file__).parent / "scripts" / "seeded_preemption.py"
 
 
-def _run_seeded(model_dir: Path, **env) -> dict:
-    result = subprocess.run([sys.executable, str(SCRIPT), str(model_dir)], capture_output=True, text=True,
-                            timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1", **env))
-    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"no result (exit {result.returncode}):\n{result.stderr[-4000:]}"
-    return json.loads(lines[-1].removeprefix("RESULT "))
+def _run_seeded(model_dir: Path, out: Path, **env) -> dict:
+    result = subprocess.run([sys.executable, str(SCRIPT), str(model_dir), str(out)], capture_output=True,
+                            text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1", **env))
+    assert out.exists(), f"no result (exit {result.returncode}):\n{result.stderr[-4000:]}"
+    return json.loads(out.read_text())
 
 
-def test_seeded_requests_under_preemption_no_longer_kill_the_engine(demo_model_dir: Path):
+def test_seeded_requests_under_preemption_no_longer_kill_the_engine(demo_model_dir: Path, tmp_path: Path):
     """48 seeded requests with forced preemption and chunked prefill: without the plugin the engine dies
     (`CPU Generator does not use offset`); with it (loaded by vLLM through its entry point) all complete."""
-    unprotected = _run_seeded(demo_model_dir, VLLM_PLUGINS="none-selected")
+    unprotected = _run_seeded(demo_model_dir, tmp_path / "unprotected.json", VLLM_PLUGINS="none-selected")
     assert unprotected["error"] is not None and unprotected["completed"] == 0, unprotected
-    protected = _run_seeded(demo_model_dir)
+    protected = _run_seeded(demo_model_dir, tmp_path / "protected.json")
     assert protected["error"] is None, protected
     assert protected["completed"] == 48
     assert protected["preemptions"] > 0, "the scenario must really preempt seeded requests"

@@ -190,12 +190,13 @@ def test_twenty_concurrent_scrapes_during_load(platform):
             status, _, text = get(platform.proxy_url, timeout=60)
             assert status == 200
             families = parse_text(text)  # strict: raises on anything malformed
-            families_seen.append(frozenset(f.name for f in families))
             values = series(text)
+            families_seen.append((frozenset(f.name for f in families), values["llm_serving_metrics_upstream_up"]))
             running_seen.append(values[f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}}'])
             totals.append(values[f'vllm:prompt_tokens_total{{engine="0",model_name="{MODEL}"}}'])
         return totals
 
+    platform.complete(prompts[0], 8)  # families vLLM creates on a first finished request exist from here on
     with concurrent.futures.ThreadPoolExecutor(max_workers=16) as load:
         load_futures = [load.submit(platform.complete, prompt, 48) for prompt in prompts]
         time.sleep(0.5)  # let the engine start working before the scrapers arrive
@@ -205,7 +206,17 @@ def test_twenty_concurrent_scrapes_during_load(platform):
             future.result()
     for totals in results:
         assert totals == sorted(totals), "a counter went backwards between two scrapes"
-    assert len(families_seen) == 100 and len(set(families_seen)) == 1, "every scrape serves the same families"
+    assert len(families_seen) == 100
+    # A scrape whose upstream fetch timed out (1 s, on a loaded machine) serves the vLLM families without the
+    # upstream's, by design; every other scrape serves the very same families.
+    complete = [names for names, up in families_seen if up == 1]
+    assert len(complete) >= 50, f"the upstream was down in {100 - len(complete)} of 100 scrapes"
+    differing = sorted(frozenset.union(*complete) - frozenset.intersection(*complete))
+    assert not differing, f"families missing from some scrapes: {differing}"
+    own = {name for name in complete[0] if name.startswith(("vllm:", "llm_serving_metrics_"))}
+    for names, up in families_seen:
+        if up != 1:  # only the upstream's families may be missing
+            assert own <= names <= complete[0], (sorted(own - names), sorted(names - complete[0]))
     assert max(running_seen) > 0, "the scrapes should have overlapped the load"
 
 

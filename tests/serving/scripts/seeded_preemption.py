@@ -1,5 +1,6 @@
 """Seeded requests under forced preemption and chunked prefill, on the real CPU engine (run as a script: vLLM
-spawns its engine processes, so it needs a __main__ guard). Prints one JSON line with what happened."""
+spawns its engine processes, so it needs a __main__ guard). Writes what happened as JSON to the file named by its
+second argument (not to stdout, where the engine processes' logs interleave with it)."""
 
 from __future__ import annotations
 
@@ -32,4 +33,5 @@ if __name__ == "__main__":
                 result["preemptions"] = int(metric.value)
     except Exception as exc:  # a dead engine has no metrics to give
         result["metrics_error"] = repr(exc)
-    print("RESULT " + json.dumps(result), flush=True)
+    with open(sys.argv[2], "w") as out:
+        json.dump(result, out)
