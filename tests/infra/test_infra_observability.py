@@ -20,30 +20,18 @@ import yaml
 
 from infra.config import ConfigError, parse_stack_config
 from infra.manifests import Manifest, manifests, validate_manifests
-from infra.mockrun import REPO_ROOT, MockedResource, StackRun, run_stack, shipped_run, shipped_stacks, stack_config_path
+from infra.mockrun import REPO_ROOT, MockedResource, StackRun, run_stack, shipped_run, stack_config_path
+from infra.observability import DASHBOARD_FILE as DASHBOARD
+from infra.observability import OBSERVABILITY_DIR
+from infra.observability import RULES_FILE as RULES
 
-OBSERVABILITY = REPO_ROOT / "deploy" / "observability"
-RULES = OBSERVABILITY / "prometheus" / "llm-serving-alerts.yml"
-SCRAPE = OBSERVABILITY / "prometheus" / "llm-serving-scrape.yml"
-DASHBOARD = OBSERVABILITY / "grafana" / "llm-serving.json"
+SCRAPE = OBSERVABILITY_DIR / "prometheus" / "llm-serving-scrape.yml"
 POD_MONITOR = "kubernetes:monitoring.coreos.com/v1:PodMonitor"
 PROMETHEUS_RULE = "kubernetes:monitoring.coreos.com/v1:PrometheusRule"
 CONFIG_MAP = "kubernetes:core/v1:ConfigMap"
 DEPLOYMENT = "kubernetes:apps/v1:Deployment"
 POD_TEMPLATES = (DEPLOYMENT, "kubernetes:apps/v1:DaemonSet", "kubernetes:apps/v1:StatefulSet")
 PLATFORM_LABELS = ("app.kubernetes.io/part-of", "app.kubernetes.io/managed-by", "app.kubernetes.io/component")
-STACKS = shipped_stacks()
-
-
-def config_of(stack: str):
-    raw = yaml.safe_load(stack_config_path(stack).read_text())["config"]
-    values = {k.split(":", 1)[1]: v for k, v in raw.items() if k.startswith("llm-serving:")}
-    return parse_stack_config(values, raw["aws:region"])
-
-
-@pytest.fixture(scope="module", params=STACKS)
-def stack(request) -> tuple[StackRun, object]:
-    return shipped_run(request.param), config_of(request.param)
 
 
 def only(run: StackRun, type_token: str, name_part: str = "observability") -> MockedResource:

@@ -10,27 +10,13 @@ from __future__ import annotations
 import json
 import math
 
-import pytest
-import yaml
-
-from infra.config import AMIS_WITHOUT_DEVICE_PLUGIN, parse_stack_config
-from infra.mockrun import MockedResource, StackRun, shipped_run, shipped_stacks, stack_config_path
+from infra.config import AMIS_WITHOUT_DEVICE_PLUGIN
+from infra.mockrun import MockedResource, StackRun, shipped_run, shipped_stacks
 from infra.rollout.planner import plan_red_black
 
 STACKS = shipped_stacks()
 RECOMMENDED_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/version", "app.kubernetes.io/component",
                       "app.kubernetes.io/part-of", "app.kubernetes.io/managed-by")
-
-
-def config_of(stack: str):
-    raw = yaml.safe_load(stack_config_path(stack).read_text())["config"]
-    values = {k.split(":", 1)[1]: v for k, v in raw.items() if k.startswith("llm-serving:")}
-    return parse_stack_config(values, raw["aws:region"])
-
-
-@pytest.fixture(scope="module", params=STACKS)
-def stack(request) -> tuple[StackRun, object]:
-    return shipped_run(request.param), config_of(request.param)
 
 
 def only(run: StackRun, type_token: str) -> MockedResource:
