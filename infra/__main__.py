@@ -1,4 +1,4 @@
-"""The serving platform's Pulumi program: one stack per environment and region (ARCHITECTURE §2, §3.6, §4).
+"""The serving platform's Pulumi program: one stack per environment and region (docs/architecture.md §2, §3.6, §4).
 
     config (validated) -> network -> EKS + node groups -> model storage (S3 + FSx) -> ECR + serving image
         -> shared Kubernetes objects -> per-model serving -> stack outputs (docs/stack-outputs.md)

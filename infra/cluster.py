@@ -2,7 +2,7 @@
 
 Built from `aws.eks.*` resources inside this component rather than `pulumi_eks`: its components are implemented in
 another language and register as one opaque resource under the mock runtime, hiding the node groups from tests and
-policies (../shared/notes/pulumi-offline.md).
+policies (docs/local-environment.md, "Pulumi offline").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Typed stack configuration (ARCHITECTURE §3.6), validated once at program start.
+"""Typed stack configuration (docs/architecture.md §3.6), validated once at program start.
 
 Every value a stack file sets is checked here before any resource exists, and a wrong one fails with a message that
 names the full key (`llm-serving:models[1].strategy`) and what is allowed. Nothing is silently dropped: unknown keys

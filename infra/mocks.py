@@ -1,6 +1,6 @@
 """Answers for Pulumi's mock runtime: what AWS, Kubernetes and the image builder would return.
 
-Only the cloud is mocked (there is no account here, ARCHITECTURE §5): the program, the provider SDKs' resource
+Only the cloud is mocked (there is no account here, docs/architecture.md §5): the program, the provider SDKs' resource
 classes, their type tokens and the dependency tracking are the real ones. Each resource's mocked state is its inputs
 plus the few computed outputs the program reads (ids, ARNs, endpoints, the image digest), all deterministic so that
 two runs of a stack produce the same plan.

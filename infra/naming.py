@@ -1,4 +1,4 @@
-"""Names and the recommended Kubernetes labels (ARCHITECTURE §3.10) shared by every per-model object."""
+"""Names and the recommended Kubernetes labels (docs/architecture.md §3.10) shared by every per-model object."""
 
 from __future__ import annotations
 

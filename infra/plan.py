@@ -1,4 +1,4 @@
-"""`make plan`: preview every shipped stack offline (ARCHITECTURE §3.1).
+"""`make plan`: preview every shipped stack offline (docs/architecture.md §3.1).
 
 For each stack in stacks/: run the program under Pulumi's mock runtime (infra.mockrun), print a table of the
 resources it would create, write them all as JSON, write every Kubernetes manifest it would apply, validate the

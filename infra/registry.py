@@ -1,7 +1,7 @@
 """The stack's ECR repository and the serving image, built by the program from `serving_image/` and pushed there.
 
 Every Deployment pins the image by the digest this build reports, so a change to the image's context changes the
-pod template and rolls out like any other change (ARCHITECTURE §2). The tag is the context's content hash: ECR's
+pod template and rolls out like any other change (docs/architecture.md §2). The tag is the context's content hash: ECR's
 tags are immutable, and the same context always gets the same tag.
 """
 

@@ -1,7 +1,7 @@
 """Per model: a Deployment, Service, PodDisruptionBudget and KEDA ScaledObject per served version, and the Gateway
 API routes (HTTPRoute for the OpenAI and KServe HTTP APIs, GRPCRoute for KServe gRPC).
 
-Red-black (ARCHITECTURE §4) inside one update is ordered by resource dependencies:
+Red-black (docs/architecture.md §4) inside one update is ordered by resource dependencies:
 
     candidate Deployment (Pulumi waits until it is ready, timeouts > 10 min)
         -> HTTPRoute/GRPCRoute weights

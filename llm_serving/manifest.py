@@ -1,4 +1,4 @@
-"""The model-package manifest (`package.toml`, ARCHITECTURE §3.4): typed, strict, shared by both planes.
+"""The model-package manifest (`package.toml`, docs/architecture.md §3.4): typed, strict, shared by both planes.
 
 Every table refuses keys it does not know: a misspelt key is an error that names it, never a silently ignored
 setting.

@@ -1,4 +1,4 @@
-"""Build, verify and safely open model packages (ARCHITECTURE §3.4).
+"""Build, verify and safely open model packages (docs/architecture.md §3.4).
 
 A package is a directory or a `.tar.gz` with `package.toml` at its root. Opening one verifies everything before
 anything is used, and a tarball is checked member by member before a single byte is extracted, so a hostile package

@@ -1,4 +1,4 @@
-"""Publishing model packages to a model store: a local directory, or S3 (ARCHITECTURE §3.4).
+"""Publishing model packages to a model store: a local directory, or S3 (docs/architecture.md §3.4).
 
 Layout, the same in both:
     <store>/packages/<model id>/<version>.tar.gz        the package; its presence means "published"

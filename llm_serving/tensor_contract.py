@@ -1,4 +1,4 @@
-"""The KServe v2 tensor contract for LLMs (ARCHITECTURE §3.3) and the I/O schema fingerprint (§3.4).
+"""The KServe v2 tensor contract for LLMs (docs/architecture.md §3.3) and the I/O schema fingerprint (§3.4).
 
 The contract is the one Triton's vLLM backend generates, so a client written against the local server works
 unchanged against production Triton. The fingerprint is a hash of the canonical I/O description: it changes exactly

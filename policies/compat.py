@@ -1,4 +1,4 @@
-"""The image pins of `serving_image/compat.toml` (ARCHITECTURE §3.9), as the image-pin policy reads them.
+"""The image pins of `serving_image/compat.toml` (docs/architecture.md §3.9), as the image-pin policy reads them.
 
 Only three values matter to policy: the Triton release, the vLLM version inside that release, and the vLLM backend
 branch. The file is owned by the serving image; this module reads it and nothing else, and fails with the file's
@@ -61,7 +61,7 @@ def _lookup(doc: Mapping[str, Any], paths: tuple[str, ...], what: str, source: s
 def load_pins(path: Path | str | None = None) -> Pins:
     file = Path(path) if path else DEFAULT_PATH
     if not file.is_file():
-        raise CompatError(f"{file}: not found, so the image pins cannot be checked (ARCHITECTURE §3.9)")
+        raise CompatError(f"{file}: not found, so the image pins cannot be checked (docs/architecture.md §3.9)")
     try:
         doc = tomllib.loads(file.read_text())
     except tomllib.TOMLDecodeError as err:

@@ -1,4 +1,4 @@
-"""The stack's `llm-serving:models`, typed by the program's own schema (infra.config, ARCHITECTURE §3.6).
+"""The stack's `llm-serving:models`, typed by the program's own schema (infra.config, docs/architecture.md §3.6).
 
 Policies read the same typed models as the program, so a rule and the program can never disagree about a default
 (the startup budget's `loadTimeSeconds`, for example). A model entry that does not parse is reported by the rule

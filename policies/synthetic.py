@@ -21,7 +21,7 @@ FINGERPRINT_A = "sha256:" + "a" * 64
 FINGERPRINT_B = "sha256:" + "b" * 64
 DIGEST = "sha256:" + "c" * 64
 COMPAT_TOML = """\
-# Test copy with the keys of serving_image/compat.toml that the policies read (ARCHITECTURE §3.9).
+# Test copy with the keys of serving_image/compat.toml that the policies read (docs/architecture.md §3.9).
 [triton]
 release = "25.10"
 image_tag = "25.10-vllm-python-py3"

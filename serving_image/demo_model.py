@@ -4,7 +4,7 @@ Nothing can be downloaded here, so `make up` and the tests build their model at 
 the tokenizer is trained on a fixed corpus and the weights come from a seeded generator, so every machine serves
 the identical model (a test checks the checksums of two builds).
 
-Shape facts from ../shared/notes/vllm-on-cpu.md: 2 layers, hidden 128, 2 attention heads (head_dim 64; the CPU
+Shape facts from docs/local-environment.md, "vLLM on CPU": 2 layers, hidden 128, 2 attention heads (head_dim 64; the CPU
 attention kernels need at least 32) and 1 KV head load in vLLM in about 20 s. `vocab_size` may exceed the
 tokenizer's size to give the sampler and logits processors a production-sized vocabulary.
 """

@@ -1,4 +1,4 @@
-"""The startup procedure (ARCHITECTURE §3.7): the image's entrypoint, and what `make up` runs.
+"""The startup procedure (docs/architecture.md §3.7): the image's entrypoint, and what `make up` runs.
 
     1 unpack-and-verify   open the model package, verify every checksum and the manifest (§3.4)
     2 install-plugins     install the package's plugin wheels; vLLM finds them through their entry points
@@ -268,7 +268,7 @@ async def _open_ports(started: Started, config: StartupConfig) -> str:
     from serving_image.kserve.frontends import start_kserve
 
     # KServe v2 on 8000/8001 in both serving modes; the OpenAI front-end only in `openai` mode (`standalone` is
-    # Triton alone: its KServe API and nothing else, ARCHITECTURE §3.4).
+    # Triton alone: its KServe API and nothing else, docs/architecture.md §3.4).
     kserve = await start_kserve(started.engine, metrics, host=config.host, grpc_port=config.kserve_grpc_port,
                                 http_port=config.kserve_http_port, is_draining=lambda: started.draining)
     started.grpc_servers.append(kserve.grpc_server)
@@ -396,7 +396,7 @@ def run(config: StartupConfig, on_ready: Callable[[Started], None] | None = None
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Serving startup procedure (ARCHITECTURE §3.7)")
+    parser = argparse.ArgumentParser(description="Serving startup procedure (docs/architecture.md §3.7)")
     parser.add_argument("package", type=Path, nargs="?", default=os.environ.get("MODEL_PACKAGE"),
                         help="package directory on the model cache, or a .tar.gz (default: $MODEL_PACKAGE)")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary directory")

@@ -1,4 +1,4 @@
-"""Rollouts as stack updates (ARCHITECTURE §4, docs/rollouts.md).
+"""Rollouts as stack updates (docs/architecture.md §4, docs/rollouts.md).
 
 - `planner`: the pure red-black arithmetic (replicas, weights, schedules within replicas + surge, GPU cost);
   no Pulumi import, the program and the bench use it too.

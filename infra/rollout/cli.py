@@ -1,4 +1,4 @@
-"""`llm-serving rollout start|advance|abort|status MODEL --stacks S1,S2,...` (ARCHITECTURE §4).
+"""`llm-serving rollout start|advance|abort|status MODEL --stacks S1,S2,...` (docs/architecture.md §4).
 
 Edits `stacks/Pulumi.<stack>.yaml` in place and runs one update per stack through a stack runner:
 `--runner automation` (default; Pulumi's Automation API, needs the Pulumi CLI and cloud credentials) or
@@ -119,7 +119,7 @@ def _version(args: argparse.Namespace, runner, stacks: list[str]) -> dict[str, s
                 if v.version == args.version:
                     return version_entry(v.version, v.package, v.io_fingerprint)
     raise RolloutError(f"--version {args.version}: no stack in {config_dir} lists it; give --package and "
-                       f"--io-fingerprint (a published package, ARCHITECTURE §3.4)")
+                       f"--io-fingerprint (a published package, docs/architecture.md §3.4)")
 
 
 def _print_report(report: Report) -> None:

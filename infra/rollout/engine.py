@@ -1,6 +1,6 @@
 """What `pulumi up` and Kubernetes do with a stack's resource graph, simulated for the mock runner and the tests.
 
-There is no Pulumi engine, provider or cluster here (../shared/notes/pulumi-offline.md), so this module plays their
+There is no Pulumi engine, provider or cluster here (docs/local-environment.md, "Pulumi offline"), so this module plays their
 part on the graph the program really registers (infra.mockrun records every resource with its inputs and its
 dependencies):
 

@@ -1,4 +1,4 @@
-"""A rollout across stacks (ARCHITECTURE §4): edit each stack's config file, run its update, check it, in waves.
+"""A rollout across stacks (docs/architecture.md §4): edit each stack's config file, run its update, check it, in waves.
 
 One command moves every named stack one step: the first wave (one region) first, then the rest, one stack at a
 time. After each stack's update an analysis gate reads the candidate's error ratio and latency from that region's

@@ -1,4 +1,4 @@
-"""Replicas and route weights of a red-black step (ARCHITECTURE §4), as one pure function.
+"""Replicas and route weights of a red-black step (docs/architecture.md §4), as one pure function.
 
 The program calls `plan_red_black` for every red-black model; the rollout tool (issue 8) extends and
 property-tests it. Rules:

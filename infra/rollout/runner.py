@@ -3,7 +3,7 @@
 - `AutomationRunner`: Pulumi's Automation API (`pulumi.automation`) on the project directory, so the update reads
   the edited `stacks/Pulumi.<stack>.yaml` exactly as `pulumi up` would. Written against the real API but NOT
   runnable on this machine: the Automation API drives the Pulumi CLI, which cannot be installed here
-  (../shared/notes/pulumi-offline.md). Nothing in the tests calls it.
+  (docs/local-environment.md, "Pulumi offline"). Nothing in the tests calls it.
 - `MockRunner`: runs the real program (`infra/__main__.py`) under Pulumi's mock runtime on the edited config file
   (infra.mockrun), then plays the update of the recorded resource graph through `infra.rollout.engine` against the
   stack's recorded live state (a JSON file per stack). This is what the tests and `--runner mock` use.

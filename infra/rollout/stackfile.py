@@ -1,4 +1,4 @@
-"""Edit one model's entry in a stack config file in place (ARCHITECTURE §3.6), keeping comments, key order and
+"""Edit one model's entry in a stack config file in place (docs/architecture.md §3.6), keeping comments, key order and
 quoting (ruamel.yaml's round-trip mode), and validate the result with the program's own schema before it is
 written: a rollout never writes a file the program would reject.
 

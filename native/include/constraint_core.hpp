@@ -1,5 +1,5 @@
 // The constraint engine's core, free of Python: compiled machines (one per constraint spec, immutable and shared),
-// per-row states advanced by generated tokens, and the batch that owns the packed bitmask (ARCHITECTURE §3.5).
+// per-row states advanced by generated tokens, and the batch that owns the packed bitmask (docs/architecture.md §3.5).
 //
 // Semantics every implementation must share (the Python reference in serving_image/constraints/reference.py is the
 // executable definition; the differential tests hold both to it):

@@ -1,4 +1,4 @@
-"""Rollouts as stack updates (ARCHITECTURE §4): the strategy fits the interface change, traffic goes only to
+"""Rollouts as stack updates (docs/architecture.md §4): the strategy fits the interface change, traffic goes only to
 versions that have replicas (and only after Pulumi has waited for them), and the newest version is never removed.
 
 The model list comes from the stack's config (`llm-serving:models`, typed by the program's schema); what is really

@@ -1,4 +1,4 @@
-"""Per-request step-wise constraints (ARCHITECTURE §3.5): the native core and its thin Python layer.
+"""Per-request step-wise constraints (docs/architecture.md §3.5): the native core and its thin Python layer.
 
 - `validate_constraint` (spec.py): the one validation every front-end calls; light, no torch/vLLM imports.
 - `engine` : compile a spec into the C++ core's machine, batch states, bitmask fill/apply.

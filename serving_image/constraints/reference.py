@@ -4,7 +4,7 @@ It is the executable definition the native core is tested against (differential 
 "Python per-request" baseline of the benchmark. Written independently of the C++ data structures: choice
 sequences keep the current item's prefix and scan the choices instead of walking a trie.
 
-Shared semantics (ARCHITECTURE §3.5 plus the edge cases every implementation must agree on):
+Shared semantics (docs/architecture.md §3.5 plus the edge cases every implementation must agree on):
   - after eos, or after a token the state did not allow, only eos is allowed (the request is over or broken);
   - a state that allows nothing allows eos, so a row never masks out every token.
 """

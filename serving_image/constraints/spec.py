@@ -1,4 +1,4 @@
-"""Constraint specs (ARCHITECTURE §3.5): typed values and the one validation every front-end calls.
+"""Constraint specs (docs/architecture.md §3.5): typed values and the one validation every front-end calls.
 
 `validate_constraint` turns the JSON a client sent into a `ConstraintSpec`, or raises `ConstraintError` whose
 message starts with the path of the offending field (``constraint.edges[3][1]: token id 99999 is outside the

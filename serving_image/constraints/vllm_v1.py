@@ -3,7 +3,7 @@
 vLLM loads it through `serving_image.constraints.vllm_processor:ConstraintLogitsProcessor` (the
 `vllm.logits_processors` entry point, one class for both runners), or by import path
 (`serving_image.constraints.vllm_v1:ConstraintLogitsProcessorV1`). A request is constrained by
-`SamplingParams.extra_args["constraint"]` (ARCHITECTURE §3.5).
+`SamplingParams.extra_args["constraint"]` (docs/architecture.md §3.5).
 
 The state of a row is a function of the request's output token list alone (vLLM's own list, which grows in
 place), never of how many times `apply` ran:

@@ -4,7 +4,7 @@ vLLM rewinds a seeded request's random generator when it discards a token sample
 prefill (a long prompt, or a preempted request being prefilled again): `gen.set_offset(gen.get_offset() - 4)` in
 the model runner. CPU generators have no offset (that is CUDA's Philox), so the call raises
 `RuntimeError: CPU Generator does not use offset` inside the engine core, and every request in flight dies with it
-(../shared/notes/vllm-on-cpu.md). Any client could take the engine down by sending `seed` at the wrong moment.
+(docs/local-environment.md, "vLLM on CPU"). Any client could take the engine down by sending `seed` at the wrong moment.
 
 The plugin gives the model runner, on the CPU only, a generator whose offset calls are no-ops. The cost: a seeded
 request whose sample was discarded has drawn a few extra random numbers, so its output can differ from a run in

@@ -1,5 +1,5 @@
 """Triton in-process: Triton's Python API (`tritonserver`, shipped in the Triton image) behind the engine interface,
-as the OpenAI front-end uses it inside the image in the `openai` serving mode (ARCHITECTURE §3.4).
+as the OpenAI front-end uses it inside the image in the `openai` serving mode (docs/architecture.md §3.4).
 
 Triton loads the generated model repository (serving_image/triton/repository.py) in this process, in explicit model
 control mode, and every request goes to the decoupled vLLM model through `Model.async_infer`, with the same tensors

@@ -36,7 +36,7 @@ from serving_image.engine.base import (
 
 log = logging.getLogger(__name__)
 
-# Without an explicit size the CPU backend demands 92% of the NUMA node's memory (../shared/notes/vllm-on-cpu.md).
+# Without an explicit size the CPU backend demands 92% of the NUMA node's memory (docs/local-environment.md, "vLLM on CPU").
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 
 

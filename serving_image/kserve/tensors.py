@@ -1,6 +1,6 @@
 """KServe v2 tensors as plain Python values, and their wire forms (gRPC protobuf and HTTP JSON).
 
-Only the three datatypes of the LLM tensor contract (ARCHITECTURE §3.3) are decoded: BYTES, BOOL and UINT32.
+Only the three datatypes of the LLM tensor contract (docs/architecture.md §3.3) are decoded: BYTES, BOOL and UINT32.
 Anything else a client sends is reported by name, so the error says which tensor was wrong and how.
 """
 

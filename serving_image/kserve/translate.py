@@ -434,7 +434,7 @@ def sampling_parameters_json(spec: SamplingSpec, structured_key: str) -> str:
                  "choice": {"choice": value}, "grammar": {"grammar": value}}[kind]
         params[structured_key] = json.dumps(inner)
     if spec.constraint is not None:
-        # SamplingParams.extra_args is where the constraint processor reads it (ARCHITECTURE §3.5); the stock
+        # SamplingParams.extra_args is where the constraint processor reads it (docs/architecture.md §3.5); the stock
         # backend passes extra_args through to SamplingParams, which a top-level `constraint` would not survive.
         params["extra_args"] = {"constraint": spec.constraint}
     return json.dumps(params, separators=(",", ":"))

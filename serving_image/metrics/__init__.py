@@ -1,4 +1,4 @@
-"""Metrics: the proxy on port 8002 and the local front-ends' Triton-named request metrics (ARCHITECTURE §3.8).
+"""Metrics: the proxy on port 8002 and the local front-ends' Triton-named request metrics (docs/architecture.md §3.8).
 
 - `frontend`: `FrontendMetrics.observe(...)` per request, `serve_frontend_metrics(metrics, port=8004)`.
 - `proxy`: `ProxyConfig`, `start_proxy` (thread) / `spawn_proxy` (child process), `python -m ...proxy`.

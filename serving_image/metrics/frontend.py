@@ -1,4 +1,4 @@
-"""The local front-ends' request metrics, under Triton's names (ARCHITECTURE §3.8).
+"""The local front-ends' request metrics, under Triton's names (docs/architecture.md §3.8).
 
 In production Triton counts every request itself and serves the counts on its metrics port. Locally there is no
 Triton, so the KServe and OpenAI front-ends record each request here and `serve_frontend_metrics` serves the same

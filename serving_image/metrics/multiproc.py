@@ -4,7 +4,7 @@ Everything here follows prometheus_client's documented multiprocess mode:
 - the files are read with its `MultiProcessCollector` (the same code vLLM's own /metrics uses);
 - a process that has exited is passed to `multiprocess.mark_process_dead(pid, path)`, which removes its
   `live*` gauge files (its counters and histograms stay: they are totals since the start of the pod);
-- the directory is emptied before the engine starts (ARCHITECTURE §3.7 step 3): stale files of a previous
+- the directory is emptied before the engine starts (docs/architecture.md §3.7 step 3): stale files of a previous
   container run would otherwise be added to the new counters.
 """
 

@@ -9,7 +9,7 @@
 The files are committed; a test checks that they equal this module's output, `promtool check rules` and
 `promtool test rules` check the rules, and the engine test runs every expression on a real Prometheus.
 
-Selection is by the Kubernetes recommended labels (ARCHITECTURE §3.10). Prometheus' Kubernetes discovery turns the
+Selection is by the Kubernetes recommended labels (docs/architecture.md §3.10). Prometheus' Kubernetes discovery turns the
 pod label `app.kubernetes.io/name` into `__meta_kubernetes_pod_label_app_kubernetes_io_name`, and the scrape
 config's `labelmap` keeps it as the target label `app_kubernetes_io_name` (and likewise for version, component,
 part-of): those are the names used here.
@@ -244,7 +244,7 @@ def scrape_config(rules_path: str = "llm-serving-alerts.yml", discovery: dict | 
                 {"source_labels": ["__meta_kubernetes_pod_label_app_kubernetes_io_part_of",
                                    "__meta_kubernetes_pod_label_app_kubernetes_io_component"],
                  "regex": "llm-serving;model-server", "action": "keep"},
-                # only their merged metrics port (ARCHITECTURE §3.2)
+                # only their merged metrics port (docs/architecture.md §3.2)
                 {"source_labels": ["__meta_kubernetes_pod_container_port_number"], "regex": "8002",
                  "action": "keep"},
                 # app.kubernetes.io/name -> app_kubernetes_io_name, and version, component, part-of

@@ -1,4 +1,4 @@
-"""The metrics proxy on port 8002 (ARCHITECTURE §3.8): Triton's metrics and every vLLM metric on one /metrics.
+"""The metrics proxy on port 8002 (docs/architecture.md §3.8): Triton's metrics and every vLLM metric on one /metrics.
 
 Each scrape:
 1. fetches the upstream (Triton's metrics port in production, the local front-ends' request metrics locally) with

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP front-end (port 9000, ARCHITECTURE §3.2) over the engine interface.
+"""The OpenAI-compatible HTTP front-end (port 9000, docs/architecture.md §3.2) over the engine interface.
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming), /v1/embeddings, the /v1/score
 extension, /health/ready and /health/live. Every request body is parsed by a strict model (fields.py classifies

@@ -1,4 +1,4 @@
-"""The field table: every request field of the OpenAI API, classified (ARCHITECTURE §3.2, issue #4).
+"""The field table: every request field of the OpenAI API, classified (docs/architecture.md §3.2, issue #4).
 
 Each field of `/v1/chat/completions` and `/v1/completions` is one of
 - honoured: it changes what the server does, and a test shows its effect;
@@ -68,7 +68,7 @@ CHAT: dict[str, Field] = {
     "moderation": Field("refused", "no moderation is run by this server"),
     "prompt_cache_options": Field("refused", "prompt caching is automatic and has no options here"),
     "prompt_cache_retention": Field("refused", "prompt caching is automatic; its retention cannot be chosen"),
-    "constraint": Field("extension", "step-wise token constraint (ARCHITECTURE §3.5), `extra_body` in the client"),
+    "constraint": Field("extension", "step-wise token constraint (docs/architecture.md §3.5), `extra_body` in the client"),
     "structured_outputs": Field("extension", "exactly one of `regex`, `choice`, `grammar`, `json` (vLLM's "
                                              "structured outputs); not combinable with response_format/constraint"),
     "top_k": Field("extension", "vLLM's: sample from the k most likely tokens; 0 or -1 disables"),

@@ -1,4 +1,4 @@
-"""The image's version pins (`serving_image/compat.toml`, ARCHITECTURE §3.9), typed, and the startup version check.
+"""The image's version pins (`serving_image/compat.toml`, docs/architecture.md §3.9), typed, and the startup version check.
 
 The policy pack reads the same file through `policies.compat` (three keys only); this module reads all of it for the
 image build, the repository generator and the startup procedure.

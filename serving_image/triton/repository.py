@@ -1,4 +1,4 @@
-"""Triton model repositories generated from a model package (ARCHITECTURE §3.4, §3.9).
+"""Triton model repositories generated from a model package (docs/architecture.md §3.4, §3.9).
 
     <repository>/<model id>/config.pbtxt
     <repository>/<model id>/1/model.json      vllm backend: the engine arguments

@@ -1,4 +1,4 @@
-"""Which engine the startup procedure runs (ARCHITECTURE §3.7 step 4), and the vLLM pin check that comes first.
+"""Which engine the startup procedure runs (docs/architecture.md §3.7 step 4), and the vLLM pin check that comes first.
 
 - In the image (`LLM_SERVING_RUNTIME=triton`, set by serving_image/Dockerfile) the vLLM is the Triton release's;
   it must equal compat.toml's pin. The package's Triton model repository is generated, and Triton runs in this

@@ -2,7 +2,7 @@
 
 Startup step 4 generates the model repository and starts `tritonserver` as a child process on the public KServe
 ports (8000 HTTP, 8001 gRPC) and on the internal metrics port (8004, which the metrics proxy on 8002 already fetches
-as its upstream, ARCHITECTURE §3.8). The step is done when Triton reports the model ready over its own gRPC API;
+as its upstream, docs/architecture.md §3.8). The step is done when Triton reports the model ready over its own gRPC API;
 the returned engine is the Triton-remote adapter on that API, with the child process's liveness added, so the
 startup procedure's watch (exit when the engine dies) and shutdown work unchanged. Step 5 then opens only the
 metrics proxy: this project's KServe and OpenAI front-ends stay off.

@@ -1,4 +1,4 @@
-"""Rollout rules (ARCHITECTURE §4) on synthetic stacks with red-black and versioned models."""
+"""Rollout rules (docs/architecture.md §4) on synthetic stacks with red-black and versioned models."""
 
 from __future__ import annotations
 

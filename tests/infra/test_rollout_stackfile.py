@@ -116,7 +116,7 @@ def test_cli_refuses_bad_arguments_before_changing_anything(stacks, tmp_path, ca
 
 def test_llm_serving_rollout_status_through_the_main_cli(stacks, tmp_path):
     """The lead's `llm-serving` dispatches `rollout` to infra.rollout.cli (in .venv-infra, where this runs)."""
-    cmd = [sys.executable, "-c", "from llm_serving.cli import main; main()", "rollout", "status", "chat-large",
+    cmd = [sys.executable, "-c", "from llm_serving_cli.main import main; main()", "rollout", "status", "chat-large",
            "--stacks", "prod-us-east-1,prod-us-west-2", "--runner", "mock", "--config-dir", str(stacks),
            "--state-dir", str(tmp_path / "state"), "--json"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -133,7 +133,7 @@ def test_llm_serving_rollout_status_through_the_main_cli(stacks, tmp_path):
 
 def test_automation_runner_without_the_pulumi_cli_fails_before_editing(tmp_path, capsys):
     """The default runner is the Automation API, which drives the Pulumi CLI; on this machine there is none
-    (../shared/notes/pulumi-offline.md), and the command says so before touching any file."""
+    (docs/local-environment.md, "Pulumi offline"), and the command says so before touching any file."""
     project = tmp_path / "project"
     copy_stacks(project / "stacks")
     (project / "Pulumi.yaml").write_text((REPO / "Pulumi.yaml").read_text())

@@ -1,4 +1,4 @@
-"""Model packages (ARCHITECTURE §3.4): building, verifying, and refusing hostile packages.
+"""Model packages (docs/architecture.md §3.4): building, verifying, and refusing hostile packages.
 
 Every hostile package is built for real (tarfile, zipfile) with only the one defect under test; a refusal must name
 the offending entry and leave the target directory exactly as it was.

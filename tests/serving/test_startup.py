@@ -1,4 +1,4 @@
-"""The startup procedure (ARCHITECTURE §3.7) run for real: the entrypoint as a child process, on a published
+"""The startup procedure (docs/architecture.md §3.7) run for real: the entrypoint as a child process, on a published
 package of the demo model, with a plugin wheel, a stale metrics file, and the real vLLM engine.
 
 One engine for the whole module: the server starts once and every test talks to it with the official `openai`

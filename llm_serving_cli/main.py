@@ -150,11 +150,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run(config, on_ready=_print_ready)
 
 
+def _rollout(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: the rollout CLI needs the Pulumi SDKs, which only .venv-infra has.
+    from infra.rollout.cli import main as rollout_main
+
+    return rollout_main(args.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llm-serving", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("package", help="build a model package (ARCHITECTURE §3.4)")
+    p = sub.add_parser("package", help="build a model package (docs/architecture.md §3.4)")
     p.add_argument("model_dir", type=Path, nargs="?", help="Hugging Face model directory")
     p.add_argument("--id", required=True, help="model id (lowercase, digits, '-')")
     p.add_argument("--version", required=True)
@@ -192,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rollout", help="red-black/versioned rollouts as stack updates (.venv-infra; `rollout -h`)",
                        add_help=False, prefix_chars="\0")
     p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=lambda a: __import__("infra.rollout.cli", fromlist=["main"]).main(a.args))
+    p.set_defaults(func=_rollout)
     return parser
 
 

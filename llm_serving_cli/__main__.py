@@ -1,0 +1,3 @@
+from llm_serving_cli.main import main
+
+main()
