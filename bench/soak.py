@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
+from bench.report import demo_model, main, percentile, pyplot, result, save_figure
 from serving_image.local_server import Server, publish_demo, start_server
 
 CONCURRENCY = 32
@@ -37,8 +38,7 @@ class SoakResult:
     rss: list[tuple[float, float]] = field(default_factory=list)  # (t, MiB)
 
     def percentile(self, q: float) -> float:
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+        return percentile(self.latencies, q)
 
     @property
     def rss_growth_mb(self) -> float:
@@ -115,44 +115,34 @@ def soak(model_dir: pathlib.Path, workdir: pathlib.Path, seconds: float) -> Soak
 
 
 def run(out_dir: pathlib.Path) -> dict:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from serving_image.demo_model import ensure_demo_model
-
     seconds = float(os.environ.get("LLM_SERVING_SOAK_S", DEFAULT_SECONDS))
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    model_dir = ensure_demo_model(repo / ".cache" / "llm-serving" / "models" / "demo-tiny")
     with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
-        result = soak(model_dir, pathlib.Path(tmp), seconds)
-    growth_ok = result.rss_growth_mb <= RSS_GROWTH_BOUND_MB
+        outcome = soak(demo_model(), pathlib.Path(tmp), seconds)
+    growth_ok = outcome.rss_growth_mb <= RSS_GROWTH_BOUND_MB
     lines = [
         f"{CONCURRENCY} concurrent clients for {seconds:.0f} s through `/v1/chat/completions` (half streaming, a fifth "
         "with `json_object`), on the real entrypoint.",
         "",
-        f"- requests: {result.requests}, failed: **{len(result.failures)}**",
-        f"- latency (s): p50 {result.percentile(0.5):.3f}, p90 {result.percentile(0.9):.3f}, "
-        f"p99 {result.percentile(0.99):.3f}, mean {statistics.fmean(result.latencies or [0]):.3f}",
-        f"- resident memory of the server's process tree: start {result.rss[0][1]:.0f} MiB, end "
-        f"{result.rss[-1][1]:.0f} MiB; growth after warm-up {result.rss_growth_mb:.0f} MiB "
+        f"- requests: {outcome.requests}, failed: **{len(outcome.failures)}**",
+        f"- latency (s): p50 {outcome.percentile(0.5):.3f}, p90 {outcome.percentile(0.9):.3f}, "
+        f"p99 {outcome.percentile(0.99):.3f}, mean {statistics.fmean(outcome.latencies or [0]):.3f}",
+        f"- resident memory of the server's process tree: start {outcome.rss[0][1]:.0f} MiB, end "
+        f"{outcome.rss[-1][1]:.0f} MiB; growth after warm-up {outcome.rss_growth_mb:.0f} MiB "
         f"(bound {RSS_GROWTH_BOUND_MB} MiB: **{'met' if growth_ok else 'exceeded'}**)",
     ]
-    if result.failures:
-        lines += ["", "First failures:", "", *[f"    {f}" for f in result.failures[:5]]]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-    ax1.plot([t for t, _ in result.rss], [mb for _, mb in result.rss])
+    if outcome.failures:
+        lines += ["", "First failures:", "", *[f"    {f}" for f in outcome.failures[:5]]]
+    fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(10, 3.5))
+    ax1.plot([t for t, _ in outcome.rss], [mb for _, mb in outcome.rss])
     ax1.set_xlabel("s")
     ax1.set_ylabel("RSS of the process tree (MiB)")
-    ax2.hist(result.latencies, bins=50)
+    ax2.hist(outcome.latencies, bins=50)
     ax2.set_xlabel("request latency (s)")
-    fig.tight_layout()
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plot = out_dir / "soak.png"
-    fig.savefig(plot, dpi=120)
-    plt.close(fig)
-    if result.failures or not growth_ok:
+    plot = save_figure(fig, out_dir, "soak.png")
+    if outcome.failures or not growth_ok:
         raise AssertionError("soak failed: " + "; ".join(lines[2:]))
-    return {"title": "Soak: concurrency 32", "markdown": "\n".join(lines), "plots": [plot]}
+    return result("Soak: concurrency 32", lines, [plot])
+
+
+if __name__ == "__main__":
+    main(run, __doc__.splitlines()[0])

@@ -9,6 +9,7 @@ import statistics
 import tempfile
 import time
 
+from bench.report import demo_model, main, pyplot, result, save_figure
 from bench.vllm_server import start_vllm_server, stop_vllm_server
 from serving_image.local_server import publish_demo, start_server
 
@@ -34,34 +35,25 @@ def measure(model_dir: pathlib.Path, workdir: pathlib.Path) -> dict:
 
 
 def run(out_dir: pathlib.Path) -> dict:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from serving_image.demo_model import ensure_demo_model
-
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    model_dir = ensure_demo_model(repo / ".cache" / "llm-serving" / "models" / "demo-tiny")
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
-        result = measure(model_dir, pathlib.Path(tmp))
-    ours, theirs = statistics.median(result["ours"]), statistics.median(result["vllm"])
-    step_names = list(result["steps"][0])
-    median_steps = {name: statistics.median(s[name] for s in result["steps"]) for name in step_names}
+        runs = measure(demo_model(), pathlib.Path(tmp))
+    ours, theirs = statistics.median(runs["ours"]), statistics.median(runs["vllm"])
+    step_names = list(runs["steps"][0])
+    median_steps = {name: statistics.median(s[name] for s in runs["steps"]) for name in step_names}
     lines = [
         f"Process start to ready (our `/health/ready` 200, vLLM's `/health` 200), median of {ROUNDS} alternating "
         "rounds on the demo model (same engine settings).",
         "",
         "| server | median s | runs (s) |",
         "| --- | ---: | --- |",
-        f"| llm-serving entrypoint | {ours:.1f} | {', '.join(f'{x:.1f}' for x in result['ours'])} |",
-        f"| vLLM's own server | {theirs:.1f} | {', '.join(f'{x:.1f}' for x in result['vllm'])} |",
+        f"| llm-serving entrypoint | {ours:.1f} | {', '.join(f'{x:.1f}' for x in runs['ours'])} |",
+        f"| vLLM's own server | {theirs:.1f} | {', '.join(f'{x:.1f}' for x in runs['vllm'])} |",
         "",
         f"Ratio (ours / vLLM's): **{ours / theirs:.2f}**.",
         "",
         "Our steps (median s): " + ", ".join(f"{name} {secs:.2f}" for name, secs in median_steps.items()) + ".",
     ]
-    fig, ax = plt.subplots(figsize=(7, 3))
+    fig, ax = pyplot().subplots(figsize=(7, 3))
     left = 0.0
     for name, secs in median_steps.items():
         ax.barh(["llm-serving"], [secs], left=left, label=name)
@@ -69,10 +61,9 @@ def run(out_dir: pathlib.Path) -> dict:
     ax.barh(["vLLM server"], [theirs], color="gray")
     ax.set_xlabel("seconds to ready")
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plot = out_dir / "startup.png"
-    fig.savefig(plot, dpi=120)
-    plt.close(fig)
-    return {"title": "Startup time vs vLLM's own server", "markdown": "\n".join(lines), "plots": [plot]}
+    plot = save_figure(fig, out_dir, "startup.png")
+    return result("Startup time vs vLLM's own server", lines, [plot])
+
+
+if __name__ == "__main__":
+    main(run, __doc__.splitlines()[0])

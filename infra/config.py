@@ -294,6 +294,29 @@ class ModelConfig(_Camel):
         return next(v for v in self.versions if v.version == name)
 
 
+def _version_key(version: str):
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return (0, Version(version), version)
+    except InvalidVersion:
+        return (1, None, version)
+
+
+def newest_version(model: ModelConfig) -> str:
+    """The newest version: by PEP 440 order when every version parses (v1 < v2 < v10), else the last listed
+    (versions are listed in the order they were published).
+
+    Here, beside the schema, because both the rollout tool (infra.rollout.orchestrate: never removes it) and the
+    policy pack (policies.rules.rollout: never scaled to zero) need the same answer, and policies import infra,
+    never the reverse (the import-linter contracts in pyproject.toml)."""
+    names = [v.version for v in model.versions]
+    keys = [_version_key(n) for n in names]
+    if all(k[0] == 0 for k in keys):
+        return max(names, key=lambda n: _version_key(n)[1])
+    return names[-1]
+
+
 class StackConfig(_Camel):
     environment: Literal["dev", "prod"]
     team: str = Field(default="ml-platform", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")  # cost allocation tag/label

@@ -1,5 +1,6 @@
 """Model storage: the S3 model bucket (KMS, versioning, no public access, TLS only, lifecycle, replication from the
-home region) and FSx for Lustre `PERSISTENT_2` linked to it by a data repository association (docs/architecture.md §3.4)."""
+home region) and FSx for Lustre `PERSISTENT_2` linked to it by a data repository association
+(docs/architecture.md §3.4)."""
 
 from __future__ import annotations
 

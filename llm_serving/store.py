@@ -19,9 +19,9 @@ import os
 import shutil
 import tempfile
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from llm_serving.package import PackageError, VerifiedPackage, open_package, sha256_file, write_tarball
 
@@ -43,12 +43,6 @@ class PublishedPackage:
     already_published: bool = False
 
 
-class ModelStore(Protocol):
-    def publish(self, package: Path) -> PublishedPackage: ...
-
-    def published_sha256(self, model_id: str, version: str) -> str | None: ...
-
-
 def _as_tarball(package: Path, scratch: Path) -> Path:
     if package.is_dir():
         out = scratch / "package.tar.gz"
@@ -57,11 +51,53 @@ def _as_tarball(package: Path, scratch: Path) -> Path:
     return package
 
 
-def _verify(tarball: Path, scratch: Path) -> VerifiedPackage:
-    return open_package(tarball, scratch / "verify")
+class ModelStore(ABC):
+    """The publish procedure, the same for every store: verify the package, refuse a version already published with
+    other bytes, materialise it on the model cache, then write the package (unless it was already there). A store
+    supplies only the storage: where the package lives, how it is read back, written and unpacked."""
+
+    def publish(self, package: Path) -> PublishedPackage:
+        with self._scratch() as tmp:
+            scratch = Path(tmp)
+            tarball = _as_tarball(Path(package), scratch)
+            verified = open_package(tarball, scratch / "verify")
+            ident = verified.manifest.model
+            digest = sha256_file(tarball)
+            package_uri = self._package_uri(ident.id, ident.version)
+            existing = self.published_sha256(ident.id, ident.version)
+            if existing is not None and existing != digest:
+                raise PublishError(
+                    f"{ident.id} {ident.version} is already published with different content at {package_uri} "
+                    f"(sha256 {existing[:12]}..., this package {digest[:12]}...); versions are immutable, "
+                    "publish a new version"
+                )
+            cache_uri = self._materialise(verified, ident.id, ident.version)
+            if existing is None:
+                self._put_package(tarball, ident.id, ident.version, digest)
+            return PublishedPackage(ident.id, ident.version, package_uri, cache_uri, digest, existing is not None)
+
+    @abstractmethod
+    def published_sha256(self, model_id: str, version: str) -> str | None:
+        """The SHA-256 of the published package, or None if the version is not published."""
+
+    @abstractmethod
+    def _scratch(self) -> tempfile.TemporaryDirectory:
+        """A scratch directory for the package's verification."""
+
+    @abstractmethod
+    def _package_uri(self, model_id: str, version: str) -> str:
+        """Where the package of this version lives (or will)."""
+
+    @abstractmethod
+    def _materialise(self, verified: VerifiedPackage, model_id: str, version: str) -> str:
+        """Put the unpacked package on the model cache, replacing any earlier attempt; return its URI."""
+
+    @abstractmethod
+    def _put_package(self, tarball: Path, model_id: str, version: str, sha256: str) -> None:
+        """Write the package under its final name all at once, checked against `sha256`: never half-written."""
 
 
-class LocalStore:
+class LocalStore(ModelStore):
     """A directory store with a local model cache, for `make up` and development."""
 
     def __init__(self, root: Path, model_cache: Path):
@@ -78,36 +114,27 @@ class LocalStore:
         path = self._package_path(model_id, version)
         return sha256_file(path) if path.exists() else None
 
-    def publish(self, package: Path) -> PublishedPackage:
+    def _scratch(self) -> tempfile.TemporaryDirectory:
         self.root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=self.root, prefix=".publish-") as tmp:
-            scratch = Path(tmp)
-            tarball = _as_tarball(Path(package), scratch)
-            verified = _verify(tarball, scratch)
-            ident = verified.manifest.model
-            digest = sha256_file(tarball)
-            final = self._package_path(ident.id, ident.version)
-            existing = self.published_sha256(ident.id, ident.version)
-            if existing is not None and existing != digest:
-                raise PublishError(
-                    f"{ident.id} {ident.version} is already published with different content "
-                    f"(sha256 {existing[:12]}...); versions are immutable, publish a new version"
-                )
-            cache = self.cache_path(ident.id, ident.version)
-            self._materialise(verified, cache)
-            if existing is None:
-                final.parent.mkdir(parents=True, exist_ok=True)
-                partial = final.with_name(f".{final.name}.{uuid.uuid4().hex}.partial")
-                shutil.copyfile(tarball, partial)
-                with open(partial, "rb") as handle:
-                    os.fsync(handle.fileno())
-                if sha256_file(partial) != digest:
-                    partial.unlink()
-                    raise PublishError(f"{final}: checksum changed while copying; nothing published")
-                partial.replace(final)  # atomic on one file system: readers see all of it or none
-            return PublishedPackage(ident.id, ident.version, str(final), str(cache), digest, existing is not None)
+        return tempfile.TemporaryDirectory(dir=self.root, prefix=".publish-")
 
-    def _materialise(self, verified: VerifiedPackage, cache: Path) -> None:
+    def _package_uri(self, model_id: str, version: str) -> str:
+        return str(self._package_path(model_id, version))
+
+    def _put_package(self, tarball: Path, model_id: str, version: str, sha256: str) -> None:
+        final = self._package_path(model_id, version)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        partial = final.with_name(f".{final.name}.{uuid.uuid4().hex}.partial")
+        shutil.copyfile(tarball, partial)
+        with open(partial, "rb") as handle:
+            os.fsync(handle.fileno())
+        if sha256_file(partial) != sha256:
+            partial.unlink()
+            raise PublishError(f"{final}: checksum changed while copying; nothing published")
+        partial.replace(final)  # atomic on one file system: readers see all of it or none
+
+    def _materialise(self, verified: VerifiedPackage, model_id: str, version: str) -> str:
+        cache = self.cache_path(model_id, version)
         cache.parent.mkdir(parents=True, exist_ok=True)
         staging = cache.parent / f".{cache.name}.{uuid.uuid4().hex}"
         try:
@@ -119,6 +146,7 @@ class LocalStore:
         if cache.exists():
             shutil.rmtree(cache)
         staging.rename(cache)
+        return str(cache)
 
 
 def _b64_sha256(path: Path) -> str:
@@ -129,7 +157,7 @@ def _b64_sha256(path: Path) -> str:
     return base64.b64encode(digest.digest()).decode()
 
 
-class S3Store:
+class S3Store(ModelStore):
     """`s3://bucket/prefix`: packages under `<prefix>/packages/`, the model cache under `<prefix>/model-cache/`."""
 
     def __init__(self, uri: str, client=None):
@@ -163,38 +191,30 @@ class S3Store:
             raise
         return head.get("Metadata", {}).get("sha256")
 
-    def publish(self, package: Path) -> PublishedPackage:
-        with tempfile.TemporaryDirectory(prefix="llm-serving-publish-") as tmp:
-            scratch = Path(tmp)
-            tarball = _as_tarball(Path(package), scratch)
-            verified = _verify(tarball, scratch)
-            ident = verified.manifest.model
-            digest = sha256_file(tarball)
-            existing = self.published_sha256(ident.id, ident.version)
-            if existing is not None and existing != digest:
-                raise PublishError(
-                    f"s3://{self.bucket}/{self._package_key(ident.id, ident.version)} is already published with "
-                    f"different content (sha256 {existing[:12]}...); versions are immutable, publish a new version"
-                )
-            cache_prefix = self._key(MODEL_CACHE_PREFIX, ident.id, ident.version)
-            for path in sorted(p for p in verified.root.rglob("*") if p.is_file()):
-                rel = path.relative_to(verified.root).as_posix()
-                self._put_checked(path, f"{cache_prefix}/{rel}")
-            final = self._package_key(ident.id, ident.version)
-            if existing is None:
-                temporary = self._key(PACKAGES_PREFIX, ident.id, f".tmp-{ident.version}-{uuid.uuid4().hex}")
-                self._put_checked(tarball, temporary, metadata={"sha256": digest})
-                try:
-                    self.s3.copy_object(
-                        Bucket=self.bucket, Key=final, CopySource={"Bucket": self.bucket, "Key": temporary},
-                        MetadataDirective="COPY", ChecksumAlgorithm="SHA256",
-                    )
-                finally:
-                    self.s3.delete_object(Bucket=self.bucket, Key=temporary)
-            return PublishedPackage(
-                ident.id, ident.version, f"s3://{self.bucket}/{final}", f"s3://{self.bucket}/{cache_prefix}/",
-                digest, existing is not None,
+    def _scratch(self) -> tempfile.TemporaryDirectory:
+        return tempfile.TemporaryDirectory(prefix="llm-serving-publish-")
+
+    def _package_uri(self, model_id: str, version: str) -> str:
+        return f"s3://{self.bucket}/{self._package_key(model_id, version)}"
+
+    def _materialise(self, verified: VerifiedPackage, model_id: str, version: str) -> str:
+        cache_prefix = self._key(MODEL_CACHE_PREFIX, model_id, version)
+        for path in sorted(p for p in verified.root.rglob("*") if p.is_file()):
+            rel = path.relative_to(verified.root).as_posix()
+            self._put_checked(path, f"{cache_prefix}/{rel}")
+        return f"s3://{self.bucket}/{cache_prefix}/"
+
+    def _put_package(self, tarball: Path, model_id: str, version: str, sha256: str) -> None:
+        temporary = self._key(PACKAGES_PREFIX, model_id, f".tmp-{version}-{uuid.uuid4().hex}")
+        self._put_checked(tarball, temporary, metadata={"sha256": sha256})
+        try:
+            self.s3.copy_object(
+                Bucket=self.bucket, Key=self._package_key(model_id, version),
+                CopySource={"Bucket": self.bucket, "Key": temporary}, MetadataDirective="COPY",
+                ChecksumAlgorithm="SHA256",
             )
+        finally:
+            self.s3.delete_object(Bucket=self.bucket, Key=temporary)
 
     def _put_checked(self, path: Path, key: str, metadata: dict | None = None) -> None:
         """Upload with S3's own SHA-256 check: S3 refuses the object if the bytes differ from the checksum."""
@@ -216,4 +236,4 @@ def open_store(uri: str | None, model_cache: Path, default_root: Path) -> ModelS
     return LocalStore(Path(uri) if uri else default_root, model_cache)
 
 
-__all__ = ["LocalStore", "S3Store", "PublishError", "PublishedPackage", "open_store", "PackageError"]
+__all__ = ["LocalStore", "ModelStore", "S3Store", "PublishError", "PublishedPackage", "open_store", "PackageError"]

@@ -22,16 +22,28 @@ class TensorSpec:
     optional: bool = False
 
 
+# NVIDIA's vLLM backend's auto_complete_config (triton-inference-server/vllm_backend src/model.py, the release
+# compat.toml pins), in its order: what Triton reports for the model in production, and what the generated
+# config.pbtxt writes out, so the local server (the stand-in backend) reports the same configuration.
 VLLM_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("text_input", "BYTES", (1,)),
+    TensorSpec("image", "BYTES", (-1,), optional=True),
     TensorSpec("stream", "BOOL", (1,), optional=True),
     TensorSpec("sampling_parameters", "BYTES", (1,), optional=True),
     TensorSpec("exclude_input_in_output", "BOOL", (1,), optional=True),
+    TensorSpec("return_finish_reason", "BOOL", (1,), optional=True),
+    TensorSpec("return_cumulative_logprob", "BOOL", (1,), optional=True),
+    TensorSpec("return_logprobs", "BOOL", (1,), optional=True),
+    TensorSpec("return_num_input_tokens", "BOOL", (1,), optional=True),
+    TensorSpec("return_num_output_tokens", "BOOL", (1,), optional=True),
+    TensorSpec("embedding_request", "BYTES", (1,), optional=True),
 )
 VLLM_OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("text_output", "BYTES", (-1,)),
     TensorSpec("finish_reason", "BYTES", (-1,)),
-    TensorSpec("num_input_tokens", "UINT32", (-1,)),
+    TensorSpec("cumulative_logprob", "FP32", (-1,)),
+    TensorSpec("logprobs", "BYTES", (-1,)),
+    TensorSpec("num_input_tokens", "UINT32", (1,)),
     TensorSpec("num_output_tokens", "UINT32", (-1,)),
 )
 
@@ -54,6 +66,13 @@ def io_fingerprint(inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ..
 
 
 VLLM_IO_FINGERPRINT = io_fingerprint(VLLM_INPUTS, VLLM_OUTPUTS)
+# Fingerprints earlier versions of this contract had. Packages built then still carry them; a stack that names a
+# new version of an LLM with one of these is restating an old contract by hand (tests/infra/test_io_fingerprints.py).
+RETIRED_VLLM_IO_FINGERPRINTS = {
+    # num_input_tokens dims [-1], none of the backend's optional inputs (image, return_*, embedding_request) nor its
+    # cumulative_logprob/logprobs outputs
+    "sha256:86d771a93cc9df8c392b98482497666c18236b57f5a267c8a4954e7ba144b651",
+}
 
 
 class PbtxtError(ValueError):

@@ -154,7 +154,11 @@ def _rollout(args: argparse.Namespace) -> int:
     # Imported here, not at the top: the rollout CLI needs the Pulumi SDKs, which only .venv-infra has.
     from infra.rollout.cli import main as rollout_main
 
-    return rollout_main(args.args)
+    # The policy pack gates each mock-runner update. Built here, above both planes, and handed down: infra never
+    # imports policies (infra.rollout.runner.PolicyGate). policies.gate imports pulumi_policy only when called.
+    from policies.gate import blocking_violations
+
+    return rollout_main(args.args, policy_gate=blocking_violations)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,14 +2,15 @@
 
 Policies read the same typed models as the program, so a rule and the program can never disagree about a default
 (the startup budget's `loadTimeSeconds`, for example). A model entry that does not parse is reported by the rule
-that needed it, with the schema's message.
+that needed it, with the schema's message. `newest_version` is infra.config's, re-exported: the rollout tool needs the
+same answer, and infra never imports policies.
 """
 
 from __future__ import annotations
 
 from pydantic import ValidationError
 
-from infra.config import ModelConfig
+from infra.config import ModelConfig, newest_version
 
 from .context import PolicyContextError, StackContext
 
@@ -30,21 +31,3 @@ def model_configs(ctx: StackContext) -> dict[str, ModelConfig]:
         out[model.id] = model
     return out
 
-
-def _version_key(version: str):
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return (0, Version(version), version)
-    except InvalidVersion:
-        return (1, None, version)
-
-
-def newest_version(model: ModelConfig) -> str:
-    """The newest version: by PEP 440 order when every version parses (v1 < v2 < v10), else the last listed
-    (versions are listed in the order they were published)."""
-    names = [v.version for v in model.versions]
-    keys = [_version_key(n) for n in names]
-    if all(k[0] == 0 for k in keys):
-        return max(names, key=lambda n: _version_key(n)[1])
-    return names[-1]

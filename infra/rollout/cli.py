@@ -4,6 +4,10 @@ Edits `stacks/Pulumi.<stack>.yaml` in place and runs one update per stack throug
 `--runner automation` (default; Pulumi's Automation API, needs the Pulumi CLI and cloud credentials) or
 `--runner mock` (the real program under Pulumi's mock runtime plus the engine simulation of infra.rollout.engine,
 with its state under --state-dir; what the tests use). Runs in `.venv-infra`.
+
+The mock runner's policy check is injected: `main(argv, policy_gate=...)` takes an `infra.rollout.runner.PolicyGate`
+(why: see its docstring; infra never imports policies). `llm-serving rollout` (llm_serving_cli.main) passes the
+policy pack's (`policies.gate.blocking_violations`); the tests pass it explicitly.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from infra.rollout.planner import DEFAULT_STEPS, PlanError, check_steps
 
 try:  # ruamel.yaml and the Pulumi SDKs are in .venv-infra only; `llm-serving` is installed in both venvs
     from infra.rollout.orchestrate import Options, Report, Rollout, RolloutError, prometheus_gate
-    from infra.rollout.runner import RunnerUnavailable
+    from infra.rollout.runner import PolicyGate, RunnerUnavailable
     from infra.rollout.stackfile import StackFile, StackFileError, version_entry
 except ModuleNotFoundError as _err:
     _MISSING: ModuleNotFoundError | None = _err
@@ -85,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _runner(args: argparse.Namespace):
+def _runner(args: argparse.Namespace, policy_gate: PolicyGate | None):
     from infra.mockrun import Project
 
     if args.runner == "automation":
@@ -97,11 +101,15 @@ def _runner(args: argparse.Namespace):
                                                                                      highlight=False, end=""))
     from infra.rollout.runner import MockRunner
 
+    if policy_gate is None:
+        console.print("[yellow]warning:[/] no policy gate: the mock runner's updates are not checked against the "
+                      "policy pack (`llm-serving rollout` checks them)")
     faults: dict[str, set] = {}
     for stack, version in args.mock_never_ready:
         faults.setdefault(stack, set()).add((args.model, version))
     return MockRunner(args.config_dir or Project.load(args.project).stacks_dir, args.state_dir,
-                      {s: Faults(frozenset(v)) for s, v in faults.items()}, project_dir=args.project)
+                      {s: Faults(frozenset(v)) for s, v in faults.items()}, project_dir=args.project,
+                      policy_gate=policy_gate)
 
 
 def _version(args: argparse.Namespace, runner, stacks: list[str]) -> dict[str, str]:
@@ -136,7 +144,9 @@ def _print_report(report: Report) -> None:
                   "were not touched, the ones before it keep their new step (`abort` rolls them back)[/]")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, policy_gate: PolicyGate | None = None) -> int:
+    """The command; `policy_gate` checks each `--runner mock` update before any resource changes (None: no
+    check). Injected by the caller above both planes, never imported here: see `PolicyGate`."""
     args = build_parser().parse_args(argv)
     if _MISSING is not None:
         console.print(f"[red]error:[/] `llm-serving rollout` runs in .venv-infra (`make infra-env`; "
@@ -144,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     stacks = [s for s in args.stacks.split(",") if s]
     try:
-        runner = _runner(args)
+        runner = _runner(args, policy_gate)
         clients = {}
         for stack in stacks:
             address = StackFile.load(runner.config_path(stack)).typed().serving.prometheus_address
@@ -189,4 +199,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main())  # no policy gate here (the mock runner warns): `llm-serving rollout` adds it

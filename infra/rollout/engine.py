@@ -1,8 +1,8 @@
 """What `pulumi up` and Kubernetes do with a stack's resource graph, simulated for the mock runner and the tests.
 
-There is no Pulumi engine, provider or cluster here (docs/local-environment.md, "Pulumi offline"), so this module plays their
-part on the graph the program really registers (infra.mockrun records every resource with its inputs and its
-dependencies):
+There is no Pulumi engine, provider or cluster here (docs/local-environment.md, "Pulumi offline"), so this module
+plays their part on the graph the program really registers (infra.mockrun records every resource with its inputs
+and its dependencies):
 
 - a step per resource that is new or whose inputs changed; a step starts only when the steps of everything it
   depends on have finished (Pulumi's rule); among the steps that may start, scale-ups go first and scale-downs last,

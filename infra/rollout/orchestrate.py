@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from infra.config import ModelConfig
+from infra.config import ModelConfig, newest_version
 from infra.rollout.gate import GateResult, GateThresholds, PrometheusClient, analyze, request_count
 from infra.rollout.planner import DEFAULT_STEPS, PlanError, next_weight, plan_red_black, rollback_peak
 from infra.rollout.runner import StackRunner, UpResult
@@ -253,8 +253,6 @@ class Rollout:
         return self._run("advance", step)
 
     def _remove_idle(self, stack: str, entry: StackReport, sf: StackFile, model: ModelConfig) -> None:
-        from policies.models import newest_version
-
         newest = newest_version(model)
         client = self.prometheus.get(stack)
         if client is None:

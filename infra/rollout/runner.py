@@ -6,7 +6,8 @@
   (docs/local-environment.md, "Pulumi offline"). Nothing in the tests calls it.
 - `MockRunner`: runs the real program (`infra/__main__.py`) under Pulumi's mock runtime on the edited config file
   (infra.mockrun), then plays the update of the recorded resource graph through `infra.rollout.engine` against the
-  stack's recorded live state (a JSON file per stack). This is what the tests and `--runner mock` use.
+  stack's recorded live state (a JSON file per stack). This is what the tests and `--runner mock` use. Before each
+  update it asks its `PolicyGate` (when given one), as `pulumi up --policy-pack` would.
 - `GraphRunner`: the same engine on `infra.rollout.graph.model_graph` of the config file's models, without running
   the program: fast enough for property tests over thousands of updates.
 """
@@ -14,14 +15,17 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from infra.rollout import engine
 from infra.rollout.engine import Faults, Live, Node
 from infra.rollout.stackfile import StackFile
+
+if TYPE_CHECKING:
+    from infra.mockrun import StackRun
 
 
 @dataclass
@@ -173,31 +177,44 @@ class PolicyBlocked(RuntimeError):
     """A mandatory policy of the pack rejected the update's resources (before any resource changed)."""
 
 
+class PolicyGate(Protocol):
+    """Checks one update's resources before any of them changes, as `pulumi up --policy-pack policies` would.
+
+    Takes the stack's mock run (its resources, stack name, project and config) and returns the blocking violations,
+    one message each (`[policy] resource: message`); an empty sequence lets the update go.
+
+    Why injected rather than imported: `policies/` is the checker and infra is what it checks, so policies import
+    infra and infra never imports policies (the import-linter contracts in pyproject.toml, run by `make test`).
+    The caller that sees both planes builds the gate and hands it down: `llm-serving rollout` (llm_serving_cli)
+    passes `policies.gate.blocking_violations` to `infra.rollout.cli.main`, and the tests pass it explicitly.
+    """
+
+    def __call__(self, run: StackRun) -> Sequence[str]: ...
+
+
 class MockRunner(_SimulatedRunner):
     """The real program under Pulumi's mock runtime on the (edited) config file, then the engine simulation.
 
-    With `policies` (the default) every update is first checked by the policy pack's rules offline
-    (policies.offline), as `pulumi up --policy-pack policies` would: a mandatory violation blocks the update before
-    any resource changes."""
+    With a `policy_gate` every update is first checked by it (`llm-serving rollout` gives the policy pack's rules,
+    run offline), as `pulumi up --policy-pack policies` would: a blocking violation stops the update before any
+    resource changes. Without one (None) the updates are not policy-checked; see `PolicyGate` for why the gate is
+    injected."""
 
     def __init__(self, config_dir: Path, state_dir: Path, faults: dict[str, Faults] | None = None,
                  observe: Callable[[str, Live, str], None] | None = None, project_dir: Path | None = None,
-                 policies: bool = True):
+                 policy_gate: PolicyGate | None = None):
         super().__init__(config_dir, state_dir, faults, observe)
         self.project_dir = project_dir
-        self.policies = policies
+        self.policy_gate = policy_gate
 
     def desired(self, stack: str) -> tuple[list[Node], dict]:
         from infra.mockrun import run_stack
 
         run = run_stack(stack, config_file=self.config_path(stack), project=self.project_dir)
-        if self.policies:
-            from policies.offline import ADVISORY, NOT_APPLICABLE, evaluate
-
-            blocking = [f for f in evaluate(run.resources, stack, run.project, run.config)
-                        if f.enforcement not in (ADVISORY, NOT_APPLICABLE)]
+        if self.policy_gate is not None:
+            blocking = list(self.policy_gate(run))
             if blocking:
-                raise PolicyBlocked("; ".join(f"[{f.policy}] {f.resource}: {f.message}" for f in blocking))
+                raise PolicyBlocked("; ".join(blocking))
         return nodes_of_run(run), run.outputs
 
 

@@ -349,29 +349,40 @@ void fill_row(const RowState& state, uint32_t* row, int32_t words, std::vector<i
 #define CONS_MULTIVERSION
 #endif
 
+#if defined(__GNUC__)
+#define CONS_ALWAYS_INLINE __attribute__((always_inline)) inline
+#else
+#define CONS_ALWAYS_INLINE inline
+#endif
+
 namespace {
 #if defined(__SSE2__)
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 #endif
-}  // namespace
 
-CONS_MULTIVERSION void apply_row_f32(float* logits, const uint32_t* mask, int32_t n, bool stream) {
-  const float ninf = -std::numeric_limits<float>::infinity();
+// The kernel for any element type T, `ninf` being T's -inf. Always inlined, so that each multiversioned entry point
+// below compiles it for its own target (a shared out-of-line copy would be baseline code only).
+template <typename T>
+CONS_ALWAYS_INLINE void apply_row(T* logits, const uint32_t* mask, int32_t n, bool stream, const T ninf) {
+  static_assert((32 * sizeof(T)) % 16 == 0, "a mask word's 32 elements must be whole 16-byte stores");
   const int32_t full = n / 32;
 #if defined(__SSE2__)
   stream = stream && aligned16(logits);
-  const __m128 vninf = _mm_set1_ps(ninf);
+  constexpr int kLanes = 16 / sizeof(T);
+  alignas(16) T lanes[kLanes];
+  for (int k = 0; k < kLanes; ++k) lanes[k] = ninf;
+  const __m128i vninf = _mm_load_si128(reinterpret_cast<const __m128i*>(lanes));
 #else
   stream = false;
 #endif
   for (int32_t w = 0; w < full; ++w) {
     const uint32_t bits = mask[w];
-    float* l = logits + static_cast<int64_t>(w) * 32;
+    T* l = logits + static_cast<int64_t>(w) * 32;
     if (bits == 0xFFFFFFFFu) continue;
     if (bits == 0) {
 #if defined(__SSE2__)
       if (stream) {
-        for (int k = 0; k < 32; k += 4) _mm_stream_ps(l + k, vninf);
+        for (int k = 0; k < 32; k += kLanes) _mm_stream_si128(reinterpret_cast<__m128i*>(l + k), vninf);
         continue;
       }
 #endif
@@ -383,48 +394,21 @@ CONS_MULTIVERSION void apply_row_f32(float* logits, const uint32_t* mask, int32_
   const int32_t rest = n - full * 32;
   if (rest > 0) {
     const uint32_t bits = mask[full];
-    float* l = logits + static_cast<int64_t>(full) * 32;
+    T* l = logits + static_cast<int64_t>(full) * 32;
     for (int k = 0; k < rest; ++k) l[k] = ((bits >> k) & 1u) ? l[k] : ninf;
   }
 #if defined(__SSE2__)
   if (stream) _mm_sfence();  // order the streaming stores before the caller reads the logits
 #endif
 }
+}  // namespace
+
+CONS_MULTIVERSION void apply_row_f32(float* logits, const uint32_t* mask, int32_t n, bool stream) {
+  apply_row<float>(logits, mask, n, stream, -std::numeric_limits<float>::infinity());
+}
 
 CONS_MULTIVERSION void apply_row_bf16(uint16_t* logits, const uint32_t* mask, int32_t n, bool stream) {
-  const uint16_t ninf = 0xFF80;  // bfloat16 -inf
-  const int32_t full = n / 32;
-#if defined(__SSE2__)
-  stream = stream && aligned16(logits);
-  const __m128i vninf = _mm_set1_epi16(static_cast<short>(ninf));
-#else
-  stream = false;
-#endif
-  for (int32_t w = 0; w < full; ++w) {
-    const uint32_t bits = mask[w];
-    uint16_t* l = logits + static_cast<int64_t>(w) * 32;
-    if (bits == 0xFFFFFFFFu) continue;
-    if (bits == 0) {
-#if defined(__SSE2__)
-      if (stream) {
-        for (int k = 0; k < 32; k += 8) _mm_stream_si128(reinterpret_cast<__m128i*>(l + k), vninf);
-        continue;
-      }
-#endif
-      for (int k = 0; k < 32; ++k) l[k] = ninf;
-      continue;
-    }
-    for (int k = 0; k < 32; ++k) l[k] = ((bits >> k) & 1u) ? l[k] : ninf;
-  }
-  const int32_t rest = n - full * 32;
-  if (rest > 0) {
-    const uint32_t bits = mask[full];
-    uint16_t* l = logits + static_cast<int64_t>(full) * 32;
-    for (int k = 0; k < rest; ++k) l[k] = ((bits >> k) & 1u) ? l[k] : ninf;
-  }
-#if defined(__SSE2__)
-  if (stream) _mm_sfence();
-#endif
+  apply_row<uint16_t>(logits, mask, n, stream, 0xFF80);  // bfloat16 -inf
 }
 
 }  // namespace cons

@@ -28,6 +28,7 @@ from serving_image.engine.base import (
     HFTokenizerMixin,
     ModelInfo,
     SamplingSpec,
+    StructuredOutput,
     TokenLogprob,
     TopLogprob,
     context_window_error,
@@ -36,7 +37,8 @@ from serving_image.engine.base import (
 
 log = logging.getLogger(__name__)
 
-# Without an explicit size the CPU backend demands 92% of the NUMA node's memory (docs/local-environment.md, "vLLM on CPU").
+# Without an explicit size the CPU backend demands 92% of the NUMA node's memory
+# (docs/local-environment.md, "vLLM on CPU").
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 
 
@@ -210,9 +212,6 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
         return None
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        from vllm.exceptions import VLLMClientError
-        from vllm.v1.engine.exceptions import EngineDeadError
-
         if not self.is_ready():
             raise EngineUnavailableError(self.dead_reason or "engine not ready")
         prompt_ids = (list(request.prompt) if isinstance(request.prompt, list)
@@ -223,7 +222,29 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
             raise error
         try:
             params = to_sampling_params(spec, default_max_tokens=room, control_ids=self._control_ids)
-            stream = self._llm.generate({"prompt_token_ids": prompt_ids}, params, request.request_id)
+        except ValueError as exc:
+            raise EngineInputError(str(exc), getattr(exc, "parameter", None)) from exc
+        async for output in self.generate_params(request.request_id, prompt_ids, params):
+            yield output
+
+    def json_control_bias(self, structured_kind: str | None, logit_bias: dict[int, float] | None):
+        """The logit bias a request with this structured-output kind runs with (see json_control_token_bias)."""
+        spec = SamplingSpec(logit_bias=logit_bias,
+                            structured=StructuredOutput(structured_kind) if structured_kind else None)  # type: ignore[arg-type]
+        return json_control_token_bias(spec, self._control_ids)
+
+    async def generate_params(self, request_id: str, prompt_ids: list[int], params) -> AsyncIterator[EngineOutput]:
+        """Generate with vLLM SamplingParams built by the caller (output_kind DELTA): the Triton stand-in backend's
+        engine process builds them from `sampling_parameters` as NVIDIA's backend does. Same deltas and errors as
+        generate()."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if not self.is_ready():
+            raise EngineUnavailableError(self.dead_reason or "engine not ready")
+        k = params.logprobs
+        try:
+            stream = self._llm.generate({"prompt_token_ids": prompt_ids}, params, request_id)
             finished: set[int] = set()
             async for output in stream:
                 choices = []
@@ -234,19 +255,18 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
                         index=completion.index,
                         text=completion.text,
                         token_ids=tuple(completion.token_ids),
-                        logprobs=(_logprobs(completion.token_ids, completion.logprobs, self._tokenizer,
-                                            spec.logprobs) if spec.logprobs is not None and completion.logprobs
-                                  else (() if spec.logprobs is not None else None)),
+                        logprobs=(_logprobs(completion.token_ids, completion.logprobs, self._tokenizer, k)
+                                  if k is not None and completion.logprobs else (() if k is not None else None)),
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
                     )
-                    raise_if_cut_short(request.request_id, delta)
+                    raise_if_cut_short(request_id, delta)
                     choices.append(delta)
                 yield EngineOutput(
-                    request_id=request.request_id,
+                    request_id=request_id,
                     prompt_tokens=len(output.prompt_token_ids or prompt_ids),
                     choices=tuple(choices),
-                    finished=output.finished or len(finished) == spec.n,
+                    finished=output.finished or len(finished) == params.n,
                 )
         except EngineDeadError as exc:
             raise EngineUnavailableError(f"vLLM engine died: {exc}") from exc

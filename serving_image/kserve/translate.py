@@ -46,10 +46,13 @@ UNSUPPORTED_INPUTS = {
     "return_cumulative_logprob": "cumulative_logprob is not produced by this server",
     "return_logprobs": "logprobs are not produced by this server (use the OpenAI API's logprobs)",
     "image": "this model takes text only",
+    "embedding_request": "this model does not serve embeddings over KServe (use the OpenAI API's /v1/embeddings)",
 }
+# Outputs of the contract this server never produces (they need log probabilities, see UNSUPPORTED_INPUTS).
+UNPRODUCED_OUTPUTS = ("cumulative_logprob", "logprobs")
 INPUT_TYPES = {t.name: t.datatype for t in VLLM_INPUTS} | {name: "BOOL" for name in RETURN_FLAGS}
 REQUIRED_INPUTS = tuple(t.name for t in VLLM_INPUTS if not t.optional)
-OUTPUT_NAMES = tuple(t.name for t in VLLM_OUTPUTS)
+OUTPUT_NAMES = tuple(t.name for t in VLLM_OUTPUTS if t.name not in UNPRODUCED_OUTPUTS)
 # Request parameters Triton itself consumes; they never reach the model as sampling parameters.
 RESERVED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
                                  "triton_enable_empty_final_response", "headers"})
@@ -94,6 +97,9 @@ def requested_outputs(names: list[str] | tuple[str, ...], flags: Mapping[str, bo
     """Which outputs a response carries: the ones the request names, else all four of the contract except those a
     `return_*` flag explicitly switched off."""
     for name in names:
+        if name in UNPRODUCED_OUTPUTS:
+            raise KServeInputError(f"outputs.{name}", f"output '{name}' is not produced by this server (log "
+                                   "probabilities are not returned over KServe here)")
         if name not in OUTPUT_NAMES:
             raise KServeInputError(f"outputs.{name}", f"output '{name}' is not an output of this model; outputs are "
                                    f"{', '.join(OUTPUT_NAMES)}")

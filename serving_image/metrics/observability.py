@@ -9,10 +9,10 @@
 The files are committed; a test checks that they equal this module's output, `promtool check rules` and
 `promtool test rules` check the rules, and the engine test runs every expression on a real Prometheus.
 
-Selection is by the Kubernetes recommended labels (docs/architecture.md §3.10). Prometheus' Kubernetes discovery turns the
-pod label `app.kubernetes.io/name` into `__meta_kubernetes_pod_label_app_kubernetes_io_name`, and the scrape
-config's `labelmap` keeps it as the target label `app_kubernetes_io_name` (and likewise for version, component,
-part-of): those are the names used here.
+Selection is by the Kubernetes recommended labels (docs/architecture.md §3.10). Prometheus' Kubernetes discovery
+turns the pod label `app.kubernetes.io/name` into `__meta_kubernetes_pod_label_app_kubernetes_io_name`, and the
+scrape config's `labelmap` keeps it as the target label `app_kubernetes_io_name` (and likewise for version,
+component, part-of): those are the names used here.
 """
 
 from __future__ import annotations

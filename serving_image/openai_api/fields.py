@@ -68,7 +68,8 @@ CHAT: dict[str, Field] = {
     "moderation": Field("refused", "no moderation is run by this server"),
     "prompt_cache_options": Field("refused", "prompt caching is automatic and has no options here"),
     "prompt_cache_retention": Field("refused", "prompt caching is automatic; its retention cannot be chosen"),
-    "constraint": Field("extension", "step-wise token constraint (docs/architecture.md §3.5), `extra_body` in the client"),
+    "constraint": Field("extension", "step-wise token constraint (docs/architecture.md §3.5), "
+                                     "`extra_body` in the client"),
     "structured_outputs": Field("extension", "exactly one of `regex`, `choice`, `grammar`, `json` (vLLM's "
                                              "structured outputs); not combinable with response_format/constraint"),
     "top_k": Field("extension", "vLLM's: sample from the k most likely tokens; 0 or -1 disables"),

@@ -3,11 +3,14 @@ official `openai` client's own response types, errors in OpenAI's shape. Fuzzing
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
+
+from serving_image.openai_api.protocol import Endpoint
 
 REF = "#/components/schemas/{model}"
 
@@ -73,7 +76,9 @@ def _response_schemas(components: dict[str, Any]) -> dict[str, dict]:
     }
 
 
-def install_openapi(app: FastAPI, endpoints: dict[str, tuple[str, type[BaseModel]]]) -> None:
+def install_openapi(app: FastAPI, endpoints: Iterable[Endpoint]) -> None:
+    endpoints = tuple(endpoints)  # read when the document is first asked for
+
     def build() -> dict:
         if app.openapi_schema:
             return app.openapi_schema
@@ -81,13 +86,13 @@ def install_openapi(app: FastAPI, endpoints: dict[str, tuple[str, type[BaseModel
         components = spec.setdefault("components", {}).setdefault("schemas", {})
         responses = _response_schemas(components)
         components["Error"] = ERROR_SCHEMA
-        for kind, (path, model) in endpoints.items():
-            ok: dict[str, Any] = {"application/json": {"schema": responses[kind]}}
-            if kind in ("chat", "completion"):
+        for endpoint in endpoints:
+            ok: dict[str, Any] = {"application/json": {"schema": responses[endpoint.name]}}
+            if endpoint.name in ("chat", "completion"):
                 ok["text/event-stream"] = {"schema": {"type": "string"}}
-            operation = spec["paths"][path]["post"]
-            operation["requestBody"] = {"required": True,
-                                        "content": {"application/json": {"schema": _schema(model, components)}}}
+            operation = spec["paths"][endpoint.path]["post"]
+            body = _schema(endpoint.body, components)
+            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
             operation["responses"] = {"200": {"description": "OK", "content": ok}, **{
                 status: {"description": why, "content": {"application/json": {"schema": {"$ref": REF.format(
                     model="Error")}}}} for status, why in ERROR_STATUSES.items()}}

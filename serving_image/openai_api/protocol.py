@@ -6,6 +6,7 @@ once accepted `response_format` and silently dropped it, and this platform exist
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -204,3 +205,20 @@ class ScoreRequest(_Strict):
             if not candidate:
                 raise ValueError(f"candidates[{i}] is empty")
         return v
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One POST endpoint of the API: where it is, what its body is, and how its requests are named."""
+
+    name: str  # the request log's `endpoint` field
+    path: str
+    body: type[BaseModel]
+    id_prefix: str  # request ids are `<prefix>-<32 hex digits>`, as OpenAI's are (chatcmpl-..., cmpl-...)
+
+
+CHAT_COMPLETIONS = Endpoint("chat", "/v1/chat/completions", ChatCompletionRequest, "chatcmpl")
+COMPLETIONS = Endpoint("completion", "/v1/completions", CompletionRequest, "cmpl")
+EMBEDDINGS = Endpoint("embedding", "/v1/embeddings", EmbeddingRequest, "embd")
+SCORE = Endpoint("score", "/v1/score", ScoreRequest, "score")
+ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, SCORE)

@@ -1,4 +1,5 @@
-"""Engine streams to OpenAI server-sent events, and the helpers both response styles share."""
+"""Engine streams to OpenAI server-sent events (the response that sends them owns its request's scope), and the
+helpers both response styles share."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
 from serving_image.engine.base import (
     EngineInputError,
     EngineOutput,
@@ -18,17 +22,7 @@ from serving_image.engine.base import (
 )
 from serving_image.openai_api import translate
 from serving_image.openai_api.errors import APIError, bad_request
-
-
-@dataclass
-class Outcome:
-    """What the request log and the Triton-named metrics record about one request."""
-
-    status: int = 200
-    failure: str = "OTHER"
-    first_response_s: float | None = None
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
+from serving_image.openai_api.request_scope import Outcome, RequestScope
 
 
 def engine_error(exc: Exception) -> APIError:
@@ -133,14 +127,15 @@ class StreamPlan:
     echo_texts: list[str] | None  # completions with echo: the prompt text per prompt
 
 
-async def stream_events(plan: StreamPlan, streams: list[AsyncIterator[EngineOutput]], outcome: Outcome,
-                        abort: Callable[[str], Awaitable[None]], on_done: Callable[[], None]) -> AsyncIterator[bytes]:
+async def stream_events(plan: StreamPlan, streams: list[AsyncIterator[EngineOutput]],
+                        outcome: Outcome) -> AsyncIterator[bytes]:
+    """The engine's outputs as OpenAI server-sent events, ending with `data: [DONE]`; usage and an engine error
+    met on the way are recorded in `outcome`. What happens when the client leaves is EventStreamResponse's."""
     created = int(time.time())
     accumulators = [OutputTotals() for _ in plan.requests]
     chunk = translate.chat_chunk if plan.chat else translate.completion_chunk
     extra = {"usage": None} if plan.include_usage else {}
     n = plan.n
-    finished = False
     try:
         if plan.chat:
             yield sse(dict(chunk(plan.request_id, plan.model, created, [
@@ -176,20 +171,46 @@ async def stream_events(plan: StreamPlan, streams: list[AsyncIterator[EngineOutp
             yield sse(chunk(plan.request_id, plan.model, created, [],
                             translate.usage(outcome.prompt_tokens, outcome.completion_tokens)))
         yield b"data: [DONE]\n\n"
-        finished = True
     except (EngineInputError, EngineUnavailableError) as exc:
         error = engine_error(exc)
         outcome.status, outcome.failure = error.status, "BACKEND"
         yield sse(error.body())
         yield b"data: [DONE]\n\n"
-        finished = True
-    finally:
-        if not finished:
-            # The client went away mid-stream: stop spending engine time on it. Not awaited: the server's cancel
-            # scope would cancel any await here, and the bookkeeping below must run regardless.
-            outcome.status, outcome.failure = 499, "CANCELED"
-            for req in plan.requests:
-                task = asyncio.get_running_loop().create_task(abort(req.request_id))
-                _background.add(task)
-                task.add_done_callback(_background.discard)
-        on_done()
+
+
+class EventStreamResponse(StreamingResponse):
+    """A request's server-sent events; the response owns the request's scope, and closes it when sending ends,
+    however it ends.
+
+    Closing here rather than in the events generator's `finally` is what makes the release prompt: when the client
+    disconnects while a chunk is being sent, Starlette cancels the sending task with the generator suspended at its
+    `yield`. The generator's `finally` then runs only once the generator is garbage-collected, and the cancellation's
+    traceback puts it in a reference cycle, so that waits for the cycle collector: until then the request kept its
+    admission and its place in the pending gauge, went unlogged, and the engine generated on for nobody."""
+
+    def __init__(self, plan: StreamPlan, streams: list[AsyncIterator[EngineOutput]], request_scope: RequestScope,
+                 abort: Callable[[str], Awaitable[None]]):
+        super().__init__(stream_events(plan, streams, request_scope.outcome), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Request-Id": plan.request_id})
+        self.request_scope = request_scope
+        self._engine_request_ids = [req.request_id for req in plan.requests]
+        self._abort = abort
+        self._sent_all = False
+
+    async def stream_response(self, send: Send) -> None:
+        await super().stream_response(send)
+        self._sent_all = True
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._sent_all:
+                # The client went away mid-stream (or the server is stopping): stop spending engine time on it. Not
+                # awaited: a cancelled task's await here could be cancelled too, and the scope must close regardless.
+                self.request_scope.outcome.canceled()
+                for request_id in self._engine_request_ids:
+                    task = asyncio.get_running_loop().create_task(self._abort(request_id))
+                    _background.add(task)
+                    task.add_done_callback(_background.discard)
+            self.request_scope.close()

@@ -1,4 +1,5 @@
-"""The image's version pins (`serving_image/compat.toml`, docs/architecture.md §3.9), typed, and the startup version check.
+"""The image's version pins (`serving_image/compat.toml`, docs/architecture.md §3.9), typed, and the startup
+version check.
 
 The policy pack reads the same file through `policies.compat` (three keys only); this module reads all of it for the
 image build, the repository generator and the startup procedure.
@@ -28,6 +29,23 @@ class TritonRelease:
 
 
 @dataclass(frozen=True)
+class LocalTriton:
+    """compat.toml [local.triton]: the tritonserver that runs here (serving_image/triton/local_install.py)."""
+
+    distribution: str
+    distribution_version: str
+    server_version: str
+    release: str
+    python_backend_stub: str
+    stub_numpy: str
+    relied_on: tuple[str, ...]  # "<name>: <behaviour>", each checked by a test (tests/serving/test_triton_local.py)
+    differences: tuple[str, ...]
+
+    def relied_on_names(self) -> tuple[str, ...]:
+        return tuple(entry.split(":", 1)[0] for entry in self.relied_on)
+
+
+@dataclass(frozen=True)
 class Pins:
     pinned: TritonRelease
     image: str
@@ -37,6 +55,7 @@ class Pins:
     local_differences: tuple[str, ...]
     history: tuple[TritonRelease, ...]
     source: Path
+    local_triton: LocalTriton | None = None
 
     def release(self, name: str | None = None) -> TritonRelease:
         """The pinned release, or an earlier one this project knows (for generating older repositories)."""
@@ -83,6 +102,17 @@ def load_pins(path: Path | None = None) -> Pins:
         )
         for i, h in enumerate(doc.get("history", []))
     )
+    local_triton = None
+    if "triton" in local:
+        table = local["triton"]
+        where = "local.triton"
+        local_triton = LocalTriton(
+            **{key: _need(table, key, where, source) for key in ("distribution", "distribution_version",
+                                                                 "server_version", "release", "python_backend_stub",
+                                                                 "stub_numpy")},
+            relied_on=tuple(table.get("relied_on", ())),
+            differences=tuple(table.get("differences", ())),
+        )
     return Pins(
         pinned=pinned,
         image=_need(triton, "image", "triton", source),
@@ -92,6 +122,7 @@ def load_pins(path: Path | None = None) -> Pins:
         local_differences=tuple(local.get("differences", ())),
         history=history,
         source=source,
+        local_triton=local_triton,
     )
 
 

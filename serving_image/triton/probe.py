@@ -27,6 +27,7 @@ def check_backend_imports(modules: tuple[str, ...]) -> list[str]:
     failures = []
     for name in modules:
         try:
+            # vLLM's modules named by compat.toml's backend_imports (what the probe checks), never this project's.
             importlib.import_module(name)
         except Exception as exc:  # any failure to import is what the probe reports
             failures.append(f"{name} ({type(exc).__name__}: {exc})")

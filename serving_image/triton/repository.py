@@ -32,7 +32,7 @@ from llm_serving.tensor_contract import VLLM_INPUTS, VLLM_OUTPUTS, TensorSpec
 from serving_image.triton.pins import TritonRelease
 
 VERSION_DIR = "1"
-_KSERVE_TO_PBTXT = {"BYTES": mc.TYPE_STRING, "BOOL": mc.TYPE_BOOL, "UINT32": mc.TYPE_UINT32}
+_KSERVE_TO_PBTXT = {"BYTES": mc.TYPE_STRING, "BOOL": mc.TYPE_BOOL, "UINT32": mc.TYPE_UINT32, "FP32": mc.TYPE_FP32}
 # The structured-output settings the local engine runs with (serving_image/engine/vllm_local.py), so production
 # generates the same JSON: xgrammar, and no whitespace outside strings.
 STRUCTURED_BACKEND = {"backend": "xgrammar", "disable_any_whitespace": True}

@@ -1,6 +1,6 @@
-"""Stack config validation (docs/architecture.md §3.6): every wrong value fails at program start with a message that names
-the full key and the allowed values. Most cases validate in-process (no Pulumi needed); one runs the real program
-under the mock runtime to check the error surfaces from `run_stack` unchanged."""
+"""Stack config validation (docs/architecture.md §3.6): every wrong value fails at program start with a message that
+names the full key and the allowed values. Most cases validate in-process (no Pulumi needed); one runs the real
+program under the mock runtime to check the error surfaces from `run_stack` unchanged."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Red-black inside one update (docs/architecture.md §4) is ordered by resource dependencies: candidate Deployment (Pulumi
-waits for it to be ready) -> route weights -> active scale-down. Checked on the dependency graph Pulumi's real SDK
-builds for the program under the mock runtime (the engine walks exactly these edges in `pulumi up`)."""
+"""Red-black inside one update (docs/architecture.md §4) is ordered by resource dependencies: candidate Deployment
+(Pulumi waits for it to be ready) -> route weights -> active scale-down. Checked on the dependency graph Pulumi's
+real SDK builds for the program under the mock runtime (the engine walks exactly these edges in `pulumi up`)."""
 
 from __future__ import annotations
 

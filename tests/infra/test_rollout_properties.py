@@ -30,11 +30,12 @@ from infra.rollout.orchestrate import Options, Rollout
 from infra.rollout.planner import plan_red_black
 from infra.rollout.runner import GraphRunner
 from infra.rollout.stackfile import MODELS_KEY, StackFile
+from llm_serving.tensor_contract import VLLM_IO_FINGERPRINT
 from tests.infra.rollout_support import CannedPrometheus, Health, copy_stacks
 
 STACKS = ["prod-us-east-1", "prod-us-west-2", "prod-eu-west-1"]
 MODEL = "chat-large"
-FP = "sha256:86d771a93cc9df8c392b98482497666c18236b57f5a267c8a4954e7ba144b651"
+FP = VLLM_IO_FINGERPRINT  # the LLM versions in stacks/ (llm_serving/tensor_contract.py computes it)
 
 
 def _version(v: str) -> dict:

@@ -5,6 +5,8 @@ Runner: `MockRunner`, i.e. the real program (infra/__main__.py) under Pulumi's m
 the shipped stack files, with the update itself played by infra.rollout.engine (there is no Pulumi CLI, provider or
 cluster here; the Automation API runner cannot run). Prometheus answers are canned per region (rollout_support).
 Each scenario runs the program 6 times (3 starting states, the first region's step, the failed step, the rollback).
+Every update is checked by the policy pack's gate, passed explicitly here (infra never imports policies;
+`llm-serving rollout` passes the same gate, see the policy test below).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from infra.rollout.gate import GateThresholds, PrometheusClient
 from infra.rollout.orchestrate import Options, Rollout, prometheus_gate
 from infra.rollout.runner import MockRunner
 from infra.rollout.stackfile import StackFile
+from llm_serving_cli.main import main as llm_serving_main
+from policies.gate import blocking_violations
 from tests.infra.rollout_support import CannedPrometheus, Health, copy_stacks
 
 pytestmark = pytest.mark.timeout(900)
@@ -57,7 +61,7 @@ def test_gate_failure_in_the_second_region_stops_there_and_rolls_it_back(tmp_pat
         sf.start(MODEL, {"version": "2.4.0", "package": package.package, "ioFingerprint": package.io_fingerprint},
                  10)
         sf.save()
-    _prepare(MockRunner(config_dir, state_dir))
+    _prepare(MockRunner(config_dir, state_dir, policy_gate=blocking_violations))
     third_before = (config_dir / "Pulumi.prod-eu-west-1.yaml").read_text()
     third_state_before = (state_dir / "prod-eu-west-1.json").read_text()
     canned.series = {
@@ -67,7 +71,8 @@ def test_gate_failure_in_the_second_region_stops_there_and_rolls_it_back(tmp_pat
     }
 
     rc = main(["advance", MODEL, "--stacks", ",".join(STACKS), "--runner", "mock", "--config-dir", str(config_dir),
-               "--state-dir", str(state_dir), *[f"--prometheus={s}={url}/{s}" for s in STACKS]])
+               "--state-dir", str(state_dir), *[f"--prometheus={s}={url}/{s}" for s in STACKS]],
+              policy_gate=blocking_violations)
 
     assert rc == 1  # stopped
     runner = MockRunner(config_dir, state_dir)
@@ -109,7 +114,7 @@ def test_candidate_never_ready_in_the_second_region_never_gets_traffic(tmp_path,
                      sum(engine.model_replicas(live, MODEL).values())))
 
     runner = MockRunner(config_dir, state_dir, faults={"prod-us-west-2": Faults(frozenset({(MODEL, "2.4.0")}))},
-                        observe=observe)
+                        observe=observe, policy_gate=blocking_violations)
     _prepare(runner)
     third_before = (config_dir / "Pulumi.prod-eu-west-1.yaml").read_text()
     canned.series = {(s, MODEL, "2.4.0"): Health() for s in STACKS}
@@ -143,17 +148,19 @@ def test_candidate_never_ready_in_the_second_region_never_gets_traffic(tmp_path,
 
 
 def test_a_mandatory_policy_blocks_the_update_before_anything_changes(tmp_path, capsys):
-    """The mock runner checks every update with the policy pack offline, as `pulumi up --policy-pack` would: a
-    red-black candidate whose I/O fingerprint differs from the active's is refused (§4: that is what versioned is
-    for), the file goes back, and the deployed state never changed."""
+    """`llm-serving rollout` (the top-level command, which builds the policy gate and hands it to infra's rollout
+    CLI) checks every mock update with the policy pack offline, as `pulumi up --policy-pack` would: a red-black
+    candidate whose I/O fingerprint differs from the active's is refused (§4: that is what versioned is for), the
+    file goes back, and the deployed state never changed."""
     config_dir, state_dir = copy_stacks(tmp_path / "stacks"), tmp_path / "state"
     path = config_dir / "Pulumi.prod-eu-west-1.yaml"
     before = path.read_text()
-    rc = main(["start", MODEL, "--stacks", "prod-eu-west-1", "--version", "3.0.0", "--package",
-               "s3://acme-llm-prod-us-east-1/models/chat-large/3.0.0.tar.gz", "--io-fingerprint", "sha256:" + "ab" * 32,
-               "--runner", "mock", "--config-dir", str(config_dir), "--state-dir", str(state_dir), "--no-gate",
-               "--json"])
-    assert rc == 1
+    with pytest.raises(SystemExit) as exited:
+        llm_serving_main(["rollout", "start", MODEL, "--stacks", "prod-eu-west-1", "--version", "3.0.0", "--package",
+                          "s3://acme-llm-prod-us-east-1/models/chat-large/3.0.0.tar.gz", "--io-fingerprint",
+                          "sha256:" + "ab" * 32, "--runner", "mock", "--config-dir", str(config_dir), "--state-dir",
+                          str(state_dir), "--no-gate", "--json"])
+    assert exited.value.code == 1
     (entry,) = json.loads(capsys.readouterr().out)["stacks"]
     assert entry["status"] == "rolled back"
     assert "a mandatory policy blocked it: [rollout-versioned-only-on-io-change]" in entry["detail"]
@@ -168,7 +175,8 @@ def test_step_order_of_a_forward_step_and_of_a_rollback_in_the_real_program(tmp_
     candidate."""
     config_dir, state_dir = copy_stacks(tmp_path / "stacks"), tmp_path / "state"
     steps: list[str] = []
-    runner = MockRunner(config_dir, state_dir, observe=lambda stack, live, step: steps.append(step))
+    runner = MockRunner(config_dir, state_dir, observe=lambda stack, live, step: steps.append(step),
+                        policy_gate=blocking_violations)
     runner.prepare("prod-us-east-1")
     rollout = Rollout(runner, MODEL, ["prod-us-east-1"])
 
@@ -205,13 +213,13 @@ def test_versioned_idle_version_removed_by_a_later_update(tmp_path, prom, capsys
             "--state-dir", str(state_dir), f"--prometheus=prod-us-west-2={url}/prod-us-west-2", "--idle-window",
             "3d", "--json"]
     canned.series = {("prod-us-west-2", "ranker", "3.0.0"): Health(requests=12)}
-    assert main(args) == 0
+    assert main(args, policy_gate=blocking_violations) == 0
     (entry,) = json.loads(capsys.readouterr().out)["stacks"]
     assert entry["status"] == "unchanged" and entry["overlap_gpus"] == 2  # 2 replicas x 1 GPU on 3.0.0
     assert "3.0.0 (12 requests)" in entry["detail"]
 
     canned.series = {}
-    assert main(args) == 0
+    assert main(args, policy_gate=blocking_violations) == 0
     (entry,) = json.loads(capsys.readouterr().out)["stacks"]
     assert entry["status"] == "removed idle"
     assert "removed ['3.0.0'] (no request in 3d), freeing 2 GPUs; kept 4.0.0 (newest)" in entry["detail"]

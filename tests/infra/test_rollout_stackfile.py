@@ -12,9 +12,10 @@ import pytest
 
 from infra.rollout.cli import main
 from infra.rollout.stackfile import StackFile, StackFileError, version_entry
+from llm_serving.tensor_contract import VLLM_IO_FINGERPRINT
 from tests.infra.rollout_support import REPO, copy_stacks
 
-FP = "sha256:86d771a93cc9df8c392b98482497666c18236b57f5a267c8a4954e7ba144b651"
+FP = VLLM_IO_FINGERPRINT  # the LLM versions in stacks/ (llm_serving/tensor_contract.py computes it)
 V240 = version_entry("2.4.0", "s3://acme-llm-prod-us-east-1/models/chat-large/2.4.0.tar.gz", FP)
 
 

@@ -1,14 +1,18 @@
-"""Random constraint specs and token streams for the differential and sanitizer tests.
+"""Random constraint specs, token streams and batch operations for the differential and sanitizer tests.
 
 Specs are drawn from small alphabets so that prefixes are shared, items repeat, and random tokens often hit
 allowed sets; vocabularies range from under one bitmask word's worth of rows to thousands of tokens so that both
-the sparse and the dense representations of a set are exercised.
+the sparse and the dense representations of a set are exercised. Batch operations (constrain, clear, one-way move,
+swap, or something done to one row's history) are drawn against `BatchModel`, the plain-Python model of which row
+holds which request that both tests check the native batch against.
 """
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
+from serving_image.constraints.reference import ReferenceState
 from serving_image.constraints.spec import (
     AllowedTokensSpec,
     ChoiceSequenceSpec,
@@ -97,3 +101,72 @@ def script_line(row: int, spec: ConstraintSpec, eos: int) -> str:
         return f"CHOICE {row} {eos} {len(spec.choices)} {ch} {sep} {spec.min_items} {mx} {int(spec.unique)}"
     assert isinstance(spec, AllowedTokensSpec)
     return f"ALLOWED {row} {eos} {len(spec.tokens)} {' '.join(map(str, spec.tokens))}"
+
+
+def known_prefix(tokens: list[int]) -> list[int]:
+    """What a row may consume: everything before the first -1 placeholder."""
+    return tokens[: tokens.index(-1)] if -1 in tokens else tokens
+
+
+class BatchModel:
+    """Which row of a batch holds which constrained request (its spec and its token history, the list the test
+    mutates), after any sequence of batch operations; a row not in `rows` is unconstrained."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.rows: dict[int, tuple[ConstraintSpec, list[int]]] = {}
+
+    def set(self, row: int, spec: ConstraintSpec, history: list[int]) -> None:
+        self.rows[row] = (spec, history)
+
+    def clear(self, row: int) -> None:
+        self.rows.pop(row, None)
+
+    def move(self, src: int, dst: int) -> None:
+        """One-way: `dst` takes what `src` held (nothing, if `src` was empty) and `src` is left empty."""
+        if src in self.rows:
+            self.rows[dst] = self.rows.pop(src)
+        else:
+            self.rows.pop(dst, None)
+
+    def swap(self, a: int, b: int) -> None:
+        held_a, held_b = self.rows.pop(a, None), self.rows.pop(b, None)
+        if held_a is not None:
+            self.rows[b] = held_a
+        if held_b is not None:
+            self.rows[a] = held_b
+
+    def reference(self, row: int, eos: int) -> ReferenceState:
+        """The reference state of `row`: its spec replayed over the known prefix of its history."""
+        spec, history = self.rows[row]
+        return ReferenceState.replay(spec, eos, known_prefix(history))
+
+    def allowed(self, row: int, eos: int) -> list[int]:
+        return sorted(self.reference(row, eos).allowed())
+
+
+def random_batch_op(rng: random.Random, model: BatchModel, vocab: int, eos: int,
+                    prefilled: bool = False) -> tuple[Any, ...]:
+    """Draw one batch operation, apply it to `model` and return it for the caller to apply to the batch under test:
+    ("set", row, spec, history) (an empty history, or with `prefilled` sometimes a few arbitrary tokens),
+    ("clear", row), ("move", src, dst), ("swap", a, b); or ("history", row) for a constrained row whose history
+    the caller changes in its own way (the model holds the caller's list, so it sees the change)."""
+    op = rng.random()
+    row = rng.randrange(model.capacity)
+    if op < 0.15 or not model.rows:
+        spec = random_spec(rng, vocab, eos)
+        history = [rng.randrange(vocab) for _ in range(rng.randint(1, 4))] if prefilled and rng.random() < 0.3 else []
+        model.set(row, spec, history)
+        return ("set", row, spec, history)
+    if op < 0.2:
+        model.clear(row)
+        return ("clear", row)
+    if op < 0.27:
+        dst = rng.randrange(model.capacity)
+        model.move(row, dst)
+        return ("move", row, dst)
+    if op < 0.34:
+        other = rng.randrange(model.capacity)
+        model.swap(row, other)
+        return ("swap", row, other)
+    return ("history", rng.choice(sorted(model.rows)))

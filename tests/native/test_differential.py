@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from serving_image.constraints import validate_constraint
 from serving_image.constraints.engine import ConstraintBatch, compile_spec
 from serving_image.constraints.reference import ReferenceState
-from tests.native.gen import next_token, random_spec, random_vocab
+from tests.native.gen import BatchModel, next_token, random_batch_op, random_spec, random_vocab
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -22,11 +22,6 @@ def bitmask_tokens(bitmask: np.ndarray, row: int, vocab: int) -> list[int]:
     bits = np.unpackbits(bitmask[row].view(np.uint8), bitorder="little")
     assert not bits[vocab:].any(), "bits set beyond the vocabulary"
     return np.flatnonzero(bits[:vocab]).tolist()
-
-
-def known_prefix(tokens: list[int]) -> list[int]:
-    """What a row may consume: everything before the first -1 placeholder."""
-    return tokens[: tokens.index(-1)] if -1 in tokens else tokens
 
 
 @SETTINGS
@@ -62,56 +57,39 @@ def test_batch_operations_match_reference_replay(rng: random.Random):
     vocab, eos = random_vocab(rng)
     capacity = rng.randint(1, 6)
     batch = ConstraintBatch(vocab, capacity, threads=rng.choice((1, 2)))
-    rows: dict[int, tuple] = {}  # row -> (spec, its output list)
+    model = BatchModel(capacity)  # row -> (spec, its output list)
     logits = torch.zeros(capacity, vocab, dtype=rng.choice((torch.float32, torch.bfloat16)))
     for _ in range(rng.randint(5, 60)):
-        op = rng.random()
-        row = rng.randrange(capacity)
-        if op < 0.15 or not rows:
-            spec = random_spec(rng, vocab, eos)
-            out = [] if rng.random() < 0.7 else [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
-            rows[row] = (spec, out)
-            batch.set_row(row, compile_spec(spec, vocab, eos), out)
-        elif op < 0.2:
-            rows.pop(row, None)
-            batch.clear_row(row)
-        elif op < 0.27:
-            dst = rng.randrange(capacity)
-            if row in rows:
-                rows[dst] = rows.pop(row)
-            else:
-                rows.pop(dst, None)
-            batch.move_row(row, dst)
-        elif op < 0.34:
-            other = rng.randrange(capacity)
-            a, b = rows.pop(row, None), rows.pop(other, None)
-            if a is not None:
-                rows[other] = a
-            if b is not None:
-                rows[row] = b
-            batch.swap_rows(row, other)
-        elif row in rows:
-            spec, out = rows[row]
-            if op < 0.42 and out:  # preemption with a shorter history
-                del out[rng.randint(0, len(out) - 1):]
-            elif op < 0.47 and out:  # history rewritten in place
-                out[-1] = rng.randrange(vocab)
-            elif op < 0.55:  # async placeholder, filled in later
-                out.append(-1)
-            elif -1 in out:
-                out[out.index(-1)] = next_token(rng, ReferenceState.replay(spec, eos, known_prefix(out)).allowed(),
-                                                vocab, eos)
-            else:
-                ref = ReferenceState.replay(spec, eos, out)
-                out.extend(next_token(rng, ref.allowed(), vocab, eos) for _ in range(rng.randint(1, 3)))
+        match random_batch_op(rng, model, vocab, eos, prefilled=True):
+            case ("set", row, spec, out):
+                batch.set_row(row, compile_spec(spec, vocab, eos), out)
+            case ("clear", row):
+                batch.clear_row(row)
+            case ("move", src, dst):
+                batch.move_row(src, dst)
+            case ("swap", a, b):
+                batch.swap_rows(a, b)
+            case ("history", row):
+                _, out = model.rows[row]
+                op = rng.random()
+                if op < 0.12 and out:  # preemption with a shorter history
+                    del out[rng.randint(0, len(out) - 1):]
+                elif op < 0.2 and out:  # history rewritten in place
+                    out[-1] = rng.randrange(vocab)
+                elif op < 0.32:  # async placeholder, filled in later
+                    out.append(-1)
+                elif -1 in out:
+                    out[out.index(-1)] = next_token(rng, model.reference(row, eos).allowed(), vocab, eos)
+                else:
+                    allowed = model.reference(row, eos).allowed()
+                    out.extend(next_token(rng, allowed, vocab, eos) for _ in range(rng.randint(1, 3)))
         batch.sync()
         logits.zero_()
         batch.fill_apply(logits)
         for r in range(capacity):
-            if r in rows:
-                spec, out = rows[r]
-                expected = sorted(ReferenceState.replay(spec, eos, known_prefix(out)).allowed())
-                assert batch.core.allowed(r) == expected, (r, out)
+            if r in model.rows:
+                expected = model.allowed(r, eos)
+                assert batch.core.allowed(r) == expected, (r, model.rows[r][1])
                 assert bitmask_tokens(batch.core.bitmask(), r, vocab) == expected
                 assert torch.isfinite(logits[r].float()).nonzero().flatten().tolist() == expected
             else:

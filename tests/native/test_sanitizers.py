@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from serving_image.constraints.reference import ReferenceState
-from tests.native.gen import next_token, random_spec, random_vocab, script_line
+from tests.native.gen import BatchModel, next_token, random_batch_op, random_vocab, script_line
 
 REPO = Path(__file__).resolve().parents[2]
 NATIVE = REPO / "native"
@@ -52,51 +51,34 @@ def make_script(seed: int) -> tuple[str, list[str]]:
     vocab, eos = random_vocab(rng)
     capacity = rng.randint(1, 12)
     lines = [f"BATCH {vocab} {capacity} {rng.choice((1, 2, 4))}"]
-    rows: dict[int, tuple] = {}  # row -> (spec, history)
+    model = BatchModel(capacity)  # row -> (spec, history)
     expected: list[str] = []
     queries = 0
     for _ in range(rng.randint(20, 120)):
-        op = rng.random()
-        row = rng.randrange(capacity)
-        if op < 0.15 or not rows:
-            spec = random_spec(rng, vocab, eos)
-            rows[row] = (spec, [])
-            lines.append(script_line(row, spec, eos))
-        elif op < 0.2:
-            rows.pop(row, None)
-            lines.append(f"CLEAR {row}")
-        elif op < 0.26:
-            dst = rng.randrange(capacity)
-            if row in rows:
-                rows[dst] = rows.pop(row)
-            else:
-                rows.pop(dst, None)
-            lines.append(f"MOVE {row} {dst}")
-        elif op < 0.32:
-            other = rng.randrange(capacity)
-            a, b = rows.pop(row, None), rows.pop(other, None)
-            if a is not None:
-                rows[other] = a
-            if b is not None:
-                rows[row] = b
-            lines.append(f"SWAP {row} {other}")
-        elif op < 0.38 and row in rows:
-            k = rng.randint(0, 3)
-            hist = rows[row][1]
-            del hist[max(0, len(hist) - k):]
-            lines.append(f"SHRINK {row} {k}")
-        elif row in rows:
-            spec, hist = rows[row]
-            t = next_token(rng, ReferenceState.replay(spec, eos, hist).allowed(), vocab, eos)
-            hist.append(t)
-            lines.append(f"TOK {row} {t}")
+        match random_batch_op(rng, model, vocab, eos):
+            case ("set", row, spec, _):
+                lines.append(script_line(row, spec, eos))
+            case ("clear", row):
+                lines.append(f"CLEAR {row}")
+            case ("move", src, dst):
+                lines.append(f"MOVE {src} {dst}")
+            case ("swap", a, b):
+                lines.append(f"SWAP {a} {b}")
+            case ("history", row):
+                hist = model.rows[row][1]
+                if rng.random() < 0.1:
+                    k = rng.randint(0, 3)
+                    del hist[max(0, len(hist) - k):]
+                    lines.append(f"SHRINK {row} {k}")
+                else:
+                    t = next_token(rng, model.reference(row, eos).allowed(), vocab, eos)
+                    hist.append(t)
+                    lines.append(f"TOK {row} {t}")
         if rng.random() < 0.3:
             queries += 1
             lines.append("QUERY")
-            for r in sorted(rows):
-                spec, hist = rows[r]
-                allowed = sorted(ReferenceState.replay(spec, eos, hist).allowed())
-                expected.append(f"Q{queries} row {r}:" + "".join(f" {t}" for t in allowed))
+            for r in sorted(model.rows):
+                expected.append(f"Q{queries} row {r}:" + "".join(f" {t}" for t in model.allowed(r, eos)))
     expected.append(f"DONE {queries}")
     return "\n".join(lines) + "\n", expected
 

@@ -12,9 +12,9 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
-from llm_serving_cli.main import _content_version, _model_id_from_dir
 from llm_serving.manifest import MANIFEST_NAME, parse_manifest
 from llm_serving.package import open_package
+from llm_serving_cli.main import _content_version, _model_id_from_dir
 from tests.serving.wheels import make_wheel, wheel_filename
 
 CLI = Path(sys.executable).parent / "llm-serving"  # the console script installed beside this interpreter

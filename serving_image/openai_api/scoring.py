@@ -1,0 +1,27 @@
+"""/v1/score, the platform's extension: the log-probability of each candidate continuation of a prompt."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse, Response
+from starlette.types import Receive
+
+from serving_image.engine.base import EngineInputError, EngineUnavailableError
+from serving_image.openai_api.protocol import ScoreRequest
+from serving_image.openai_api.request_scope import RequestScope
+from serving_image.openai_api.state import ServerState
+from serving_image.openai_api.streaming import engine_error
+
+
+async def score(server: ServerState, scope: RequestScope, body: ScoreRequest, receive: Receive) -> Response:
+    # Counted before tokenizing: about two characters a token for the prompt, a token a character for the
+    # candidates (at most as many tokens as characters).
+    scope.admit(len(body.prompt) // 2 + sum(len(c) for c in body.candidates))
+    try:
+        scores = await server.engine.score(body.prompt, body.candidates, scope.request_id)
+    except (EngineInputError, EngineUnavailableError) as exc:
+        raise engine_error(exc) from exc
+    return JSONResponse({
+        "id": scope.request_id, "object": "score", "model": server.model.name,
+        "data": [{"index": i, "candidate": c, "logprob": s.logprob, "tokens": s.tokens}
+                 for i, (c, s) in enumerate(zip(body.candidates, scores, strict=True))],
+    })

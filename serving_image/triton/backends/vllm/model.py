@@ -1,0 +1,352 @@
+"""This project's stand-in for NVIDIA's `vllm` backend, as a python-based Triton backend (docs/kserve.md,
+docs/local-environment.md "Triton locally").
+
+Real Triton (the local tritonserver 2.51) loads the same model repository as production (`config.pbtxt` with
+`backend: "vllm"` and `1/model.json`, serving_image/triton/repository.py) with a backend directory in which `vllm`
+is this directory. For clients it behaves as NVIDIA's backend (triton-inference-server/vllm_backend, src/model.py and
+src/utils/request.py of the release compat.toml pins):
+
+- `auto_complete_config` declares the same inputs and outputs (names, types, dims, optional flags), decoupled, no
+  Triton batching;
+- one response per engine step when `stream` is true, one final response otherwise; `text_output` carries the prompt
+  in front unless `exclude_input_in_output` (default: true when streaming, false otherwise; false while streaming is
+  refused); `finish_reason`, `num_input_tokens` and `num_output_tokens` only when their `return_*` input is true;
+- `sampling_parameters` (a JSON string, or the request's parameters without it) is parsed as the backend does, by
+  the engine process (it needs vLLM's SamplingParams);
+- a cancelled request (client gone, stream cancelled) is aborted in the engine and ends with a CANCELLED error;
+- errors are error responses (`Error generating stream: ...`) and the model stays ready.
+
+Where it differs (named in the error codes and messages), it is stricter: errors name the field, a client error is
+INVALID_ARG and an engine failure UNAVAILABLE (NVIDIA's backend sends INTERNAL for both).
+
+Why a second process: this file runs in Triton's Python backend stub, whose interpreter needs numpy < 2, while
+vLLM needs numpy >= 2 (.venv-serving). `initialize` reads model.json and starts the engine process
+(serving_image/triton/engine_host.py: vLLM's AsyncLLM through the project's adapter, serving_image/engine/vllm_local.py)
+with the interpreter named by $LLM_SERVING_ENGINE_PYTHON, and talks to it over a Unix socket pair (engine_wire.py);
+loading the model is starting the engine, unloading it stops the engine, as in NVIDIA's backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import threading
+import uuid
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+try:  # loaded by Triton as a top-level module from this directory; imported as a package by the tests
+    from . import engine_wire as wire
+except ImportError:
+    import engine_wire as wire
+
+# NVIDIA's backend's auto_complete_config, input by input (vllm_backend src/model.py).
+INPUTS = (
+    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},
+    {"name": "image", "data_type": "TYPE_STRING", "dims": [-1], "optional": True},
+    {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "return_finish_reason", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "return_cumulative_logprob", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "return_logprobs", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "return_num_input_tokens", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "return_num_output_tokens", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "embedding_request", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+)
+OUTPUTS = (
+    {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
+    {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
+    {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
+)
+RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+# Inputs NVIDIA's backend serves that this stand-in refuses by name (docs/kserve.md).
+REFUSED_INPUTS = {
+    "image": "this model takes text only",
+    "return_cumulative_logprob": "cumulative log probabilities are not produced by the local stand-in backend",
+    "return_logprobs": "log probabilities are not produced by the local stand-in backend",
+}
+ERROR_PREFIX = "Error generating stream: "  # NVIDIA's backend's prefix for a failed request
+
+
+class RequestError(ValueError):
+    """A request the stand-in refuses before it reaches the engine (INVALID_ARG)."""
+
+
+def _flag(request, name: str) -> bool | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else bool(tensor.as_numpy().reshape(-1)[0])
+
+
+def read_request(request, model_name: str) -> dict:
+    """The request's inputs as NVIDIA's backend reads them (GenerateRequest._get_input_tensors)."""
+    if pb_utils.get_input_tensor_by_name(request, "embedding_request") is not None:
+        raise RequestError(f"Model {model_name} does not support 'embed' request")
+    for name, reason in REFUSED_INPUTS.items():
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None and (name == "image" or bool(tensor.as_numpy().reshape(-1)[0])):
+            raise RequestError(f"input '{name}': {reason}")
+    raw = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)[0]
+    try:
+        prompt = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"input 'text_input' is not valid UTF-8: {exc}") from None
+    if not prompt:
+        raise RequestError("input 'text_input' is empty")
+    stream = bool(_flag(request, "stream"))
+    exclude = _flag(request, "exclude_input_in_output")
+    prepend = (not exclude) if exclude is not None else not stream
+    if prepend and stream:
+        raise RequestError("input 'exclude_input_in_output': when streaming, `exclude_input_in_output` = False is "
+                           "not allowed.")
+    tensor = pb_utils.get_input_tensor_by_name(request, "sampling_parameters")
+    if tensor is not None:
+        raw_params = tensor.as_numpy().reshape(-1)[0]
+        try:
+            params = raw_params.decode("utf-8") if isinstance(raw_params, bytes) else str(raw_params)
+        except UnicodeDecodeError:
+            raise RequestError("input 'sampling_parameters' is not valid UTF-8") from None
+        root = "sampling_parameters"
+    else:
+        params, root = request.parameters(), "parameters"
+    return {"prompt": prompt, "stream": stream, "prepend": prepend, "params": params, "root": root,
+            "flags": {name: bool(_flag(request, name)) for name in RETURN_FLAGS}}
+
+
+class _Request:
+    """One request in flight: its sender, what the client asked for, and (when not streaming) the totals so far."""
+
+    __slots__ = ("sender", "stream", "prepend", "prompt", "flags", "texts", "tokens", "finish", "prompt_tokens")
+
+    def __init__(self, sender, parsed: dict):
+        self.sender = sender
+        self.stream = parsed["stream"]
+        self.prepend = parsed["prepend"]
+        self.prompt = parsed["prompt"]
+        self.flags = parsed["flags"]
+        self.texts: list[str] = []
+        self.tokens: list[int] = []
+        self.finish: list[str | None] = []
+        self.prompt_tokens = 0
+
+    def add(self, message: dict) -> tuple[list[str], list[int]]:
+        """Fold one engine delta in; return this step's text and token count per choice."""
+        self.prompt_tokens = message["p"] or self.prompt_tokens
+        step_texts = [""] * len(self.texts)
+        step_tokens = [0] * len(self.texts)
+        for index, text, tokens, finish in message["out"]:
+            while len(self.texts) <= index:
+                self.texts.append("")
+                self.tokens.append(0)
+                self.finish.append(None)
+                step_texts.append("")
+                step_tokens.append(0)
+            self.texts[index] += text
+            self.tokens[index] += tokens
+            step_texts[index] += text
+            step_tokens[index] += tokens
+            if finish is not None:
+                self.finish[index] = finish
+        return step_texts, step_tokens
+
+    def response(self, texts: list[str], tokens: list[int], prefix: str = ""):
+        outputs = [pb_utils.Tensor("text_output", np.array([(prefix + t).encode("utf-8") for t in texts] or [b""],
+                                                           dtype=np.object_))]
+        if self.flags["return_finish_reason"]:
+            outputs.append(pb_utils.Tensor("finish_reason", np.array([str(f).encode() for f in self.finish] or
+                                                                     [b"None"], dtype=np.object_)))
+        if self.flags["return_num_input_tokens"]:
+            outputs.append(pb_utils.Tensor("num_input_tokens", np.array([self.prompt_tokens], dtype=np.uint32)))
+        if self.flags["return_num_output_tokens"]:
+            outputs.append(pb_utils.Tensor("num_output_tokens", np.array(tokens or [0], dtype=np.uint32)))
+        return pb_utils.InferenceResponse(output_tensors=outputs)
+
+
+class TritonPythonModel:
+    @classmethod
+    def auto_complete_config(cls, auto_complete_model_config):
+        config = auto_complete_model_config.as_dict()
+        have_in = {i["name"] for i in config["input"]}
+        have_out = {o["name"] for o in config["output"]}
+        for spec in INPUTS:
+            if spec["name"] not in have_in:
+                auto_complete_model_config.add_input(dict(spec))
+        for spec in OUTPUTS:
+            if spec["name"] not in have_out:
+                auto_complete_model_config.add_output(dict(spec))
+        auto_complete_model_config.set_model_transaction_policy(dict(decoupled=True))
+        auto_complete_model_config.set_max_batch_size(0)
+        return auto_complete_model_config
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def initialize(self, args):
+        self.logger = pb_utils.Logger
+        self.model_config = json.loads(args["model_config"])
+        self.model_name = args["model_name"]
+        if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
+            raise pb_utils.TritonModelException("vLLM Triton backend must be configured to use decoupled model "
+                                                "transaction policy")
+        model_json = os.path.join(pb_utils.get_model_dir(), "model.json")
+        if not os.path.isfile(model_json):
+            raise pb_utils.TritonModelException(f"'model.json' containing vllm engine args must be provided in "
+                                                f"'{pb_utils.get_model_dir()}'")
+        python = os.environ.get(wire.ENGINE_PYTHON_ENV)
+        if not python:
+            raise pb_utils.TritonModelException(
+                f"${wire.ENGINE_PYTHON_ENV} is not set: the stand-in vllm backend runs its engine with the "
+                ".venv-serving interpreter it names (the startup procedure sets it; see docs/local-environment.md, "
+                "\"Triton locally\")")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        command = [python, "-m", wire.ENGINE_MODULE, "--model-json", model_json, "--fd", str(theirs.fileno()),
+                   "--model-name", self.model_name, "--model-version", str(args["model_version"])]
+        self.process = subprocess.Popen(command, pass_fds=(theirs.fileno(),))  # its log goes where Triton's goes
+        theirs.close()
+        self._socket = ours
+        self._reader = ours.makefile("rb")
+        self._write_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._requests: dict[str, _Request] = {}
+        self._dead: str | None = None
+        self._closing = False
+        first = wire.read_message(self._reader)
+        if first is None or first.get("op") != "ready":
+            code = self.process.wait()
+            detail = first.get("error") if first else f"the engine process exited with status {code}"
+            self._socket.close()
+            raise pb_utils.TritonModelException(f"[vllm] Failed to start engine: {detail}")
+        self.info = first["info"]
+        self.logger.log_info(f"[vllm] engine ready for {self.model_name}: {self.info} (pid {self.process.pid})")
+        self._thread = threading.Thread(target=self._read_loop, name="vllm-stand-in-reader", daemon=True)
+        self._thread.start()
+
+    def finalize(self):
+        self.logger.log_info("[vllm] Issuing finalize to vllm backend")
+        self._closing = True
+        try:
+            self._socket.shutdown(socket.SHUT_WR)  # the engine process drains, shuts vLLM down and exits
+        except OSError:
+            pass
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._thread.join(timeout=10)
+        self._socket.close()
+
+    # -- requests ----------------------------------------------------------------------------------------------
+
+    def _send(self, message: dict) -> None:
+        data = wire.encode(message)
+        with self._write_lock:
+            self._socket.sendall(data)
+
+    @staticmethod
+    def _error(sender, message: str, code) -> None:
+        sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message=ERROR_PREFIX + message, code=code)),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            if self._dead is not None:
+                self._error(sender, f"Model is unavailable due to unhealthy vLLM engine: {self._dead}",
+                            pb_utils.TritonError.UNAVAILABLE)
+                continue
+            try:
+                parsed = read_request(request, self.model_name)
+            except RequestError as exc:
+                self._error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+                continue
+            request_id = uuid.uuid4().hex
+            with self._lock:
+                self._requests[request_id] = _Request(sender, parsed)
+            try:
+                self._send({"op": "generate", "id": request_id, "prompt": parsed["prompt"],
+                            "params": parsed["params"], "root": parsed["root"]})
+            except OSError as exc:
+                with self._lock:
+                    self._requests.pop(request_id, None)
+                self._error(sender, f"the engine process is gone: {exc}", pb_utils.TritonError.UNAVAILABLE)
+        return None
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                message = wire.read_message(self._reader)
+            except (OSError, ValueError) as exc:
+                message, reason = None, f"engine connection failed: {exc}"
+            else:
+                reason = f"the engine process exited (status {self.process.poll()})"
+            if message is None:
+                self._engine_died(reason)
+                return
+            if message.get("op") == "dead":
+                self._engine_died(message.get("error", "the engine died"))
+                continue
+            self._on_message(message)
+
+    def _on_message(self, message: dict) -> None:
+        request_id = message["id"]
+        with self._lock:
+            state = self._requests.get(request_id)
+        if state is None:
+            return  # cancelled or failed already
+        if "error" in message:
+            self._drop(request_id)
+            code = {"INVALID_ARG": pb_utils.TritonError.INVALID_ARG,
+                    "UNAVAILABLE": pb_utils.TritonError.UNAVAILABLE}.get(message.get("code"),
+                                                                          pb_utils.TritonError.INTERNAL)
+            self._error(state.sender, message["error"], code)
+            return
+        if state.sender.is_cancelled():
+            self._drop(request_id)
+            try:
+                self._send({"op": "abort", "id": request_id})
+            except OSError:
+                pass
+            self.logger.log_info("[vllm] Cancelling the request")
+            state.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                message="Request was cancelled", code=pb_utils.TritonError.CANCELLED)),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        texts, tokens = state.add(message)
+        done = bool(message["done"])
+        if done:
+            self._drop(request_id)
+        if state.stream:
+            state.sender.send(state.response(texts, tokens),
+                              flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if done else 0)
+        elif done:
+            state.sender.send(state.response(state.texts, state.tokens, state.prompt if state.prepend else ""),
+                              flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _drop(self, request_id: str) -> None:
+        with self._lock:
+            self._requests.pop(request_id, None)
+
+    def _engine_died(self, reason: str) -> None:
+        """As NVIDIA's health check does: every caller gets UNAVAILABLE and the model is unloaded (not ready)."""
+        if self._dead is not None or self._closing:
+            return
+        self._dead = reason
+        self.logger.log_error(f"[vllm] Engine is not healthy and model will be unloaded: {reason}")
+        with self._lock:
+            pending, self._requests = list(self._requests.values()), {}
+        for state in pending:
+            try:
+                self._error(state.sender, f"Model is unavailable due to unhealthy vLLM engine: {reason}",
+                            pb_utils.TritonError.UNAVAILABLE)
+            except Exception as exc:  # a sender whose client is gone: nothing more to tell it
+                self.logger.log_warn(f"[vllm] could not fail a request: {exc}")
+        try:
+            pb_utils.unload_model(self.model_name)
+        except Exception as exc:  # not in explicit model control mode: the model stays, answering UNAVAILABLE
+            self.logger.log_warn(f"[vllm] could not unload {self.model_name}: {exc}")

@@ -1,0 +1,331 @@
+"""The engine process behind the stand-in `vllm` backend (serving_image/triton/backends/vllm/model.py).
+
+Started by the backend's `initialize` with .venv-serving's interpreter, on one end of a Unix socket pair:
+
+    python -m serving_image.triton.engine_host --model-json <repo>/<m>/1/model.json --fd N --model-name M
+
+It starts vLLM's AsyncLLM from model.json through the project's adapter (serving_image/engine/vllm_local.py: the
+same engine arguments, KV-cache sizing, structured-output settings and metrics as the `openai` mode; vLLM's metrics
+go to $PROMETHEUS_MULTIPROC_DIR, and plugins such as the constraint processor load through their entry points), then
+serves the backend's requests until the socket closes (the model is unloaded, or the stub died).
+
+`sampling_parameters` is parsed here, as NVIDIA's backend does (`TritonSamplingParams.from_dict`): a JSON object;
+`None` values dropped; `structured_outputs` a JSON string for StructuredOutputsParams; `guided_decoding` a string or an
+object (its `backend` key refused unless xgrammar/auto); `extra_args` passed through (the platform's `constraint`
+rides there and is validated as everywhere else, docs/architecture.md §3.5); every other key must be a SamplingParams
+field, converted with int()/float() where the field says so. Unlike that backend, every refusal names the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import socket
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+from serving_image.engine.base import (
+    EngineInputError,
+    EngineUnavailableError,
+    ModelInfo,
+    context_window_error,
+)
+from serving_image.triton.backends.vllm import engine_wire as wire
+
+log = logging.getLogger("llm_serving.triton.engine_host")
+
+# SamplingParams fields a request may not set: the backend owns how outputs come back.
+_BACKEND_OWNED = {"output_kind", "skip_clone", "output_text_buffer_length", "detokenize"}
+_GUIDED_BACKENDS = ("xgrammar", "xgrammar:no-fallback", "auto", "xgrammar:_auto")
+RESERVED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
+                                 "triton_enable_empty_final_response", "headers"})
+
+
+class ParameterError(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _fields() -> dict[str, Any]:
+    from vllm.sampling_params import SamplingParams
+
+    hints = typing.get_type_hints(SamplingParams, include_extras=False)
+    return {name: hint for name, hint in hints.items() if not name.startswith("_") and name not in _BACKEND_OWNED}
+
+
+def _convert(field: str, value: Any, hint: Any) -> Any:
+    """int()/float() where the field is a number, as the backend's type mapping does; booleans must be JSON booleans
+    (the backend's bool("false") is True, so this refuses rather than guess)."""
+    optional_int = hint == (int | None)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ParameterError(field, f"{field} must be true or false, got {value!r:.40}")
+        return value
+    if hint is int or optional_int:
+        if isinstance(value, bool):
+            raise ParameterError(field, f"{field} must be an integer, got {value!r}")
+        try:
+            number = int(value) if isinstance(value, int | str) else None
+        except ValueError:
+            number = None
+        if number is None and isinstance(value, float) and value.is_integer():
+            number = int(value)
+        if number is None:
+            raise ParameterError(field, f"{field} must be an integer, got {value!r:.60}")
+        return number
+    if hint is float:
+        if isinstance(value, bool):
+            raise ParameterError(field, f"{field} must be a number, got {value!r}")
+        try:
+            number = float(value) if isinstance(value, int | float | str) else None
+        except ValueError:
+            number = None
+        if number is None or not math.isfinite(number):
+            raise ParameterError(field, f"{field} must be a finite number, got {value!r:.60}")
+        return number
+    if hint is str and not isinstance(value, str):
+        raise ParameterError(field, f"{field} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _structured(field: str, value: Any, *, string_only: bool):
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ParameterError(field, f"{field} is not valid JSON: {exc}") from None
+    elif string_only:
+        raise ParameterError(field, f"{field} must be a JSON string (the vLLM backend json.loads it), e.g. "
+                             f"\"{{\\\"json\\\": {{...}}}}\"; got {type(value).__name__}")
+    if not isinstance(value, dict):
+        raise ParameterError(field, f"{field} must hold a JSON object")
+    value = dict(value)
+    if not string_only and "backend" in value:
+        backend = value.pop("backend")
+        if backend not in _GUIDED_BACKENDS:
+            raise ParameterError(f"{field}.backend", f"{field}.backend is no longer supported request-level. "
+                                 f"Provided: {backend}")
+    known = set(StructuredOutputsParams.__annotations__) - {n for n in StructuredOutputsParams.__annotations__
+                                                            if n.startswith("_")}
+    for key in value:
+        if key not in known:
+            raise ParameterError(f"{field}.{key}", f"{field}.{key} is not a structured-output option; options are "
+                                 f"{', '.join(sorted(known))}")
+    if isinstance(value.get("json"), str):
+        try:
+            value["json"] = json.loads(value["json"])
+        except json.JSONDecodeError as exc:
+            raise ParameterError(f"{field}.json", f"{field}.json is not valid JSON: {exc}") from None
+    try:
+        return StructuredOutputsParams(**value)
+    except (TypeError, ValueError) as exc:
+        raise ParameterError(field, f"{field}: {exc}") from None
+
+
+def sampling_params_from_json(text: str | None, root: str, info: ModelInfo, *, json_control_bias=None):
+    """vLLM SamplingParams (output_kind DELTA) from the request's `sampling_parameters` text (or its parameters,
+    `root` = "parameters"). Raises ParameterError naming the field."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    from serving_image.constraints.spec import ConstraintError, spec_to_json, validate_constraint
+
+    try:
+        params = json.loads(text) if text else {}
+    except json.JSONDecodeError as exc:
+        raise ParameterError(root, f"{root} is not valid JSON: {exc}") from None
+    if not isinstance(params, dict):
+        raise ParameterError(root, f"{root} must be a JSON object, got {type(params).__name__}")
+    params = {k: v for k, v in params.items() if v is not None}
+    if root == "parameters":
+        params = {k: v for k, v in params.items() if k not in RESERVED_PARAMETERS}
+    fields = _fields()
+    values: dict[str, Any] = {}
+    structured = None
+    if "structured_outputs" in params:
+        structured = _structured(f"{root}.structured_outputs", params.pop("structured_outputs"), string_only=True)
+    if "guided_decoding" in params:
+        guided = _structured(f"{root}.guided_decoding", params.pop("guided_decoding"), string_only=False)
+        structured = structured or guided
+    if "lora_name" in params:
+        raise ParameterError(f"{root}.lora_name", f"{root}.lora_name: LoRA feature is not enabled.")
+    if "constraint" in params:
+        raise ParameterError(f"{root}.constraint", f"{root}.constraint is not a SamplingParams field: send the "
+                             "constraint as extra_args.constraint (SamplingParams.extra_args, where the constraint "
+                             "processor reads it)")
+    extra = params.pop("extra_args", None)
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise ParameterError(f"{root}.extra_args", f"{root}.extra_args must be a JSON object")
+        extra = dict(extra)
+        if extra.get("constraint") is not None:
+            where = f"{root}.extra_args.constraint"
+            if structured is not None:
+                raise ParameterError(where, f"{where} cannot be combined with structured outputs: each one alone "
+                                     "decides the allowed tokens")
+            try:
+                extra["constraint"] = spec_to_json(validate_constraint(extra["constraint"], info.vocab_size,
+                                                                       info.eos_token_id))
+            except ConstraintError as exc:
+                field = where + exc.field.removeprefix("constraint")
+                raise ParameterError(field, f"{field}: {exc.reason}") from None
+    for key, value in params.items():
+        field = f"{root}.{key}"
+        if key not in fields:
+            raise ParameterError(field, f"{field} is not a vLLM SamplingParams field")
+        values[key] = _convert(field, value, fields[key])
+    if "logit_bias" in values:
+        bias = values["logit_bias"]
+        if not isinstance(bias, dict):
+            raise ParameterError(f"{root}.logit_bias", f"{root}.logit_bias must be an object of token id -> bias")
+        values["logit_bias"] = {_convert(f"{root}.logit_bias.{k}", k, int): _convert(f"{root}.logit_bias.{k}", v,
+                                                                                      float) for k, v in bias.items()}
+    if json_control_bias is not None:
+        kind = None
+        if structured is not None and (structured.json is not None or structured.json_object):
+            kind = "json_schema"
+        values["logit_bias"] = json_control_bias(kind, values.get("logit_bias"))
+    try:
+        return SamplingParams(**values, structured_outputs=structured, extra_args=extra,
+                              output_kind=RequestOutputKind.DELTA)
+    except (TypeError, ValueError) as exc:
+        message = str(exc)
+        named = next((k for k in sorted(values, key=len, reverse=True) if k in message), None)
+        field = f"{root}.{named}" if named else root
+        raise ParameterError(field, f"{field}: {message}") from None
+
+
+# -- the process ---------------------------------------------------------------------------------------------------
+
+
+def _engine_args(config: dict) -> tuple[Path, Path, dict]:
+    config = dict(config)
+    model = Path(config.pop("model"))
+    tokenizer = Path(config.pop("tokenizer", model))
+    structured = config.get("structured_outputs_config")
+    if isinstance(structured, dict):
+        from vllm.config import StructuredOutputsConfig
+
+        config["structured_outputs_config"] = StructuredOutputsConfig(**structured)
+    return model, tokenizer, config
+
+
+class EngineHost:
+    def __init__(self, engine, writer: asyncio.StreamWriter):
+        self.engine = engine
+        self.writer = writer
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    def send(self, message: dict) -> None:
+        self.writer.write(wire.encode(message))
+
+    async def generate(self, message: dict) -> None:
+        request_id = message["id"]
+        info = self.engine.info
+        try:
+            try:
+                params = sampling_params_from_json(message.get("params"), message.get("root", "sampling_parameters"),
+                                                   info, json_control_bias=self.engine.json_control_bias)
+            except ParameterError as exc:
+                raise EngineInputError(str(exc), exc.field) from None
+            prompt_ids = self.engine.encode_prompt(message["prompt"], add_special_tokens=True)
+            root = message.get("root", "sampling_parameters")
+            if error := context_window_error(len(prompt_ids), params.max_tokens, info.max_model_len,
+                                             prompt_field="text_input", max_tokens_field=f"{root}.max_tokens"):
+                raise error
+            async for output in self.engine.generate_params(request_id, prompt_ids, params):
+                self.send({"id": request_id, "p": output.prompt_tokens, "done": output.finished,
+                           "out": [[c.index, c.text, len(c.token_ids), c.finish_reason] for c in output.choices]})
+                await self.writer.drain()
+        except asyncio.CancelledError:
+            await self.engine.abort(request_id)
+            raise
+        except EngineInputError as exc:
+            self.send({"id": request_id, "error": str(exc), "code": "INVALID_ARG"})
+        except EngineUnavailableError as exc:
+            self.send({"id": request_id, "error": str(exc), "code": "UNAVAILABLE"})
+        except Exception as exc:  # a bug here is the server's error, reported as such, never as the client's
+            log.exception("request %s failed", request_id)
+            self.send({"id": request_id, "error": f"{type(exc).__name__}: {exc}", "code": "INTERNAL"})
+        finally:
+            self.tasks.pop(request_id, None)
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            if reason := self.engine.dead_reason:
+                log.error("engine died: %s", reason)
+                self.send({"op": "dead", "error": reason})
+                await self.writer.drain()
+                self.writer.close()  # the stub sees the reason, then the end of the stream
+                return
+
+    async def serve(self, reader: asyncio.StreamReader) -> None:
+        watcher = asyncio.create_task(self.watch())
+        try:
+            while True:
+                message = await wire.read_message_async(reader)
+                if message is None:
+                    return
+                op = message.get("op")
+                if op == "generate":
+                    self.tasks[message["id"]] = asyncio.create_task(self.generate(message))
+                elif op == "abort":
+                    task = self.tasks.pop(message["id"], None)
+                    if task is not None:
+                        task.cancel()
+        finally:
+            watcher.cancel()
+            for task in list(self.tasks.values()):
+                task.cancel()
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+
+async def run(model_json: Path, fd: int, model_name: str, model_version: str) -> int:
+    from serving_image.engine.vllm_local import VllmLocalEngine
+
+    sock = socket.socket(fileno=fd)
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    try:
+        model, tokenizer, args = _engine_args(json.loads(model_json.read_text()))
+        engine = await VllmLocalEngine.start(name=model_name, version=model_version, model_path=model,
+                                             tokenizer_path=tokenizer, args=args)
+    except Exception as exc:
+        log.exception("engine start failed")
+        writer.write(wire.encode({"op": "failed", "error": f"{type(exc).__name__}: {exc}"}))
+        await writer.drain()
+        return 1
+    info = engine.info
+    writer.write(wire.encode({"op": "ready", "info": {"max_model_len": info.max_model_len,
+                                                      "vocab_size": info.vocab_size}}))
+    await writer.drain()
+    host = EngineHost(engine, writer)
+    try:
+        await host.serve(reader)
+    finally:
+        await engine.shutdown()
+        writer.close()
+    return 0 if engine.dead_reason in (None, "engine shut down") else 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-json", type=Path, required=True)
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--model-name", required=True)
+    parser.add_argument("--model-version", default="1")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.exit(asyncio.run(run(args.model_json, args.fd, args.model_name, args.model_version)))
+
+
+if __name__ == "__main__":
+    main()

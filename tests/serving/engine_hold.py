@@ -1,0 +1,64 @@
+"""Hold a running vLLM engine still, so that a test that needs a race forces it instead of hoping for it.
+
+vLLM runs its engine core (and, on CPU, its worker) in child processes of the server. SIGSTOP freezes them: no
+step runs, no token is produced, and what the front-end already received still flows to the clients. Whatever a
+test does while the engine is held (disconnect, kill, scrape) therefore happens at a known point of the
+generation, whatever the machine's speed. SIGCONT lets the engine go on; SIGKILL works on a held process too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import psutil
+
+
+@dataclass(frozen=True)
+class EngineProcesses:
+    """The engine's processes under one server process."""
+
+    pids: tuple[int, ...]
+
+    @classmethod
+    def of(cls, server_pid: int) -> EngineProcesses:
+        """Every descendant of the server but Python's multiprocessing resource tracker (not part of the engine)."""
+        pids = tuple(p.pid for p in psutil.Process(server_pid).children(recursive=True)
+                     if "resource_tracker" not in " ".join(p.cmdline()))
+        if not pids:
+            raise AssertionError(f"process {server_pid} has no engine child processes")
+        return cls(pids)
+
+    def _signal_and_wait(self, sig: int, stopped: bool) -> None:
+        for pid in self.pids:
+            os.kill(pid, sig)
+        # Signals are delivered asynchronously: wait until the kernel reports every process in the wanted state, so
+        # that the caller's next step really happens with the engine held (or running).
+        deadline = time.monotonic() + 30
+        for pid in self.pids:
+            while (psutil.Process(pid).status() == psutil.STATUS_STOPPED) != stopped:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"engine process {pid} did not {'stop' if stopped else 'continue'}")
+                time.sleep(0.005)
+
+    def hold(self) -> None:
+        self._signal_and_wait(signal.SIGSTOP, stopped=True)
+
+    def release(self) -> None:
+        self._signal_and_wait(signal.SIGCONT, stopped=False)
+
+    def kill(self) -> None:
+        for pid in self.pids:
+            os.kill(pid, signal.SIGKILL)
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        self.hold()
+        try:
+            yield
+        finally:
+            self.release()
