@@ -11,6 +11,7 @@ CHECKOV := .venv-checkov
 TRITON := .venv-triton
 MODEL ?=
 MODE ?=
+# Extra pytest arguments, e.g. PYTEST_ARGS='-x -k kserve'. Each suite prints its 15 slowest tests at the end.
 PYTEST_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -26,8 +27,11 @@ up: serving-env triton-env
 test: serving-env infra-env checkov-env triton-env crd-validate-env
 	$(SERVING)/bin/ruff check .
 	$(SERVING)/bin/lint-imports
-	$(SERVING)/bin/python -m pytest tests/serving tests/native $(PYTEST_ARGS)
-	$(INFRA)/bin/python -m pytest tests/infra $(PYTEST_ARGS)
+	@# Both suites run even when the first fails (a red serving suite must not hide the infra suite's result).
+	rc=0; \
+	$(SERVING)/bin/python -m pytest tests/serving tests/native --durations=15 $(PYTEST_ARGS) || rc=$$?; \
+	$(INFRA)/bin/python -m pytest tests/infra --durations=15 $(PYTEST_ARGS) || rc=$$?; \
+	exit $$rc
 
 plan: infra-env checkov-env crd-validate-env
 	$(INFRA)/bin/python -m infra.plan

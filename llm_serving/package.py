@@ -315,7 +315,7 @@ class PackageSpec:
     engine_args: dict | None = None
     tasks: tuple[str, ...] = ("generate",)
     plugins: tuple[Path, ...] = ()
-    python_model: Path | None = None
+    python_model: Path | None = None  # model.py, or a directory holding model.py and its helper modules
     config_pbtxt: Path | None = None
 
 
@@ -367,7 +367,24 @@ def build_package(spec: PackageSpec, out: Path) -> Path:
             if spec.python_model is None or spec.config_pbtxt is None:
                 raise PackageError("a python-backend package needs --python-model and --config-pbtxt")
             (staging / "python").mkdir()
-            shutil.copyfile(spec.python_model, staging / "python" / "model.py")
+            source = Path(spec.python_model)
+            if source.is_dir():
+                # model.py and the helper modules (and data files) it imports from its own directory: Triton runs
+                # the model with its version directory on sys.path, so the package carries the whole directory.
+                if not (source / "model.py").is_file():
+                    raise PackageError(f"{source}: a python model directory needs a model.py")
+                for path in sorted(source.rglob("*")):
+                    rel = path.relative_to(source)
+                    if path.is_dir() or any(p.startswith(".") or p == "__pycache__" for p in rel.parts) or \
+                            rel.as_posix() == "config.pbtxt":
+                        continue
+                    if rel.suffix in (".pyc", ".pyo"):
+                        continue
+                    target = staging / "python" / rel
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(path, target)
+            else:
+                shutil.copyfile(source, staging / "python" / "model.py")
             shutil.copyfile(spec.config_pbtxt, staging / "python" / "config.pbtxt")
             python = PythonModel(weights="weights" if spec.model_dir else None)
             fingerprint = io_fingerprint(*pbtxt_io(Path(spec.config_pbtxt).read_text()))

@@ -40,9 +40,12 @@ def _model_id_from_dir(path: Path) -> str:
     return name or "model"
 
 
-def _content_version(model_dir: Path, engine_args: dict) -> str:
-    """A version that changes exactly when the weights or engine arguments change (publishing is immutable)."""
-    digest = hashlib.sha256(json.dumps(engine_args, sort_keys=True).encode())
+def _content_version(model_dir: Path, engine_args: dict, serving_mode: ServingMode = ServingMode.OPENAI) -> str:
+    """A version that changes exactly when the package's content does: the weights, the engine arguments or the
+    serving mode (chosen per deployment at packaging, so part of the package). Publishing is immutable: `make up`
+    then `make up MODE=standalone` are two packages, two versions."""
+    digest = hashlib.sha256(json.dumps({"engine_args": engine_args, "serving_mode": str(serving_mode)},
+                                       sort_keys=True).encode())
     for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and not p.name.startswith(".")):
         digest.update(path.relative_to(model_dir).as_posix().encode())
         digest.update(str(path.stat().st_size).encode())
@@ -95,9 +98,12 @@ def _print_ready(started) -> None:
     openai_mode = started.package.manifest.serving_mode is ServingMode.OPENAI
     console.print(
         ("  OpenAI API     http://localhost:9000/v1   (models, completions, chat/completions)\n"
-         "  readiness      http://localhost:9000/health/ready\n" if openai_mode else
-         "  serving mode   standalone: KServe only, no OpenAI front-end\n") +
-        "  metrics        http://localhost:8002/metrics   (vLLM + Triton-named front-end metrics)\n"
+         "  readiness      http://localhost:9000/health/ready\n"
+         "  metrics        http://localhost:8002/metrics   (vLLM + Triton-named front-end metrics)\n"
+         if openai_mode else
+         f"  serving mode   standalone: NVIDIA's tritonserver {getattr(started.engine, 'server_version', '')} owns "
+         "the KServe ports, no OpenAI front-end\n"
+         "  metrics        http://localhost:8002/metrics   (Triton's nv_* + vLLM)\n") +
         "  KServe v2      http://localhost:8000/v2 (health, metadata, generate)   gRPC localhost:8001 "
         "(tritonclient; stream with ModelStreamInfer)\n"
     )
@@ -109,7 +115,7 @@ def _print_ready(started) -> None:
     if openai_mode:
         console.print(f"  curl -s http://localhost:9000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
                       f"       -d '{example}'", markup=False, highlight=False, soft_wrap=True)
-    kserve = json.dumps({"text_input": "Say hello", "parameters": {"max_tokens": 16}})
+    kserve = json.dumps({"text_input": "Say hello", "parameters": {"max_tokens": 16}, "return_num_output_tokens": True})
     console.print(f"  curl -s http://localhost:8000/v2/models/{info.name}/generate -d '{kserve}'", markup=False,
                   highlight=False, soft_wrap=True)
     console.print("The demo model has random weights: expect schema-valid nonsense.  Ctrl-C stops everything.")
@@ -133,11 +139,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         max_len = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 2048)
         engine_args = {"max_model_len": min(int(max_len), 4096), "kv_cache_memory_bytes": 1 << 30}
     engine_args.update(dict(args.engine_arg or []))
-    version = _content_version(model_dir, engine_args)
+    serving_mode = ServingMode(getattr(args, "serving_mode", "openai"))
+    version = _content_version(model_dir, engine_args, serving_mode)
     console.print(f"[bold]model[/] {model_dir} -> {model_id} {version}")
     with console.status("packaging"):
         package = build_package(PackageSpec(model_dir, model_id, version, engine_args=engine_args,
-                                            serving_mode=ServingMode(getattr(args, "serving_mode", "openai"))),
+                                            serving_mode=serving_mode),
                                 cache / "packages" / f"{model_id}-{version}.tar.gz")
     console.print(f"[green]packaged[/] {package}")
     store = LocalStore(cache / "store", cache / "model-cache")
@@ -174,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-arg", type=_engine_arg, action="append", metavar="KEY=VALUE",
                    help="vLLM engine argument (JSON value or string), repeatable")
     p.add_argument("--plugin", type=Path, action="append", help="plugin wheel, repeatable")
-    p.add_argument("--python-model", type=Path, help="model.py (python backend)")
+    p.add_argument("--python-model", type=Path,
+                   help="model.py, or a directory with model.py and its helper modules (python backend)")
     p.add_argument("--config-pbtxt", type=Path, help="config.pbtxt with explicit I/O (python backend)")
     p.add_argument("--out", type=Path, required=True, help="output directory, or a path ending in .tar.gz")
     p.set_defaults(func=cmd_package)
@@ -195,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="a Hugging Face model directory instead of the demo model")
     p.add_argument("--engine-arg", type=_engine_arg, action="append", metavar="KEY=VALUE")
     p.add_argument("--serving-mode", choices=[m.value for m in ServingMode], default="openai",
-                   help="openai: OpenAI + KServe front-ends; standalone: KServe only (the local stand-in for Triton)")
+                   help="openai: OpenAI + KServe front-ends; standalone: NVIDIA's tritonserver alone on the KServe "
+                        "ports")
     p.set_defaults(func=cmd_up)
 
     # Rollouts live in the control plane (.venv-infra): imported only when run; its own parser reads every argument

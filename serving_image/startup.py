@@ -67,6 +67,9 @@ class StartupConfig:
     frontend_metrics_port: int = 8004
     multiproc_dir: Path | None = None  # default: $PROMETHEUS_MULTIPROC_DIR, else <workdir>/prometheus
     engine_overrides: dict = field(default_factory=dict)  # local runs only (e.g. a smaller KV cache in tests)
+    # Packages the same Triton serves beside `package` (standalone mode only): e.g. the LLM that a Python-backend
+    # model calls through business-logic scripting (BLS), which must be a model of the same server.
+    companions: list[Path] = field(default_factory=list)
     # After SIGTERM, readiness is false and new requests get 503 for this long before the listeners close, so the
     # load balancer stops sending traffic first (Kubernetes removes endpoints asynchronously). SIGINT skips it.
     drain_delay_s: float = field(default_factory=lambda: float(os.environ.get("LLM_SERVING_DRAIN_DELAY_S", "5")))
@@ -86,6 +89,7 @@ class Started:
     package: VerifiedPackage
     engine: object
     timings: list[StepTiming]
+    companions: list[VerifiedPackage] = field(default_factory=list)
     servers: list = field(default_factory=list)  # objects with .stop() (threads) or uvicorn servers
     uvicorn_servers: list = field(default_factory=list)
     grpc_servers: list = field(default_factory=list)  # grpc.aio servers (stopped with a grace period)
@@ -115,15 +119,15 @@ async def _run_step(number: int, timings: list[StepTiming], fn: Callable[[], Awa
     return value
 
 
-def _unpack(config: StartupConfig) -> tuple[str, VerifiedPackage]:
-    package = open_package(config.package, config.workdir / "packages")
-    ident = package.manifest.model
-    return (f"{ident.id} {ident.version}, backend {ident.backend}, {len(package.manifest.files)} files verified",
-            package)
+def _unpack(config: StartupConfig) -> tuple[str, list[VerifiedPackage]]:
+    packages = [open_package(path, config.workdir / "packages") for path in (config.package, *config.companions)]
+    details = [f"{p.manifest.model.id} {p.manifest.model.version}, backend {p.manifest.model.backend}, "
+               f"{len(p.manifest.files)} files verified" for p in packages]
+    return "; ".join(details), packages
 
 
-def _install_plugins(package: VerifiedPackage, config: StartupConfig) -> str:
-    wheels = [package.root / plugin.wheel for plugin in package.manifest.plugins]
+def _install_plugins(packages: list[VerifiedPackage], config: StartupConfig) -> str:
+    wheels = [package.root / plugin.wheel for package in packages for plugin in package.manifest.plugins]
     if not wheels:
         return "no plugins"
     target = config.workdir / "plugins"
@@ -189,20 +193,40 @@ def _clear_metrics_dir(config: StartupConfig) -> str:
     return f"{directory}: removed {removed} stale file(s)"
 
 
-async def _start_engine(package: VerifiedPackage, config: StartupConfig):
+async def _start_engine(packages: list[VerifiedPackage], config: StartupConfig):
+    package = packages[0]
     manifest = package.manifest
-    if manifest.model.backend is not Backend.VLLM:
-        # Python-backend packages run inside Triton (its Python backend); there is no local equivalent engine.
-        raise RuntimeError("a python-backend package needs Triton; the local engine serves vllm-backend packages")
-    from serving_image.triton.runtime import check_pins, runtime, start_triton_engine
+    from serving_image.triton.runtime import (
+        check_pins,
+        is_standalone,
+        runtime,
+        start_standalone_triton,
+        start_triton_engine,
+    )
 
     pins = check_pins()  # the vLLM here must be compat.toml's, before anything is loaded (§3.9)
+    if is_standalone(package):
+        # tritonserver alone on the KServe ports: the image's, or the local one with the stand-in vllm backend. Its
+        # gRPC port opens only once the model is loaded (serving_image/triton/standalone.py).
+        triton = await start_standalone_triton(packages, config.workdir, http_port=config.kserve_http_port,
+                                               grpc_port=config.kserve_grpc_port,
+                                               metrics_port=config.frontend_metrics_port, host=config.host,
+                                               engine_overrides=config.engine_overrides)
+        where = "image" if runtime() == "triton" else "local"
+        served = ", ".join(f"{p.manifest.model.id} {p.manifest.model.version} ({p.manifest.model.backend})"
+                           for p in packages)
+        return f"{pins}; Triton {triton.server_version} ({where}) ready: {served}", triton
+    if len(packages) > 1:
+        raise RuntimeError("companion packages are served beside the main one by Triton, in the standalone serving "
+                           "mode only")
+    if manifest.model.backend is not Backend.VLLM:
+        # Python-backend models run in Triton's Python backend, which this project serves in the standalone mode.
+        raise RuntimeError("a python-backend package is served by Triton in the standalone serving mode; package it "
+                           "with --serving-mode standalone")
     engine_cfg = manifest.engine
     args = {**engine_cfg.args, **config.engine_overrides}
     if runtime() == "triton":
-        engine = await start_triton_engine(package, config.workdir, int(args.get("max_model_len", 4096)),
-                                           http_port=config.kserve_http_port, grpc_port=config.kserve_grpc_port,
-                                           metrics_port=config.frontend_metrics_port)
+        engine = await start_triton_engine(package, config.workdir, int(args.get("max_model_len", 4096)))
         return f"{pins}; Triton in-process ready: {engine.info.name} {engine.info.version}", engine
     from serving_image.engine.vllm_local import VllmLocalEngine
 
@@ -248,15 +272,17 @@ async def _open_ports(started: Started, config: StartupConfig) -> str:
     from serving_image.openai_api.app import create_app
 
     api_config = APIConfig.from_env()  # a bad LLM_SERVING_* value fails this step, naming the variable
-    from serving_image.triton.runtime import standalone_in_image
+    from serving_image.triton.runtime import is_standalone
 
-    if standalone_in_image(started.package):
-        # Triton alone: its own KServe ports are already up (step 4); the proxy fetches Triton's metrics port.
+    if is_standalone(started.package):
+        # Triton alone: its own KServe ports are already up (step 4) and this project's KServe front-ends stay off;
+        # the proxy merges Triton's metrics (its internal port) with vLLM's multiprocess files.
         proxy = start_proxy(ProxyConfig(multiproc_dir=config.multiproc_dir, host=config.host, port=config.metrics_port,
                                         upstream_url=f"http://127.0.0.1:{config.frontend_metrics_port}/metrics"))
         started.servers.append(proxy)
         return (f"serving mode standalone: Triton's KServe HTTP :{config.kserve_http_port} gRPC "
-                f":{config.kserve_grpc_port}, metrics :{proxy.port} (Triton's :{config.frontend_metrics_port})")
+                f":{config.kserve_grpc_port}, metrics :{proxy.port} (Triton's :{config.frontend_metrics_port}); "
+                "no OpenAI front-end")
 
     metrics = FrontendMetrics()
     frontend_metrics = serve_frontend_metrics(metrics, port=config.frontend_metrics_port)
@@ -264,21 +290,15 @@ async def _open_ports(started: Started, config: StartupConfig) -> str:
     proxy = start_proxy(ProxyConfig(multiproc_dir=config.multiproc_dir, upstream_url=frontend_metrics.url,
                                     host=config.host, port=config.metrics_port))
     started.servers.append(proxy)
-    from llm_serving.manifest import ServingMode
     from serving_image.kserve.frontends import start_kserve
 
-    # KServe v2 on 8000/8001 in both serving modes; the OpenAI front-end only in `openai` mode (`standalone` is
-    # Triton alone: its KServe API and nothing else, docs/architecture.md §3.4).
+    # `openai` mode: the OpenAI front-end and this project's KServe v2 front-ends over the same engine.
     kserve = await start_kserve(started.engine, metrics, host=config.host, grpc_port=config.kserve_grpc_port,
                                 http_port=config.kserve_http_port, is_draining=lambda: started.draining)
     started.grpc_servers.append(kserve.grpc_server)
     started.uvicorn_servers.append(kserve.http_server)
     started.tasks.append(kserve.http_task)
     kserve_detail = f"KServe HTTP :{config.kserve_http_port} gRPC :{kserve.grpc_port}"
-    mode = started.package.manifest.serving_mode
-    if mode is ServingMode.STANDALONE:
-        return (f"serving mode standalone: {kserve_detail}, metrics :{proxy.port} "
-                f"(front-end metrics :{frontend_metrics.port}); no OpenAI front-end")
     app = create_app(started.engine, metrics, is_draining=lambda: started.draining, config=api_config)
     openai_server = _uvicorn_server(app, config.host, config.openai_port)
     started.uvicorn_servers.append(openai_server)
@@ -297,11 +317,11 @@ async def start(config: StartupConfig) -> Started:
     timings: list[StepTiming] = []
     config.workdir.mkdir(parents=True, exist_ok=True)
     _resolve_multiproc_dir(config)
-    package = await _run_step(1, timings, lambda: _unpack(config))
-    await _run_step(2, timings, lambda: _install_plugins(package, config))
+    packages = await _run_step(1, timings, lambda: _unpack(config))
+    await _run_step(2, timings, lambda: _install_plugins(packages, config))
     await _run_step(3, timings, lambda: _clear_metrics_dir(config))
-    engine = await _run_step(4, timings, lambda: _start_engine(package, config))
-    started = Started(package=package, engine=engine, timings=timings)
+    engine = await _run_step(4, timings, lambda: _start_engine(packages, config))
+    started = Started(package=packages[0], engine=engine, timings=timings, companions=packages[1:])
     try:
         await _run_step(5, timings, lambda: _open_ports(started, config))
     except BaseException:
@@ -406,13 +426,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kserve-grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--frontend-metrics-port", type=int, default=8004)
+    parser.add_argument("--with-package", type=Path, action="append", default=[], dest="companions",
+                        help="a package the same Triton serves beside the main one (standalone mode; repeatable): "
+                             "e.g. the LLM a Python-backend model calls through BLS")
     args = parser.parse_args(argv)
     if args.package is None:
         parser.error("give the package path or set MODEL_PACKAGE")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="llm-serving-"))
     config = StartupConfig(package=args.package, workdir=workdir, host=args.host, openai_port=args.openai_port,
                            kserve_http_port=args.kserve_http_port, kserve_grpc_port=args.kserve_grpc_port,
-                           metrics_port=args.metrics_port, frontend_metrics_port=args.frontend_metrics_port)
+                           metrics_port=args.metrics_port, frontend_metrics_port=args.frontend_metrics_port,
+                           companions=list(args.companions))
     sys.exit(run(config))
 
 

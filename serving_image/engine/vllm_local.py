@@ -150,6 +150,10 @@ def _logprobs(token_ids, entries, tokenizer, k: int) -> tuple[TokenLogprob, ...]
     return tuple(out)
 
 
+def _already_shut_down(timeout: float | None = None) -> None:
+    """Stands in for AsyncLLM.shutdown once it has run (see VllmLocalEngine.shutdown)."""
+
+
 class VllmLocalEngine(HFTokenizerMixin, Engine):
     def __init__(self, llm, info: ModelInfo, embedder=None):
         self._llm = llm
@@ -336,5 +340,10 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
         self._llm = self._embedder = None
         for llm in llms:
             llm.shutdown()
+            # AsyncLLM.__del__ calls shutdown() again. If something still holds the engine (a finished request's
+            # generator, a log record), that second call runs during interpreter teardown, when vLLM's module
+            # globals are already None, and prints a TypeError traceback on every clean stop. The shutdown that
+            # matters has run: make the second one a no-op on this instance.
+            llm.shutdown = _already_shut_down
         del llms
-        gc.collect()  # let AsyncLLM.__del__ run now, not during interpreter teardown (it fails there)
+        gc.collect()

@@ -39,12 +39,12 @@ async def generate(server: ServerState, scope: RequestScope, body: ChatCompletio
     chat = isinstance(body, ChatCompletionRequest)
     requests = engine_requests(engine, body, scope.request_id)
     scope.admit(token_budget(requests, model))
-    streams = await start_streams(engine, requests)
-    scope.outcome.first_response_s = scope.elapsed_s()
     n = requests[0].sampling.n
     want_logprobs = requests[0].sampling.logprobs is not None
     echo_texts = [engine.decode(list(r.prompt)) for r in requests] if not chat and body.echo else None
     if body.stream:
+        streams = await start_streams(engine, requests)
+        scope.outcome.first_response_s = scope.elapsed_s()
         plan = StreamPlan(model=model.name, request_id=scope.request_id, requests=requests, chat=chat, n=n,
                           want_logprobs=want_logprobs,
                           include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -53,12 +53,16 @@ async def generate(server: ServerState, scope: RequestScope, body: ChatCompletio
 
     totals = [OutputTotals() for _ in requests]
 
-    async def collect() -> None:
+    async def answer() -> None:
+        streams = await start_streams(engine, requests)
+        scope.outcome.first_response_s = scope.elapsed_s()
         async for i, output in merged(streams):
             totals[i].add(output)
 
+    # Watched from the start, not from the first token on: a client may give up while its request still waits for
+    # the engine (queued behind others), and then the engine should not start on it.
     try:
-        completed, _ = await unless_disconnected(collect(), receive)
+        completed, _ = await unless_disconnected(answer(), receive)
     except (EngineInputError, EngineUnavailableError) as exc:
         raise engine_error(exc) from exc
     scope.outcome.prompt_tokens = sum(t.prompt_tokens for t in totals)

@@ -2,7 +2,8 @@
 
     <repository>/<model id>/config.pbtxt
     <repository>/<model id>/1/model.json      vllm backend: the engine arguments
-    <repository>/<model id>/1/model.py        python backend: the package's model.py
+    <repository>/<model id>/1/model.py        python backend: the package's model.py, with the helper modules
+                                              beside it in the package
 
 - vllm backend: `backend: "vllm"`, decoupled (the backend asserts it), no Triton batching (vLLM batches), one
   KIND_MODEL instance (vLLM places itself on the GPUs it is given), and the §3.3 tensor contract written out, so
@@ -175,5 +176,15 @@ def generate_repository(manifest: Manifest, package_dir: Path, repository: Path,
         assert manifest.python is not None
         config = python_model_config(manifest, (package_dir / manifest.python.config_pbtxt).read_text(), root)
         shutil.copyfile(package_dir / manifest.python.model_py, model_dir / VERSION_DIR / "model.py")
+        # The helper modules beside model.py in the package (Triton puts the version directory on sys.path).
+        source = PurePosixPath(manifest.python.model_py).parent
+        for rel in sorted(manifest.files) if source.parts else ():
+            path = PurePosixPath(rel)
+            if path.parent.parts[:len(source.parts)] != source.parts or rel in (manifest.python.model_py,
+                                                                               manifest.python.config_pbtxt):
+                continue
+            target = model_dir / VERSION_DIR / path.relative_to(source)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(package_dir / rel, target)
     (model_dir / "config.pbtxt").write_text(config_text(config))
     return model_dir

@@ -4,7 +4,9 @@
   it must equal compat.toml's pin. The package's Triton model repository is generated, and Triton runs in this
   process (`tritonserver` Python API) behind the engine interface (`openai` mode), or as tritonserver with its own
   KServe front-ends (`standalone` mode).
-- Everywhere else (`local`, the default) the engine is vLLM's CPU build, which must equal the local pin.
+- Everywhere else (`local`, the default) the engine is vLLM's CPU build, which must equal the local pin: in this
+  process behind the project's front-ends (`openai` mode), or behind the local tritonserver (`standalone` mode,
+  serving_image/triton/local_install.py) through the stand-in `vllm` backend.
 
 A vLLM that differs from its pin stops startup with both versions named: packages cannot bring their own vLLM
 (the package checks refuse them) and the image's cannot drift from what was tested.
@@ -43,17 +45,60 @@ def check_pins(pins: Pins | None = None) -> str:
     return check_vllm(installed_vllm(), runtime(), pins or load_pins())
 
 
-def standalone_in_image(package: VerifiedPackage) -> bool:
-    """`standalone` in the image: Triton alone, its own front-ends (serving_image/triton/standalone.py)."""
+def is_standalone(package: VerifiedPackage) -> bool:
+    """`standalone`: tritonserver alone owns the KServe ports (serving_image/triton/standalone.py), in the image and
+    locally alike."""
     from llm_serving.manifest import ServingMode
 
-    return runtime() == "triton" and package.manifest.serving_mode is ServingMode.STANDALONE
+    return package.manifest.serving_mode is ServingMode.STANDALONE
 
 
-async def start_triton_engine(package: VerifiedPackage, workdir: Path, max_model_len: int, *, http_port: int,
-                              grpc_port: int, metrics_port: int):
-    """Generate the package's Triton repository and start Triton on it: in this process (`openai` mode), or as
-    tritonserver with its own KServe front-ends (`standalone` mode)."""
+async def start_standalone_triton(packages: list[VerifiedPackage], workdir: Path, *, http_port: int, grpc_port: int,
+                                  metrics_port: int, host: str | None = None, engine_overrides: dict | None = None):
+    """Generate the packages' Triton repository (the first package is the main one; the others are served beside
+    it) and run tritonserver on it: the image's (NVIDIA's backends), or the local one (nvidia-pytriton's server with
+    this project's stand-in `vllm` backend). Returns a StandaloneTriton."""
+    import json
+    import sys
+
+    from llm_serving.manifest import Backend, ServingMode
+    from serving_image.triton.backends.vllm.engine_wire import ENGINE_PYTHON_ENV
+    from serving_image.triton.repository import generate_repository
+    from serving_image.triton.standalone import start_standalone
+
+    repository = workdir / "model-repository"
+    max_model_len = 0
+    ids = [p.manifest.model.id for p in packages]
+    if len(set(ids)) != len(ids):
+        raise RuntimeError(f"two packages serve the same model id: {', '.join(ids)}")
+    for package in packages:
+        manifest = package.manifest
+        if manifest.serving_mode is not ServingMode.STANDALONE:
+            raise RuntimeError(f"{manifest.model.id} {manifest.model.version} is packaged for the "
+                               f"{manifest.serving_mode} serving mode; Triton serves standalone packages together")
+        model_dir = generate_repository(manifest, package.root, repository, load_pins().pinned)
+        if manifest.model.backend is Backend.VLLM:
+            model_json = model_dir / "1" / "model.json"
+            engine = {**json.loads(model_json.read_text()), **(engine_overrides or {})}  # overrides: local runs only
+            model_json.write_text(json.dumps(engine, indent=2, sort_keys=True) + "\n")
+            if package is packages[0]:
+                max_model_len = int(engine.get("max_model_len", 0))
+    if runtime() == "triton":
+        binary, backends, env = "tritonserver", None, {}
+    else:
+        from serving_image.triton.local_install import locate
+
+        local = locate()
+        binary, backends = local.binary, local.backend_directory(workdir / "triton-backends")
+        env = {ENGINE_PYTHON_ENV: sys.executable}  # the stand-in backend's engine process runs in this venv
+    main = packages[0].manifest.model
+    return await start_standalone(repository=repository, models=ids, version=main.version, http_port=http_port,
+                                  grpc_port=grpc_port, metrics_port=metrics_port, binary=binary,
+                                  backend_directory=backends, host=host, env=env, max_model_len=max_model_len)
+
+
+async def start_triton_engine(package: VerifiedPackage, workdir: Path, max_model_len: int):
+    """`openai` mode in the image: generate the package's Triton repository and start Triton in this process."""
     from serving_image.engine.triton_inprocess import TritonInProcessEngine
     from serving_image.triton.repository import generate_repository
 
@@ -62,13 +107,6 @@ async def start_triton_engine(package: VerifiedPackage, workdir: Path, max_model
     repository = workdir / "model-repository"
     generate_repository(manifest, package.root, repository, pins.pinned)
     tokenizer = package.root / (manifest.engine.tokenizer or manifest.engine.model)
-    if standalone_in_image(package):
-        from serving_image.triton.standalone import start_standalone
-
-        return await start_standalone(repository=repository, model_id=manifest.model.id,
-                                      version=manifest.model.version, tokenizer_path=tokenizer,
-                                      max_model_len=max_model_len, http_port=http_port, grpc_port=grpc_port,
-                                      metrics_port=metrics_port, structured_key=pins.pinned.structured_outputs_key)
     return await TritonInProcessEngine.start(repository=repository, model_name=manifest.model.id,
                                              version=manifest.model.version, tokenizer_path=tokenizer,
                                              max_model_len=max_model_len,

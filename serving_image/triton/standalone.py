@@ -1,98 +1,168 @@
-"""The `standalone` serving mode in the image: Triton alone, with its own KServe front-ends.
+"""The `standalone` serving mode: NVIDIA's `tritonserver` alone owns the KServe ports (docs/architecture.md §3.2).
 
-Startup step 4 generates the model repository and starts `tritonserver` as a child process on the public KServe
-ports (8000 HTTP, 8001 gRPC) and on the internal metrics port (8004, which the metrics proxy on 8002 already fetches
-as its upstream, docs/architecture.md §3.8). The step is done when Triton reports the model ready over its own gRPC API;
-the returned engine is the Triton-remote adapter on that API, with the child process's liveness added, so the
-startup procedure's watch (exit when the engine dies) and shutdown work unchanged. Step 5 then opens only the
-metrics proxy: this project's KServe and OpenAI front-ends stay off.
+Startup step 4 generates the model repository (serving_image/triton/repository.py) and starts `tritonserver` as a
+child process on the public KServe ports (8000 HTTP, 8001 gRPC) and on an internal metrics port (8004, bound to
+127.0.0.1; the metrics proxy on 8002 fetches it and merges vLLM's multiprocess files, §3.8). Step 5 then opens only
+the metrics proxy: this project's own KServe front-ends and the OpenAI front-end stay off.
 
-`tritonserver` exists only in the Triton image; the command line is tested here, the process is not.
+- In the image, `tritonserver` is the Triton release's, with its own backends (NVIDIA's vllm_backend).
+- Locally (`make up MODE=standalone`, the tests), it is the tritonserver 2.51 from nvidia-pytriton
+  (serving_image/triton/local_install.py), with a backend directory in which `vllm` is this project's stand-in
+  (serving_image/triton/backends/vllm). Only `--backend-directory` differs.
+
+When the gRPC port opens: in explicit model control mode with `--load-model`, tritonserver loads the models before it
+binds HTTP and gRPC (measured on 2.51, and tested: tests/serving/test_triton_local.py holds the engine process
+stopped during the load and finds both ports closed). So 8001 accepts nothing until the model is ready, without
+anything else in front of it; step 4 is done when Triton reports every model ready over that port.
+
+The returned `StandaloneTriton` is what the startup procedure watches (the child's exit, or a model that stops being
+ready: the stand-in backend unloads its model when its engine dies, as NVIDIA's health check does) and stops (SIGTERM:
+Triton drains in-flight requests, unloads the models, whose engines stop, and exits).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-from serving_image.engine.triton_remote import TritonRemoteEngine
+from serving_image.engine.base import ModelInfo
 
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 1800  # loading a large model from the model cache can take many minutes
+WATCH_INTERVAL_S = 1.0
+STOP_TIMEOUT_S = 90  # Triton's own exit timeout is 30 s, then each model's finalize (its engine's shutdown)
 
 
-def tritonserver_command(repository: Path, model_id: str, *, http_port: int, grpc_port: int,
-                         metrics_port: int) -> list[str]:
-    return [
-        "tritonserver",
+def tritonserver_command(repository: Path, models: str | Sequence[str], *, http_port: int, grpc_port: int,
+                         metrics_port: int, binary: str | Path = "tritonserver",
+                         backend_directory: Path | None = None, host: str | None = None) -> list[str]:
+    models = [models] if isinstance(models, str) else list(models)
+    command = [
+        str(binary),
         f"--model-repository={repository}",
-        "--model-control-mode=explicit",  # load exactly the package's model
-        f"--load-model={model_id}",
+        "--model-control-mode=explicit",  # load exactly the package's model(s), before the ports open
+        *(f"--load-model={m}" for m in models),
         "--exit-on-error=true",
         "--strict-readiness=true",  # /v2/health/ready only when every loaded model is ready
         f"--http-port={http_port}",
         f"--grpc-port={grpc_port}",
         f"--metrics-port={metrics_port}",
+        "--metrics-address=127.0.0.1",  # internal: the metrics proxy on 8002 is the public one (§3.8)
         "--allow-metrics=true",
         "--metrics-config=histogram_latencies=true",  # nv_inference_first_response_histogram_ms (§3.8)
         "--log-verbose=0",
     ]
+    if host is not None:
+        command += [f"--http-address={host}", f"--grpc-address={host}"]
+    if backend_directory is not None:
+        command.append(f"--backend-directory={backend_directory}")
+    return command
 
 
-class TritonStandaloneEngine(TritonRemoteEngine):
-    """The Triton-remote adapter bound to the tritonserver child it started (set right after connecting)."""
+class StandaloneTriton:
+    """A running tritonserver child and the models it serves."""
 
-    process: subprocess.Popen
+    def __init__(self, process: subprocess.Popen, client, info: ModelInfo, models: tuple[str, ...],
+                 server_version: str):
+        self.process = process
+        self.server_version = server_version
+        self.info = info
+        self.models = models
+        self._client = client
+        self._dead: str | None = None
+        self._stopping = False
+        self._watch = asyncio.get_running_loop().create_task(self._watch_models())
+
+    async def _watch_models(self) -> None:
+        misses = 0
+        while not self._stopping:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            if self.process.poll() is not None or self._stopping:
+                return
+            try:
+                ready = all([await self._client.is_model_ready(m) for m in self.models])
+            except Exception:  # a refused or slow probe: count it, do not conclude from one
+                ready = False
+            misses = 0 if ready else misses + 1
+            if misses >= 3 and not self._stopping:
+                self._dead = f"Triton reports {', '.join(self.models)} not ready (an engine failed and its model " \
+                             "was unloaded)"
+                return
+
+    def is_ready(self) -> bool:
+        return self.dead_reason is None
 
     @property
     def dead_reason(self) -> str | None:
         code = self.process.poll()
-        if code is not None:
+        if code is not None and not self._stopping:
             return f"tritonserver exited with status {code}"
-        return super().dead_reason
-
-    def is_ready(self) -> bool:
-        return self.process.poll() is None and super().is_ready()
+        return self._dead
 
     async def shutdown(self) -> None:
-        await super().shutdown()
+        self._stopping = True
+        self._watch.cancel()
+        try:
+            await self._client.close()
+        except Exception as exc:  # closing a channel to a server that is going away
+            log.debug("closing the Triton client: %r", exc)
         if self.process.poll() is None:
-            self.process.terminate()  # Triton drains in-flight requests on SIGTERM
+            self.process.send_signal(signal.SIGTERM)  # Triton drains in-flight requests, unloads, exits
             try:
-                await asyncio.to_thread(self.process.wait, 60)
+                await asyncio.to_thread(self.process.wait, STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
+                log.warning("tritonserver did not stop in %ss: killing it", STOP_TIMEOUT_S)
                 self.process.kill()
+                await asyncio.to_thread(self.process.wait)
 
 
-async def start_standalone(*, repository: Path, model_id: str, version: str, tokenizer_path: Path,
-                           max_model_len: int, http_port: int, grpc_port: int, metrics_port: int,
-                           structured_key: str) -> TritonStandaloneEngine:
-    command = tritonserver_command(repository, model_id, http_port=http_port, grpc_port=grpc_port,
-                                   metrics_port=metrics_port)
+async def start_standalone(*, repository: Path, models: str | Sequence[str], version: str, http_port: int,
+                           grpc_port: int, metrics_port: int, binary: str | Path = "tritonserver",
+                           backend_directory: Path | None = None, host: str | None = None,
+                           env: dict[str, str] | None = None, max_model_len: int = 0,
+                           ready_timeout_s: float = READY_TIMEOUT_S) -> StandaloneTriton:
+    """Start tritonserver and wait until every model is ready (its gRPC port opens only then)."""
+    import tritonclient.grpc.aio as grpcaio
+
+    models = (models,) if isinstance(models, str) else tuple(models)
+    command = tritonserver_command(repository, models, http_port=http_port, grpc_port=grpc_port,
+                                   metrics_port=metrics_port, binary=binary, backend_directory=backend_directory,
+                                   host=host)
     log.info("starting %s", " ".join(command))
-    process = subprocess.Popen(command)
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    process = subprocess.Popen(command, env={**os.environ, **(env or {})})
+    url = f"{'127.0.0.1' if host in (None, '0.0.0.0', '') else host}:{grpc_port}"
+    client = grpcaio.InferenceServerClient(url)
+    deadline = time.monotonic() + ready_timeout_s
     try:
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with status {process.returncode} before {model_id} was "
-                                   "ready (its log above says why)")
+                raise RuntimeError(f"tritonserver exited with status {process.returncode} before "
+                                   f"{', '.join(models)} {'was' if len(models) == 1 else 'were'} ready (its log above "
+                                   "says why)")
             try:
-                engine = await TritonStandaloneEngine.connect(url=f"127.0.0.1:{grpc_port}", model_name=model_id,
-                                                          version=version, tokenizer_path=tokenizer_path,
-                                                          structured_key=structured_key, max_model_len=max_model_len)
-                break
-            except Exception as exc:  # not up yet: refused connection or model still loading
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"tritonserver did not report {model_id} ready in {READY_TIMEOUT_S}s: "
-                                       f"{exc}") from exc
-                await asyncio.sleep(1.0)
+                if all([await client.is_model_ready(m) for m in models]):
+                    break
+                problem = "not ready yet"
+            except Exception as exc:  # not listening yet: it binds its ports once the models are loaded
+                problem = str(exc)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tritonserver did not report {', '.join(models)} ready in {ready_timeout_s}s: "
+                                   f"{problem}")
+            await asyncio.sleep(0.5)
+        metadata = await client.get_server_metadata()
     except BaseException:
-        process.kill()
+        await client.close()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
         raise
-    engine.process = process
-    return engine
+    log.info("Triton %s ready on gRPC %s: %s", metadata.version, url, ", ".join(models))
+    info = ModelInfo(name=models[0], version=version, max_model_len=max_model_len, vocab_size=0, eos_token_id=None)
+    return StandaloneTriton(process, client, info, models, metadata.version)

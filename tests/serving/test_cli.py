@@ -12,7 +12,7 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
-from llm_serving.manifest import MANIFEST_NAME, parse_manifest
+from llm_serving.manifest import MANIFEST_NAME, ServingMode, parse_manifest
 from llm_serving.package import open_package
 from llm_serving_cli.main import _content_version, _model_id_from_dir
 from tests.serving.wheels import make_wheel, wheel_filename
@@ -88,5 +88,7 @@ def test_make_up_model_identity_and_content_version(model_dir: Path):
     first = _content_version(model_dir, {"max_model_len": 4096})
     assert first == _content_version(model_dir, {"max_model_len": 4096})
     assert first != _content_version(model_dir, {"max_model_len": 2048})
+    # the serving mode is part of the package: `make up` then `make up MODE=standalone` publish two versions
+    assert first != _content_version(model_dir, {"max_model_len": 4096}, ServingMode.STANDALONE)
     (model_dir / "model.safetensors").write_bytes(b"\x01" * 1024)
     assert first != _content_version(model_dir, {"max_model_len": 4096})

@@ -30,6 +30,7 @@ KEY = "test-key-2"
 MODEL = "demo-tiny"
 MAX_CONCURRENT = 80
 BODY_CAP = 256 * 1024
+DRAIN_DELAY_S = 15
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def server(demo_model_dir: Path, tmp_path_factory) -> Server:
         "LLM_SERVING_API_KEYS": f"test-key-1,{KEY}",
         "LLM_SERVING_MAX_BODY_BYTES": str(BODY_CAP),
         "LLM_SERVING_MAX_CONCURRENT_REQUESTS": str(MAX_CONCURRENT),
-        "LLM_SERVING_DRAIN_DELAY_S": "4",
+        "LLM_SERVING_DRAIN_DELAY_S": str(DRAIN_DELAY_S),
     })
     yield srv
     srv.kill()
@@ -494,8 +495,11 @@ def test_fuzzing_the_openapi_schema_finds_no_server_error(server):
 def test_sigterm_drains_readiness_first_then_exits(server):
     """SIGTERM: readiness turns 503 and new requests get 503 during the drain delay, the process exits 0."""
     server.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
-    assert httpx.get(f"{server.url}/health/ready").status_code == 503
+    # The drain delay (LLM_SERVING_DRAIN_DELAY_S) is long enough that the checks below run inside it on any machine.
+    deadline = time.monotonic() + DRAIN_DELAY_S
+    while httpx.get(f"{server.url}/health/ready").status_code != 503:
+        assert time.monotonic() < deadline, "readiness did not turn false"
+        time.sleep(0.05)
     refused = post(server, "/v1/completions", {"model": MODEL, "prompt": "late", "max_tokens": 2})
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
     assert server.proc.wait(timeout=60) == 0

@@ -430,7 +430,7 @@ def call_app(books: Bookkeeping, engine: ScriptedEngine, body: dict, client_leav
         if cancel_after_s is not None:
             await asyncio.sleep(cancel_after_s)
             task.cancel()
-        await task
+        await asyncio.wait_for(task, timeout=30)  # a request that never ends fails instead of hanging the suite
 
     try:
         asyncio.run(main())
@@ -469,8 +469,9 @@ def test_app_an_engine_dying_before_the_first_token_is_a_503(books):
     assert engine.aborted == [record["request_id"]]
 
 
-def test_app_a_client_leaving_a_non_streaming_request_gets_it_aborted(books):
-    engine = ScriptedEngine(Generation(hang=True))
+@pytest.mark.parametrize("tokens", [0, 3], ids=["before the first token", "after tokens"])
+def test_app_a_client_leaving_a_non_streaming_request_gets_it_aborted(books, tokens):
+    engine = ScriptedEngine(Generation(tokens, hang=True))
     client = call_app(books, engine, {"max_tokens": 30}, client_leaves="at once")
     assert client.status == 499
     record = books.assert_released_once(499, "CANCELED")
