@@ -224,9 +224,11 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
         spec = request.sampling
         if error := context_window_error(len(prompt_ids), spec.max_tokens, self.info.max_model_len):
             raise error
+        from vllm.exceptions import VLLMClientError
+
         try:
             params = to_sampling_params(spec, default_max_tokens=room, control_ids=self._control_ids)
-        except ValueError as exc:
+        except (ValueError, VLLMClientError) as exc:  # vLLM's validation errors are not all ValueErrors
             raise EngineInputError(str(exc), getattr(exc, "parameter", None)) from exc
         async for output in self.generate_params(request.request_id, prompt_ids, params):
             yield output

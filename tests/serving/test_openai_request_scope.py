@@ -48,6 +48,9 @@ class Held:
     pending: float
 
 
+NOTHING_HELD = Held(0, 0, 0)
+
+
 class Bookkeeping:
     """The admission counters, metrics and request log records one test's requests write into."""
 
@@ -76,7 +79,7 @@ class Bookkeeping:
 
     def assert_released_once(self, status: int, failure: str | None = None) -> dict:
         """Nothing held any more, one log record (returned) with `status`, counted once in the metrics."""
-        assert self.held() == Held(0, 0, 0)
+        assert self.held() == NOTHING_HELD
         records = self.records()
         assert [r["status"] for r in records] == [status], records
         if failure is None:
@@ -85,9 +88,6 @@ class Bookkeeping:
             assert self.failures(failure) == 1
             assert self.successes() == 0
         return records[0]
-
-
-NOTHING_HELD = Held(0, 0, 0)
 
 
 @pytest.fixture
