@@ -43,7 +43,11 @@ async def generate(server: ServerState, scope: RequestScope, body: ChatCompletio
     want_logprobs = requests[0].sampling.logprobs is not None
     echo_texts = [engine.decode(list(r.prompt)) for r in requests] if not chat and body.echo else None
     if body.stream:
-        streams = await start_streams(engine, requests)
+        # Until the first output the response has not started, so no write can fail: watch the client meanwhile, as
+        # for a non-streaming request (a client may give up while its request waits behind others).
+        started, streams = await unless_disconnected(start_streams(engine, requests), receive)
+        if not started:
+            return await _client_left(engine, requests, scope)
         scope.outcome.first_response_s = scope.elapsed_s()
         plan = StreamPlan(model=model.name, request_id=scope.request_id, requests=requests, chat=chat, n=n,
                           want_logprobs=want_logprobs,
@@ -67,11 +71,8 @@ async def generate(server: ServerState, scope: RequestScope, body: ChatCompletio
         raise engine_error(exc) from exc
     scope.outcome.prompt_tokens = sum(t.prompt_tokens for t in totals)
     scope.outcome.completion_tokens = sum(t.completion_tokens for t in totals)
-    if not completed:  # the client left: stop spending engine time on an answer nobody will read
-        for req in requests:
-            await engine.abort(req.request_id)
-        scope.outcome.canceled()
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    if not completed:
+        return await _client_left(engine, requests, scope)
     if chat:
         return JSONResponse(translate.chat_response(scope.request_id, model.name, totals[0], want_logprobs))
     # One answer for all the prompts: prompt i's choices are numbered i * n .. i * n + n - 1.
@@ -84,6 +85,14 @@ async def generate(server: ServerState, scope: RequestScope, body: ChatCompletio
                 echo_prefixes[i * n + index] = echo_texts[i]
     return JSONResponse(translate.completion_response(scope.request_id, model.name, combined, want_logprobs,
                                                       echo_prefixes))
+
+
+async def _client_left(engine: Engine, requests: list[EngineRequest], scope: RequestScope) -> Response:
+    """The client left before its answer: stop spending engine time on an answer nobody will read (499)."""
+    for req in requests:
+        await engine.abort(req.request_id)
+    scope.outcome.canceled()
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
 def engine_requests(engine: Engine, body: ChatCompletionRequest | CompletionRequest,

@@ -432,15 +432,17 @@ def test_client_disconnect_aborts_the_request_in_the_engine(server, eos):
     _assert_abandoned_request_stopped(server, tokens_at_hold)
 
 
-def test_client_disconnect_aborts_a_non_streaming_request(server, eos):
-    """The same for a non-streaming request, which has no write to fail on: the client gives up after 0.25 s (its
-    read timeout), and the engine stops at once instead of generating all 16 x 1900 tokens for nobody.
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "stream-before-first-token"])
+def test_client_disconnect_before_any_output_aborts_the_request(server, eos, stream):
+    """The same for a request that has no write to fail on yet: a non-streaming one, or a stream whose response
+    has not started (it starts with the first output). The client gives up after 0.25 s (its read timeout), and the
+    engine stops at once instead of generating all 16 x 1900 tokens for nobody.
 
     The engine is held from before the request until the front-end has logged the client's departure (499), so the
-    departure is noticed before the engine has generated anything, whatever the machine's speed."""
+    departure is noticed while the request waits for the engine, whatever the machine's speed."""
     engine = EngineProcesses.of(server.proc.pid)
     body = {"model": MODEL, "prompt": "a long story", "max_tokens": 1900, "n": 16, "temperature": 1.0,
-            "logit_bias": {eos: -100}}
+            "logit_bias": {eos: -100}, "stream": stream}
     logged = len(_request_records(server))
     with engine.held():
         tokens_at_hold = _metric(server, "vllm:generation_tokens_total")
