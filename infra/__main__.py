@@ -1,12 +1,13 @@
 """The serving platform's Pulumi program: one stack per environment and region (docs/architecture.md §2, §3.6, §4).
 
-    config (validated) -> network -> EKS + node groups -> model storage (S3 + FSx) -> ECR + serving image
+    config (validated) -> network -> EKS + node groups -> cluster bootstrap (CRDs, controllers) -> model storage (S3 + FSx) -> ECR + serving image
         -> shared Kubernetes objects -> per-model serving -> stack outputs (docs/stack-outputs.md)
     the cluster's monitoring namespace: alert rules, PodMonitor, Grafana dashboard (deploy/observability/)
 """
 
 import pulumi
 
+from infra.bootstrap import BootstrapArgs, ClusterBootstrap
 from infra.cluster import Cluster, ClusterArgs
 from infra.config import from_pulumi_config, triton_pin
 from infra.naming import aws_tags
@@ -28,6 +29,14 @@ network = Network("network", NetworkArgs(cluster_name=cluster_name, cidr=cfg.net
                                          private_subnet_ids=cfg.network.private_subnet_ids, tags=tags))
 cluster = Cluster("eks", ClusterArgs(cluster_name=cluster_name, config=cfg.cluster, vpc_id=network.vpc_id,
                                      private_subnet_ids=network.private_subnet_ids, tags=tags), region=cfg.region)
+# What a fresh cluster needs before the program's own objects (docs/first-update.md): Gateway API + Envoy Gateway,
+# the Prometheus Operator, Karpenter, cert-manager and ExternalDNS, each CRD before its custom resources.
+bootstrap = ClusterBootstrap("bootstrap", BootstrapArgs(
+    config=cfg, provider=cluster.provider, cluster_name=cluster.name, cluster_endpoint=cluster.endpoint,
+    node_role_name=cluster.node_role_name, node_security_group_id=cluster.node_security_group_id,
+    private_subnet_ids=network.private_subnet_ids, vpc_id=network.vpc_id,
+    node_groups=list(cluster.node_groups.values()), pod_identity_addon=cluster.addons["eks-pod-identity-agent"],
+    tags=tags))
 storage = ModelStorage("storage", ModelStorageArgs(
     config=cfg, vpc_id=network.vpc_id,
     fsx_subnet_id=network.private_subnet_ids[0], node_security_group_id=cluster.node_security_group_id, tags=tags))
@@ -38,15 +47,17 @@ platform = ServingPlatform("platform", PlatformArgs(
     config=cfg, provider=cluster.provider, oidc_provider_arn=cluster.oidc_provider_arn,
     oidc_issuer_url=cluster.oidc_issuer_url, bucket_arn=storage.bucket_arn, kms_key_arn=storage.kms_key_arn,
     file_system_id=storage.file_system_id, file_system_dns_name=storage.file_system_dns_name,
-    file_system_mount_name=storage.file_system_mount_name, fsx_csi_addon=cluster.fsx_csi_addon, tags=tags))
+    file_system_mount_name=storage.file_system_mount_name, fsx_csi_addon=cluster.fsx_csi_addon,
+    gateway_class=bootstrap.gateway_class, cluster_issuer=bootstrap.cluster_issuer, tags=tags))
 # The committed alert rules and dashboard, and the scrape of every model server (independent of the models).
-Observability("observability", ObservabilityArgs(config=cfg, provider=cluster.provider))
+Observability("observability", ObservabilityArgs(config=cfg, provider=cluster.provider,
+                                                 depends_on=(bootstrap.monitoring,)))
 
 ctx = ServingContext(stack=cfg, provider=cluster.provider, namespace=platform.namespace,
                      service_account=platform.service_account, model_cache_claim=platform.model_cache_claim,
                      gateway_name=platform.gateway_name, image_ref=image.image_ref,
                      repository_url=image.repository_url, triton=pin,
-                     depends_on=[*platform.ready, *cluster.node_groups.values()])
+                     depends_on=[*platform.ready, *bootstrap.ready, *cluster.node_groups.values()])
 models = {}
 for model in cfg.models:
     served = ModelServing(ctx, model).served

@@ -27,7 +27,14 @@ NODE_POLICIES = [
     "arn:aws:iam::aws:policy/AmazonEC2ContainerRegistryReadOnly",
     "arn:aws:iam::aws:policy/AmazonEKS_CNI_Policy",
 ]
-ADDONS = ("vpc-cni", "coredns", "kube-proxy")
+# Managed add-ons on every cluster. vpc-cni enforces NetworkPolicy only with its network policy agent turned on
+# (without it the program's NetworkPolicies are accepted and ignored); eks-pod-identity-agent serves EKS Pod
+# Identity, which the node autoscaler's controller uses (infra/bootstrap.py).
+ADDONS = ("vpc-cni", "coredns", "kube-proxy", "eks-pod-identity-agent")
+ADDON_CONFIGURATION = {"vpc-cni": {"enableNetworkPolicy": "true"}}
+# Bottlerocket keeps the OS on /dev/xvda and containers' images and writable layers on the data volume /dev/xvdb,
+# whose 20 GiB default cannot hold the Triton+vLLM image (tens of GB unpacked, twice during an image rollout).
+BOTTLEROCKET_OS_GIB = 8
 
 
 @dataclass(frozen=True)
@@ -66,15 +73,24 @@ def _kubeconfig(name: pulumi.Output[str], endpoint: pulumi.Output[str], ca: pulu
     return pulumi.Output.all(name, endpoint, ca).apply(build)
 
 
-def launch_template_args(name: str, disk_size_gib: int, tags: dict[str, str]) -> dict:
-    """Every node group's launch template: an encrypted gp3 root disk, and IMDSv2 only with one hop, so pods
-    cannot borrow the node's role (they get theirs through IRSA)."""
+def _volume(device: str, size_gib: int) -> dict:
+    return {"device_name": device, "ebs": {"volume_size": size_gib, "volume_type": "gp3", "encrypted": "true",
+                                           "delete_on_termination": "true"}}
+
+
+def block_devices(ami_type: str, disk_size_gib: int) -> list[dict]:
+    """Where the node's images live gets `disk_size_gib`: the root volume on AL2023, the data volume on
+    Bottlerocket (its root volume only holds the OS)."""
+    if ami_type.startswith("BOTTLEROCKET"):
+        return [_volume("/dev/xvda", BOTTLEROCKET_OS_GIB), _volume("/dev/xvdb", disk_size_gib)]
+    return [_volume("/dev/xvda", disk_size_gib)]
+
+
+def launch_template_args(name: str, disk_size_gib: int, tags: dict[str, str], ami_type: str = SYSTEM_AMI) -> dict:
+    """Every node group's launch template: encrypted gp3 volumes sized for the images, and IMDSv2 only with one
+    hop, so pods cannot borrow the node's role (they get theirs through IRSA)."""
     return {
-        "block_device_mappings": [{
-            "device_name": "/dev/xvda",
-            "ebs": {"volume_size": disk_size_gib, "volume_type": "gp3", "encrypted": "true",
-                    "delete_on_termination": "true"},
-        }],
+        "block_device_mappings": block_devices(ami_type, disk_size_gib),
         "metadata_options": {"http_endpoint": "enabled", "http_tokens": "required", "http_put_response_hop_limit": 1},
         "tag_specifications": [{"resource_type": "instance", "tags": {**tags, "Name": name}}],
     }
@@ -115,6 +131,7 @@ class Cluster(pulumi.ComponentResource):
             opts=child,
         )
         self.name = cluster.name
+        self.endpoint = cluster.endpoint
         self.node_security_group_id = cluster.vpc_config.cluster_security_group_id
         self.oidc_issuer_url = cluster.identities.apply(lambda ids: ids[0]["oidcs"][0]["issuer"])
         oidc = aws.iam.OpenIdConnectProvider(f"{name}-oidc", url=self.oidc_issuer_url,
@@ -123,6 +140,8 @@ class Cluster(pulumi.ComponentResource):
 
         node_role = role_with_policy(f"{name}-node", service_trust("ec2.amazonaws.com"), None, NODE_POLICIES,
                                      args.tags, child)
+        # Karpenter's nodes use the same role: the managed node groups' access entry already admits it.
+        self.node_role_name = node_role.name
         system_template = aws.ec2.LaunchTemplate(
             f"{name}-system", update_default_version=True, tags=args.tags, opts=child,
             **launch_template_args(f"{name}-system", SYSTEM_DISK_GIB, args.tags))
@@ -145,10 +164,14 @@ class Cluster(pulumi.ComponentResource):
         self.node_groups = {"system": system}
         for group in cfg.gpu_node_groups:
             self.node_groups[group.name] = self._gpu_node_group(name, group, cluster, node_role, args)
+        self.addons = {}
         for addon in ADDONS:
-            aws.eks.Addon(f"{name}-{addon}", cluster_name=cluster.name, addon_name=addon,
-                          resolve_conflicts_on_update="OVERWRITE", tags=args.tags,
-                          opts=pulumi.ResourceOptions(parent=self, depends_on=[system]))
+            settings = ADDON_CONFIGURATION.get(addon)
+            self.addons[addon] = aws.eks.Addon(
+                f"{name}-{addon}", cluster_name=cluster.name, addon_name=addon,
+                configuration_values=json.dumps(settings) if settings else None,
+                resolve_conflicts_on_update="OVERWRITE", tags=args.tags,
+                opts=pulumi.ResourceOptions(parent=self, depends_on=[system]))
         # Static provisioning only (one PersistentVolume per file system): the driver mounts, it calls no AWS API,
         # so it gets no IAM role at all.
         self.fsx_csi_addon = aws.eks.Addon(f"{name}-aws-fsx-csi-driver", cluster_name=cluster.name,
@@ -166,7 +189,7 @@ class Cluster(pulumi.ComponentResource):
                         node_role: aws.iam.Role, args: ClusterArgs) -> aws.eks.NodeGroup:
         child = pulumi.ResourceOptions(parent=self)
         full = f"{name}-gpu-{group.name}"
-        lt_args = launch_template_args(full, group.disk_size_gib, args.tags)
+        lt_args = launch_template_args(full, group.disk_size_gib, args.tags, group.ami_type)
         subnets: list[pulumi.Input[str]] = args.private_subnet_ids
         if group.efa:
             # EFA wants the nodes close together: one AZ and a cluster placement group, one EFA interface per node.

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from infra.instances import INSTANCE_FACTS, MIN_IMAGE_VOLUME_GIB
+
 PROJECT = "llm-serving"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPAT_TOML = REPO_ROOT / "serving_image" / "compat.toml"
@@ -103,9 +105,22 @@ class ScalingConfig(_Camel):
         return self
 
 
+def _known_instance_types(types: list[str]) -> None:
+    unknown = [t for t in types if t not in INSTANCE_FACTS]
+    if unknown:
+        raise ValueError(f"{unknown} not in the instance facts table (infra/instances.py), which sizes every pod; "
+                         f"known: {', '.join(sorted(INSTANCE_FACTS))}")
+
+
 class SystemNodeGroupConfig(_Camel):
     instance_types: list[str] = Field(default_factory=lambda: ["m7i.xlarge"], min_length=1)
     scaling: ScalingConfig = ScalingConfig(min_size=2, max_size=6, desired_size=3)
+
+    @field_validator("instance_types")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        _known_instance_types(v)
+        return v
 
 
 class GpuNodeGroupConfig(_Camel):
@@ -115,7 +130,7 @@ class GpuNodeGroupConfig(_Camel):
     gpus_per_node: int = Field(ge=1, le=16)
     scaling: ScalingConfig
     efa: bool = False
-    disk_size_gib: int = Field(default=500, ge=100, le=16384)
+    disk_size_gib: int = Field(default=500, ge=MIN_IMAGE_VOLUME_GIB, le=16384)
     labels: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("instance_types")
@@ -125,7 +140,18 @@ class GpuNodeGroupConfig(_Camel):
             if itype.split(".")[0] not in GPU_INSTANCE_FAMILIES:
                 raise ValueError(f"{itype!r} is not an NVIDIA GPU instance type; allowed families: "
                                  f"{', '.join(GPU_INSTANCE_FAMILIES)}")
+        _known_instance_types(v)
         return v
+
+    @model_validator(mode="after")
+    def _gpus_match_instance_types(self) -> GpuNodeGroupConfig:
+        # Pods are sized as a share of one GPU of the pool's smallest type (infra.instances.pod_share): every type
+        # must have exactly gpusPerNode GPUs, or the share (and the model's fit) would be wrong on some nodes.
+        wrong = {t: INSTANCE_FACTS[t].gpus for t in self.instance_types if INSTANCE_FACTS[t].gpus != self.gpus_per_node}
+        if wrong:
+            raise ValueError(f"gpusPerNode: {self.gpus_per_node}, but {wrong} (GPUs per node of each instance type, "
+                             f"infra/instances.py); a pool's instance types must all have gpusPerNode GPUs")
+        return self
 
     @model_validator(mode="after")
     def _efa_capable(self) -> GpuNodeGroupConfig:
@@ -204,7 +230,7 @@ class ModelStorageConfig(_Camel):
 class ServingConfig(_Camel):
     namespace: str = Field(default="llm-serving", pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
     domain: str = Field(pattern=r"^([a-z0-9]([a-z0-9-]*[a-z0-9])?\.)+[a-z]{2,}$")
-    gateway_class_name: str = "amazon-vpc-lattice"
+    gateway_class_name: str = "envoy-gateway"  # the class infra/bootstrap.py installs
     # Used only while serving_image/compat.toml does not exist yet (§3.9 makes that file the single source).
     triton_image_tag: str | None = Field(default=None, pattern=r"^\d{2}\.\d{2}-vllm-python-py3$")
     termination_grace_period_seconds: int = Field(default=120, ge=30, le=3600)

@@ -86,6 +86,8 @@ def pod_monitor_spec(serving_namespace: str) -> dict[str, Any]:
 class ObservabilityArgs:
     config: StackConfig
     provider: k8s.Provider
+    # The Prometheus Operator's release (infra/bootstrap.py): its CRDs and the monitoring namespace come first.
+    depends_on: tuple[pulumi.Resource, ...] = ()
 
 
 class Observability(pulumi.ComponentResource):
@@ -99,7 +101,7 @@ class Observability(pulumi.ComponentResource):
         serving = args.config.serving
         ns = serving.monitoring_namespace
         release = {"release": serving.monitoring_release_label} if serving.monitoring_release_label else {}
-        k8s_opts = pulumi.ResourceOptions(parent=self, provider=args.provider)
+        k8s_opts = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=list(args.depends_on))
 
         k8s.apiextensions.CustomResource(
             f"{name}-rules",

@@ -17,6 +17,10 @@ SERVICE_ACCOUNT = "model-server"
 MODEL_CACHE_PVC = "model-cache"
 GATEWAY_NAME = "llm-serving"
 TLS_SECRET = "llm-serving-tls"
+GATEWAY_SERVICE_ANNOTATIONS = {  # (in-tree service controller annotations)
+    "service.beta.kubernetes.io/aws-load-balancer-type": "nlb",
+    "service.beta.kubernetes.io/aws-load-balancer-internal": "true",
+}
 DEVICE_PLUGIN_IMAGE = "nvcr.io/nvidia/k8s-device-plugin:v0.17.2"
 KEDA_CHART_VERSION = "2.17.2"
 KEDA_NAMESPACE = "keda"
@@ -34,6 +38,11 @@ class PlatformArgs:
     file_system_dns_name: pulumi.Input[str]
     file_system_mount_name: pulumi.Input[str]
     fsx_csi_addon: pulumi.Resource
+    # From infra/bootstrap.py: the Gateway waits for its class (and so the CRDs and controller), the Certificate
+    # for cert-manager's issuer.
+    gateway_class: pulumi.Resource | None = None
+    cluster_issuer: pulumi.Resource | None = None
+    cluster_issuer_name: str = "llm-serving-acme"
     tags: dict[str, str] = field(default_factory=dict)
 
 
@@ -112,6 +121,14 @@ class ServingPlatform(pulumi.ComponentResource):
             opts=ns_opts)
 
         domain = cfg.serving.domain
+        certificate = k8s.apiextensions.CustomResource(
+            f"{name}-certificate", api_version="cert-manager.io/v1", kind="Certificate",
+            metadata={"name": GATEWAY_NAME, "namespace": ns_name, "labels": platform_labels("gateway")},
+            spec={"secretName": TLS_SECRET, "dnsNames": [f"*.{domain}", f"*.grpc.{domain}"],
+                  "issuerRef": {"kind": "ClusterIssuer", "name": args.cluster_issuer_name},
+                  "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"}},
+            opts=pulumi.ResourceOptions(parent=self, provider=args.provider,
+                                        depends_on=[namespace, *filter(None, [args.cluster_issuer])]))
         gateway = k8s.apiextensions.CustomResource(
             f"{name}-gateway",
             api_version="gateway.networking.k8s.io/v1",
@@ -119,6 +136,8 @@ class ServingPlatform(pulumi.ComponentResource):
             metadata={"name": GATEWAY_NAME, "namespace": ns_name, "labels": platform_labels("gateway")},
             spec={
                 "gatewayClassName": cfg.serving.gateway_class_name,
+                # Envoy Gateway copies these onto the Service it creates: an internal NLB.
+                "infrastructure": {"annotations": dict(GATEWAY_SERVICE_ANNOTATIONS)},
                 "listeners": [
                     {"name": "openai", "protocol": "HTTPS", "port": 443, "hostname": f"*.{domain}",
                      "tls": {"mode": "Terminate", "certificateRefs": [{"kind": "Secret", "name": TLS_SECRET}]},
@@ -128,7 +147,8 @@ class ServingPlatform(pulumi.ComponentResource):
                      "allowedRoutes": {"namespaces": {"from": "Same"}, "kinds": [{"kind": "GRPCRoute"}]}},
                 ],
             },
-            opts=ns_opts)
+            opts=pulumi.ResourceOptions(parent=self, provider=args.provider,
+                                        depends_on=[namespace, certificate, *filter(None, [args.gateway_class])]))
 
         keda_ns = k8s.core.v1.Namespace(f"{name}-keda-ns", metadata={"name": KEDA_NAMESPACE,
                                                                        "labels": platform_labels("autoscaling")},
@@ -143,7 +163,7 @@ class ServingPlatform(pulumi.ComponentResource):
             values={"podSecurityContext": {"operator": {"runAsNonRoot": True}}},
             opts=pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[keda_ns]))
 
-        self.ready: list[pulumi.Resource] = [sa, pvc, gateway, keda]
+        self.ready: list[pulumi.Resource] = [sa, pvc, gateway, certificate, keda]
         if cfg.cluster.device_plugin == "auto" and any(g.needs_device_plugin for g in cfg.cluster.gpu_node_groups):
             self.ready.append(self._device_plugin(name, args.provider))
         self.namespace = ns_name

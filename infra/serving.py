@@ -27,6 +27,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.config import ModelConfig, StackConfig, TritonPin
+from infra.instances import pod_share
 from infra.naming import GPU_NODE_GROUP_LABEL, cost_labels, instance_name, model_labels, selector_labels, version_slug
 from infra.rollout.planner import VersionShare, plan_red_black
 
@@ -73,6 +74,12 @@ def hostnames(stack: StackConfig, model_id: str, version: str | None = None) -> 
     return f"{label}.{stack.serving.domain}", f"{label}.grpc.{stack.serving.domain}"
 
 
+def model_pod_share(stack: StackConfig, model: ModelConfig):
+    """The model pod's CPU, memory and GPUs, from its GPU pool's instance types (infra/instances.py)."""
+    group = next(g for g in stack.cluster.gpu_node_groups if g.name == model.gpu.node_group)
+    return pod_share(group.instance_types, group.gpus_per_node, model.gpu.count)
+
+
 def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, replicas: int) -> dict:
     stack = ctx.stack
     labels = model_labels(model.id, version)
@@ -105,10 +112,8 @@ def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, repli
         "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "kserve-http"},
                           "periodSeconds": 10, "failureThreshold": 6, "timeoutSeconds": 5},
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
-        "resources": {
-            "requests": {"cpu": str(8 * gpus), "memory": f"{64 * gpus}Gi", "nvidia.com/gpu": str(gpus)},
-            "limits": {"memory": f"{96 * gpus}Gi", "nvidia.com/gpu": str(gpus)},
-        },
+        # The GPUs' share of the smallest node the pool may launch (infra/instances.py): fits every type.
+        "resources": model_pod_share(stack, model).resources(),
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [

@@ -13,6 +13,10 @@ from infra.config import StackConfig
 from infra.iam import policy_document, role_with_policy, service_trust
 
 LUSTRE_PORTS = ((988, 988), (1018, 1023))
+# The service-linked role FSx creates per file system to read and write its linked bucket (one per file system).
+FSX_S3_ROLE_PATH = "aws-service-role/s3.data-source.lustre.fsx.amazonaws.com"
+FSX_S3_ROLE_PREFIX = "AWSServiceRoleForFSxS3Access_"
+FSX_S3_KMS_ACTIONS = ["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:DescribeKey"]
 FSX_MOUNT_PATH = "/models"  # where the data repository association exposes the bucket's model prefix on Lustre
 
 
@@ -159,6 +163,7 @@ class ModelStorage(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self, custom_timeouts=pulumi.CustomTimeouts(create="60m",
                                                                                            update="60m")),
         )
+        key_policy = self._key_policy(name, args, bucket, key, fs)
         prefix = cfg.model_storage.model_prefix
         aws.fsx.DataRepositoryAssociation(
             f"{name}-models",
@@ -169,6 +174,37 @@ class ModelStorage(pulumi.ComponentResource):
             # New and changed packages appear on the cache on their own; nothing on Lustre is written back.
             s3={"auto_import_policy": {"events": ["NEW", "CHANGED", "DELETED"]}},
             tags=args.tags,
-            opts=pulumi.ResourceOptions(parent=fs),
+            # Lazy loads decrypt through S3 with the bucket's key: the key policy must let FSx's role do so first.
+            opts=pulumi.ResourceOptions(parent=fs, depends_on=[key_policy]),
         )
         self.file_system_id, self.file_system_dns_name, self.file_system_mount_name = fs.id, fs.dns_name, fs.mount_name
+
+    def _key_policy(self, name: str, args: ModelStorageArgs, bucket: aws.s3.Bucket, key: aws.kms.Key,
+                    fs: aws.fsx.LustreFileSystem) -> aws.kms.KeyPolicy:
+        """The bucket key's policy: the account administers it (and so IAM policies grant its use: the model
+        servers, S3 replication, ECR), and FSx's S3-access role of *this* file system may use it only through S3
+        in this region, only for objects of this bucket (docs/first-update.md, "FSx and KMS").
+
+        A separate KeyPolicy resource because the role's name carries the file system's id, and the file system
+        is encrypted with this key: the key exists first, the file system second, then this policy, then the data
+        repository association. With S3 Bucket Keys on, S3 asks KMS with the bucket's ARN as encryption context
+        (not the object's), so the condition names the bucket ARN exactly."""
+        cfg = args.config
+        account = aws.get_caller_identity_output(opts=pulumi.InvokeOutputOptions(parent=self)).account_id
+        fsx_role = pulumi.Output.all(account, fs.id).apply(
+            lambda a: f"arn:aws:iam::{a[0]}:role/{FSX_S3_ROLE_PATH}/{FSX_S3_ROLE_PREFIX}{a[1]}")
+        return aws.kms.KeyPolicy(
+            f"{name}-models",
+            key_id=key.key_id,
+            policy=policy_document(
+                {"Sid": "AccountAdministersKey", "Effect": "Allow",
+                 "Principal": {"AWS": account.apply(lambda a: f"arn:aws:iam::{a}:root")},
+                 "Action": "kms:*", "Resource": "*"},
+                {"Sid": "FsxS3AccessThroughS3ForThisBucket", "Effect": "Allow",
+                 "Principal": {"AWS": fsx_role}, "Action": FSX_S3_KMS_ACTIONS, "Resource": "*",
+                 "Condition": {
+                     "StringEquals": {"kms:CallerAccount": account, "kms:ViaService": f"s3.{cfg.region}.amazonaws.com",
+                                      "kms:EncryptionContext:aws:s3:arn": bucket.arn}}},
+            ),
+            opts=pulumi.ResourceOptions(parent=key),
+        )

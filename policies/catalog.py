@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from pulumi_policy import EnforcementLevel, Policy
 
-from .rules import cost, fsx, gpu_nodes, iam, platform, rollout, s3, serving
+from .rules import capacity, cost, fsx, gpu_nodes, iam, nodes, platform, rollout, s3, serving
 
 ALL_POLICIES: list[Policy] = [
     *s3.POLICIES,
     *fsx.POLICIES,
     *gpu_nodes.POLICIES,
+    *capacity.POLICIES,
+    *nodes.POLICIES,
     *iam.POLICIES,
     *serving.POLICIES,
     *rollout.POLICIES,

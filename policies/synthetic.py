@@ -119,6 +119,7 @@ def deployment_inputs(model_id: str, version: str, replicas: int = 2, env: str =
                 "spec": {
                     "securityContext": {"runAsNonRoot": True, "fsGroup": 1000.0},
                     "terminationGracePeriodSeconds": 120.0,
+                    "nodeSelector": {"llm-serving/gpu-node-group": "gpu"},
                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
                     "topologySpreadConstraints": [{
                         "maxSkew": 1.0, "topologyKey": "topology.kubernetes.io/zone",
@@ -131,7 +132,8 @@ def deployment_inputs(model_id: str, version: str, replicas: int = 2, env: str =
                         "args": ["--model-package", f"/models/{model_id}/{version}"],
                         "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
                         "ports": [{"containerPort": p} for p in (8000.0, 8001.0, 8002.0, 9000.0)],
-                        "resources": {"limits": {"nvidia.com/gpu": "1"}, "requests": {"nvidia.com/gpu": "1"}},
+                        "resources": {"limits": {"nvidia.com/gpu": "1", "memory": "64Gi"},
+                                      "requests": {"nvidia.com/gpu": "1", "cpu": "8", "memory": "64Gi"}},
                         "securityContext": hardened,
                         "startupProbe": {"httpGet": {"path": "/v2/health/ready", "port": 8000.0},
                                          "periodSeconds": 10.0, "failureThreshold": 100.0},
@@ -225,6 +227,10 @@ def compliant_stack(stack_name: str = "prod-us-east-1") -> SyntheticStack:
         "encryptionConfig": {"provider": {"keyArn": "arn:key"}, "resources": ["secrets"]},
         "enabledClusterLogTypes": ["api", "audit", "authenticator"],
         "tags": tags()})
+    for addon, settings in (("vpc-cni", '{"enableNetworkPolicy": "true"}'), ("eks-pod-identity-agent", None)):
+        stack.add("aws:eks/addon:Addon", addon, {"clusterName": "cluster", "addonName": addon, "tags": tags(),
+                                                  **({"configurationValues": settings} if settings else {})},
+                  depends_on=["cluster"])
     stack.add("aws:ec2/launchTemplate:LaunchTemplate", "nodes-lt", {
         "metadataOptions": {"httpEndpoint": "enabled", "httpTokens": "required", "httpPutResponseHopLimit": 1.0},
         "blockDeviceMappings": [{"deviceName": "/dev/xvda", "ebs": {"encrypted": "true", "volumeSize": 500.0}}],
@@ -234,7 +240,7 @@ def compliant_stack(stack_name: str = "prod-us-east-1") -> SyntheticStack:
         "clusterName": "cluster", "amiType": "AL2023_x86_64_NVIDIA", "instanceTypes": ["g6e.12xlarge"],
         "scalingConfig": {"minSize": 1.0, "desiredSize": 2.0, "maxSize": 4.0},
         "taints": [{"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}],
-        "labels": {"nvidia.com/gpu.present": "true"}, "tags": tags(),
+        "labels": {"nvidia.com/gpu.present": "true", "llm-serving/gpu-node-group": "gpu"}, "tags": tags(),
     }, depends_on=["cluster", "nodes-lt"])
     stack.add("aws:iam/policy:Policy", "serving-read-models", {"policy": json.dumps({
         "Version": "2012-10-17", "Statement": [

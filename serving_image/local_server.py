@@ -115,3 +115,42 @@ def start_server(package: Path, workdir: Path, *, extra_env: dict | None = None,
         time.sleep(0.2)
     server.kill()  # the whole process group: vLLM's engine core and worker too
     raise AssertionError(f"server not ready after {START_TIMEOUT_S}s:\n{log_path.read_text()[-5000:]}")
+
+
+def start_standalone_server(package: Path, workdir: Path, *, companions: tuple[Path, ...] = (),
+                            extra_env: dict | None = None) -> Server:
+    """Start the entrypoint on a `standalone` package (tritonserver owns the KServe ports) and wait until Triton's
+    /v2/health/ready answers 200. Records whether the gRPC port ever accepted a connection while the models were not
+    ready (it must not: Triton opens it once they are loaded, a moment before step 4 logs that it is done)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    ports = {name: free_port() for name in ("openai", "metrics", "frontend", "kserve_http", "kserve_grpc")}
+    log_path = workdir / "server.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **(extra_env or {}))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "serving_image.startup", str(package), "--workdir", str(workdir / "run"),
+             "--host", "127.0.0.1", "--openai-port", str(ports["openai"]), "--metrics-port", str(ports["metrics"]),
+             "--frontend-metrics-port", str(ports["frontend"]), "--kserve-http-port", str(ports["kserve_http"]),
+             "--kserve-grpc-port", str(ports["kserve_grpc"]),
+             *(arg for path in companions for arg in ("--with-package", str(path)))],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+    server = Server(proc, log_path, ports, workdir)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            server.kill()
+            raise AssertionError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-5000:]}")
+        if accepts(ports["kserve_grpc"]):
+            try:
+                ready = httpx.get(f"http://127.0.0.1:{ports['kserve_http']}/v2/health/ready", timeout=10)
+            except httpx.HTTPError:
+                ready = None  # HTTP binds a moment after gRPC
+            if ready is not None and ready.status_code != 200:
+                server.early_connect.append(f"KServe gRPC port accepted while Triton was not ready "
+                                            f"({ready.status_code})")
+            if ready is not None and ready.status_code == 200 and "startup complete" in log_path.read_text():
+                return server
+        time.sleep(0.2)
+    server.kill()
+    raise AssertionError(f"server not ready after {START_TIMEOUT_S}s:\n{log_path.read_text()[-5000:]}")

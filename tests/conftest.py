@@ -14,6 +14,18 @@ CACHE_ROOT = REPO_ROOT / ".cache" / "llm-serving"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# Hypothesis judges by the clock by default: an example slower than 200 ms fails (`deadline`), and so does slow data
+# generation (HealthCheck.too_slow). Both fail on a loaded or small machine, not on a wrong answer: off for every
+# property test of every suite. (Loaded here, before any test module builds its @settings, so that the settings a
+# module gives inherit the rest from this profile.)
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # a venv without hypothesis has no property tests
+    pass
+else:
+    settings.register_profile("llm-serving", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile("llm-serving")
+
 
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:

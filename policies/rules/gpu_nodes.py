@@ -195,7 +195,7 @@ nodes_metadata = StackValidationPolicy(
     name="nodes-imdsv2-and-encrypted-disks",
     description="Node groups use a launch template with IMDSv2, hop limit 1 and encrypted volumes.",
     validate=_validate_node_metadata,
-    enforcement_level=EnforcementLevel.ADVISORY,
+    enforcement_level=EnforcementLevel.MANDATORY,
 )
 
 POLICIES = [gpu_nvidia_ami, gpu_taint, gpu_instance_types, gpu_size_cap, nodes_metadata]

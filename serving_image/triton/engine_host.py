@@ -195,9 +195,11 @@ def sampling_params_from_json(text: str | None, root: str, info: ModelInfo, *, j
     try:
         return SamplingParams(**values, structured_outputs=structured, extra_args=extra,
                               output_kind=RequestOutputKind.DELTA)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # SamplingParams' own validation (ValueError, vLLM's VLLMValidationError with .parameter)
         message = str(exc)
-        named = next((k for k in sorted(values, key=len, reverse=True) if k in message), None)
+        named = getattr(exc, "parameter", None)
+        if named not in values:
+            named = next((k for k in sorted(values, key=len, reverse=True) if k in message), None)
         field = f"{root}.{named}" if named else root
         raise ParameterError(field, f"{field}: {message}") from None
 
@@ -246,6 +248,7 @@ class EngineHost:
                 await self.writer.drain()
         except asyncio.CancelledError:
             await self.engine.abort(request_id)
+            log.info("request %s aborted in the engine (its client cancelled it)", request_id)
             raise
         except EngineInputError as exc:
             self.send({"id": request_id, "error": str(exc), "code": "INVALID_ARG"})

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -123,6 +124,12 @@ class StandaloneTriton:
                 await asyncio.to_thread(self.process.wait)
 
 
+def _accepts(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1.0)
+        return sock.connect_ex((host, port)) == 0
+
+
 async def start_standalone(*, repository: Path, models: str | Sequence[str], version: str, http_port: int,
                            grpc_port: int, metrics_port: int, binary: str | Path = "tritonserver",
                            backend_directory: Path | None = None, host: str | None = None,
@@ -137,8 +144,9 @@ async def start_standalone(*, repository: Path, models: str | Sequence[str], ver
                                    host=host)
     log.info("starting %s", " ".join(command))
     process = subprocess.Popen(command, env={**os.environ, **(env or {})})
-    url = f"{'127.0.0.1' if host in (None, '0.0.0.0', '') else host}:{grpc_port}"
-    client = grpcaio.InferenceServerClient(url)
+    address = "127.0.0.1" if host in (None, "0.0.0.0", "") else host
+    url = f"{address}:{grpc_port}"
+    client = None
     deadline = time.monotonic() + ready_timeout_s
     try:
         while True:
@@ -146,19 +154,26 @@ async def start_standalone(*, repository: Path, models: str | Sequence[str], ver
                 raise RuntimeError(f"tritonserver exited with status {process.returncode} before "
                                    f"{', '.join(models)} {'was' if len(models) == 1 else 'were'} ready (its log above "
                                    "says why)")
-            try:
-                if all([await client.is_model_ready(m) for m in models]):
-                    break
-                problem = "not ready yet"
-            except Exception as exc:  # not listening yet: it binds its ports once the models are loaded
-                problem = str(exc)
+            # A gRPC channel opened before the port is bound backs off for up to minutes between reconnections:
+            # connect with a plain socket until Triton listens (it binds after loading the models), then use gRPC.
+            if client is None and _accepts(address, grpc_port):
+                client = grpcaio.InferenceServerClient(url)
+            problem = "the gRPC port is not open yet (Triton opens it once the models are loaded)"
+            if client is not None:
+                try:
+                    if all([await client.is_model_ready(m) for m in models]):
+                        break
+                    problem = "not ready yet"
+                except Exception as exc:  # listening, not answering yet
+                    problem = str(exc)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tritonserver did not report {', '.join(models)} ready in {ready_timeout_s}s: "
                                    f"{problem}")
             await asyncio.sleep(0.5)
         metadata = await client.get_server_metadata()
     except BaseException:
-        await client.close()
+        if client is not None:
+            await client.close()
         if process.poll() is None:
             process.kill()
             process.wait()

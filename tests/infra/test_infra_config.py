@@ -91,7 +91,7 @@ def test_bad_values_name_the_key_and_what_is_allowed(path, value, expected):
 
 
 def test_efa_needs_efa_capable_instances():
-    values = mutate("cluster.gpuNodeGroups[1].instanceTypes", ["g5.2xlarge"],
+    values = mutate("cluster.gpuNodeGroups[1].instanceTypes", ["g5.12xlarge"],
                     mutate("cluster.gpuNodeGroups[1].efa", True))
     assert "llm-serving:cluster.gpuNodeGroups[1].efa: true needs EFA-capable instance types" in error_for(values)
 

@@ -18,7 +18,8 @@ def _fingerprints() -> dict[str, set[str]]:
         config = yaml.safe_load(path.read_text())["config"]
         for model in config.get("llm-serving:models", []):
             for version in model["versions"]:
-                found.setdefault(version["ioFingerprint"], set()).add(f"{path.name}: {model['id']} {version['version']}")
+                where = f"{path.name}: {model['id']} {version['version']}"
+                found.setdefault(version["ioFingerprint"], set()).add(where)
     return found
 
 

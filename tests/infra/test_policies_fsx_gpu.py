@@ -181,7 +181,7 @@ def test_default_launch_template_leaves_imds_to_pods(compat):
     del inputs_of(stack, "gpu")["launchTemplate"]
     findings = stack.evaluate(compat)
     assert fired(findings) == {"nodes-imdsv2-and-encrypted-disks"}
-    assert all(f.enforcement == "advisory" for f in findings)
+    assert all(f.enforcement == "mandatory" for f in findings)
     assert "uses EKS's default launch template" in findings[0].message
 
 
@@ -195,3 +195,100 @@ def test_launch_template_metadata_and_disks(compat):
     assert any("allows IMDSv1 (metadataOptions.httpTokens is 'optional'" in m for m in shown)
     assert any("httpPutResponseHopLimit 2, needs 1" in m for m in shown)
     assert any("volume '/dev/xvda' is not encrypted" in m for m in shown)
+
+
+# -- FSx's S3-access role and the bucket key (issue 18) ----------------------------------------------------------
+
+
+def _with_association(stack, statement: dict | None, bucket_keys: bool = True):
+    """The compliant stack plus a data repository association over its SSE-KMS bucket and the key's policy."""
+    import json
+
+    bucket = "models-prod-us-east-1"
+    inputs_of(stack, "models-sse")["rules"][0]["bucketKeyEnabled"] = bucket_keys
+    root = {"Effect": "Allow", "Principal": {"AWS": "arn:aws:iam::123456789012:root"}, "Action": "kms:*",
+            "Resource": "*"}
+    stack.add("aws:kms/keyPolicy:KeyPolicy", "models-key-policy", {"keyId": "key-1", "policy": json.dumps({
+        "Version": "2012-10-17", "Statement": [root] + ([statement] if statement else [])})},
+        depends_on=["models-key", "model-cache-fs", "models"])
+    stack.add("aws:fsx/dataRepositoryAssociation:DataRepositoryAssociation", "models-dra", {
+        "dataRepositoryPath": f"s3://{bucket}/models/", "fileSystemPath": "/models", "fileSystemId": "fs-1"},
+        depends_on=["model-cache-fs", "models", "models-key-policy"])
+    return stack
+
+
+def _fsx_statement(context: str = "arn:aws:s3:::models-prod-us-east-1", via: str = "s3.us-east-1.amazonaws.com"):
+    return {"Effect": "Allow", "Principal": {"AWS": "arn:aws:iam::123456789012:role/aws-service-role/"
+                                                    "s3.data-source.lustre.fsx.amazonaws.com/"
+                                                    "AWSServiceRoleForFSxS3Access_fs-1"},
+            "Action": ["kms:Decrypt", "kms:GenerateDataKey*"], "Resource": "*",
+            "Condition": {"StringEquals": {"kms:ViaService": via, "kms:EncryptionContext:aws:s3:arn": context}}}
+
+
+def test_fsx_role_may_decrypt_for_this_bucket(compat):
+    assert _with_association(compliant_stack(), _fsx_statement()).evaluate(compat) == []
+
+
+@pytest.mark.parametrize(("statement", "bucket_keys", "shown"), [
+    (None, True, "does not let FSx's S3-access role"),
+    (_fsx_statement(context="arn:aws:s3:::*"), True, "is not limited to this bucket"),
+    (_fsx_statement(context="arn:aws:s3:::models-prod-us-east-1"), False,
+     "needs ['arn:aws:s3:::models-prod-us-east-1/*']"),
+    (_fsx_statement(via="ec2.us-east-1.amazonaws.com"), True, "is not limited to calls through S3"),
+])
+def test_fsx_key_access_mistakes(statement, bucket_keys, shown, compat):
+    stack = _with_association(compliant_stack(), statement, bucket_keys)
+    _check(stack, compat, "fsx-s3-key-access", shown, "models-dra")
+
+
+def test_association_waits_for_the_key_policy(compat):
+    stack = _with_association(compliant_stack(), _fsx_statement())
+    stack.get("models-dra").dependencies.remove(stack.get("models-key-policy").urn)
+    _check(stack, compat, "fsx-s3-key-access", "does not depend on the key policy", "models-dra")
+
+
+def test_sse_s3_needs_no_key_policy(compat):
+    stack = _with_association(compliant_stack(), None)
+    inputs_of(stack, "models-sse")["rules"][0]["applyServerSideEncryptionByDefault"] = {"sseAlgorithm": "AES256"}
+    assert "fsx-s3-key-access" not in fired(stack.evaluate(compat))
+
+
+# -- nodes and add-ons (issue 18) ----------------------------------------------------------------------------------
+
+
+def _bottlerocket(stack, mappings):
+    inputs_of(stack, "gpu")["amiType"] = "BOTTLEROCKET_x86_64_NVIDIA"
+    inputs_of(stack, "nodes-lt")["blockDeviceMappings"] = mappings
+    return stack
+
+
+def test_bottlerocket_data_volume(compat):
+    os_volume = {"deviceName": "/dev/xvda", "ebs": {"encrypted": "true", "volumeSize": 8.0}}
+    data = {"deviceName": "/dev/xvdb", "ebs": {"encrypted": "true", "volumeSize": 500.0}}
+    assert _bottlerocket(compliant_stack(), [os_volume, data]).evaluate(compat) == []
+    _check(_bottlerocket(compliant_stack(), [os_volume]), compat, "nodes-bottlerocket-data-volume",
+           "keeps Bottlerocket's 20 GiB default", "gpu")
+    small = {**data, "ebs": {"encrypted": "true", "volumeSize": 40.0}}
+    _check(_bottlerocket(compliant_stack(), [os_volume, small]), compat, "nodes-bottlerocket-data-volume",
+           "is 40 GiB", "gpu")
+
+
+def test_pod_identity_agent_and_network_policy_enforcement(compat):
+    stack = compliant_stack()
+    stack.remove("eks-pod-identity-agent")
+    _check(stack, compat, "eks-network-policy-and-pod-identity", "lacks the managed add-on(s) eks-pod-identity-agent",
+           "cluster")
+    stack = compliant_stack()
+    del inputs_of(stack, "vpc-cni")["configurationValues"]
+    assert stack.evaluate(compat) == []  # no NetworkPolicy in the stack: nothing to enforce
+    stack.add("kubernetes:networking.k8s.io/v1:NetworkPolicy", "llama-v1-netpol", {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": "llama-v1", "namespace": "llm-serving"}, "spec": {"podSelector": {}}})
+    _check(stack, compat, "eks-network-policy-and-pod-identity", "every NetworkPolicy is accepted and ignored",
+           "cluster")
+
+
+def test_imdsv1_is_refused(compat):
+    stack = compliant_stack()
+    inputs_of(stack, "nodes-lt")["metadataOptions"]["httpTokens"] = "optional"
+    _check(stack, compat, "nodes-imdsv2-and-encrypted-disks", "allows IMDSv1", "gpu")

@@ -30,7 +30,10 @@ ISSUE_MANDATORY = {
 }
 # Beyond the issue's list: what a reviewer of this platform would also block.
 EXTRA_MANDATORY = {"iam-irsa-trust-scoped", "serving-update-timeout", "rollout-gpu-surge-bound",
-                   "eks-private-endpoint-in-prod", "s3-replication-kms-objects"}
+                   "eks-private-endpoint-in-prod", "s3-replication-kms-objects",
+                   # Issue 18 (the first real `pulumi up`): pods fit nodes, FSx may decrypt, nodes and add-ons.
+                   "model-pod-fits-nodes", "fsx-s3-key-access", "nodes-bottlerocket-data-volume",
+                   "eks-network-policy-and-pod-identity", "nodes-imdsv2-and-encrypted-disks"}
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
-from infra.mockrun import run_stack, shipped_stacks
+from infra.mockrun import shipped_run, shipped_stacks
 from policies.catalog import ALL_POLICIES
 from policies.compat import DEFAULT_PATH as DEFAULT_COMPAT
 from policies.offline import evaluate
@@ -32,7 +32,7 @@ def runs():
 
 def _run(runs, stack):
     if stack not in runs:
-        runs[stack] = run_stack(stack)
+        runs[stack] = shipped_run(stack)  # the per-process cache every module shares (read-only)
     return runs[stack]
 
 
@@ -147,6 +147,21 @@ MUTATIONS: dict[str, Callable] = {
     "gpu-nodes-taint": lambda res, cfg: _gpu_groups(res)[0].inputs.update(taints=[]),
     "gpu-nodes-approved-instance-types": lambda res, cfg: _gpu_groups(res)[0].inputs.update(
         instanceTypes=["g4dn.xlarge"]),
+    # A small type added to the L40S pool: embed-base's pod (sized for g6e.12xlarge) cannot fit on it.
+    "model-pod-fits-nodes": lambda res, cfg: [g.inputs["instanceTypes"].append("g6e.xlarge") for g in _gpu_groups(res)
+                                              if g.inputs["labels"].get("llm-serving/gpu-node-group") == "l40s"],
+    # The bucket key's policy back to the default (no FSx statement): lazy loads through the association fail.
+    "fsx-s3-key-access": lambda res, cfg: _of(res, "aws:kms/keyPolicy:KeyPolicy")[0].inputs.update(
+        policy=json.dumps({"Version": "2012-10-17", "Statement": [json.loads(
+            _of(res, "aws:kms/keyPolicy:KeyPolicy")[0].inputs["policy"])["Statement"][0]]})),
+    "nodes-bottlerocket-data-volume": lambda res, cfg: [
+        t.inputs.update(blockDeviceMappings=t.inputs["blockDeviceMappings"][:1])
+        for t in _of(res, "aws:ec2/launchTemplate:LaunchTemplate") if t.name.endswith("l40s")],
+    "eks-network-policy-and-pod-identity": lambda res, cfg: [
+        a.inputs.pop("configurationValues") for a in _of(res, "aws:eks/addon:Addon")
+        if a.inputs["addonName"] == "vpc-cni"],
+    "nodes-imdsv2-and-encrypted-disks": lambda res, cfg: _of(res, "aws:ec2/launchTemplate:LaunchTemplate")[0].inputs[
+        "metadataOptions"].update(httpTokens="optional"),
     "gpu-nodes-size-cap": lambda res, cfg: _gpu_groups(res)[0].inputs["scalingConfig"].update(maxSize=500),
     "iam-no-wildcard-s3-ecr-kms": lambda res, cfg: _policy_doc(
         _of(res, "aws:iam/rolePolicy:RolePolicy")[0], lambda doc: doc["Statement"][0].update(Resource="*")),

@@ -94,7 +94,9 @@ def prometheus(tmp_path_factory):
         while True:
             assert proc.poll() is None, (work / "log").read_text()[-2000:]
             try:
-                if (client.scalar('min(count_over_time(up{job=~"v.*"}[1m]))') or 0) >= 5:
+                # Successful scrapes (up 1) only: a scrape gets the 1 s interval, which a loaded machine may miss,
+                # and a failed one brings no sample to compute a rate from.
+                if (client.scalar('min(sum_over_time(up{job=~"v.*"}[1m]))') or 0) >= 5:
                     break
             except PrometheusError:
                 pass

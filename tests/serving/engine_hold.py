@@ -33,6 +33,24 @@ class EngineProcesses:
             raise AssertionError(f"process {server_pid} has no engine child processes")
         return cls(pids)
 
+    @classmethod
+    def in_this_process(cls) -> EngineProcesses:
+        """The engine processes that a vLLM engine of this very process (an AsyncLLM, as VllmLocalEngine runs it)
+        spawned, with their own children. vLLM titles them `VLLM::<role>`; the other children a test session may
+        have (finished helpers, a zombie not yet reaped) are left alone."""
+        engines = []
+        for child in psutil.Process().children():
+            try:
+                if child.cmdline()[:1] and child.cmdline()[0].startswith("VLLM::"):
+                    engines.append(child)
+            except psutil.Error:  # gone, or a zombie: not an engine
+                continue
+        pids = tuple(p.pid for engine in engines for p in (engine, *engine.children(recursive=True))
+                     if "resource_tracker" not in " ".join(p.cmdline()))
+        if not pids:
+            raise AssertionError("this process runs no vLLM engine process (none titled VLLM::...)")
+        return cls(pids)
+
     def _signal_and_wait(self, sig: int, stopped: bool) -> None:
         for pid in self.pids:
             os.kill(pid, sig)

@@ -13,6 +13,7 @@ import gzip
 import logging
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -31,6 +32,7 @@ from tests.serving.test_metrics_helpers import (
     start_writer,
     stop_writer,
     type_lines,
+    wait_for,
 )
 
 OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
@@ -63,7 +65,14 @@ def writers(mpdir: Path):
             stop_writer(proc)
 
 
+# The proxy's default upstream deadline (1 s) is short for a loaded machine, where even the in-process upstream of
+# these tests may answer later: a test that needs the upstream's families gives it this guard instead, which only a
+# hung upstream reaches. The tests of the deadline itself hold their upstream past a short one.
+UPSTREAM_GUARD_S = 30.0
+
+
 def _proxy(mpdir: Path, upstream: str | None, **kwargs):
+    kwargs.setdefault("upstream_timeout_s", UPSTREAM_GUARD_S)
     return start_proxy(ProxyConfig(multiproc_dir=mpdir, upstream_url=upstream, host="127.0.0.1", port=0, **kwargs))
 
 
@@ -157,11 +166,14 @@ def _trickle(handler):
 )
 def test_bad_upstream_still_answers_200_with_vllm_metrics_and_upstream_down(mpdir, writers, respond, reason, caplog):
     upstream = fake_upstream(respond)
-    handle = _proxy(mpdir, upstream.url, upstream_timeout_s=0.5, upstream_max_bytes=64 * 1024)
+    # A short deadline only where the upstream is held past it (it answers in 60 s at the earliest): elsewhere the
+    # reason must be the bad answer's, which a slow machine must not turn into a timeout.
+    deadline_s = 0.5 if reason == "timeout" else UPSTREAM_GUARD_S
+    handle = _proxy(mpdir, upstream.url, upstream_timeout_s=deadline_s, upstream_max_bytes=64 * 1024)
     try:
         with caplog.at_level(logging.WARNING, logger="serving_image.metrics.proxy"):
-            # If the proxy waited for this upstream, the client's timeout (20 s) would fail the test.
-            status, _, text = get(handle.url, timeout=20)
+            # If the proxy waited for a held upstream, the client's timeout would fail the test.
+            status, _, text = get(handle.url, timeout=2 * UPSTREAM_GUARD_S)
     finally:
         handle.stop()
         upstream.stop()
@@ -286,7 +298,8 @@ def test_spawned_child_process_serves_the_merge(mpdir, writers, frontend):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = spawn_proxy(ProxyConfig(multiproc_dir=mpdir, upstream_url=server.url, host="127.0.0.1", port=port))
+    proc = spawn_proxy(ProxyConfig(multiproc_dir=mpdir, upstream_url=server.url, host="127.0.0.1", port=port,
+                                   upstream_timeout_s=UPSTREAM_GUARD_S))
     try:
         values = series(get(f"http://127.0.0.1:{port}/metrics")[2])
         assert values['demo:requests_total{model_name="demo"}'] == 7
@@ -323,23 +336,55 @@ def test_module_runs_as_a_script(mpdir):
     assert result.returncode == 0 and "--upstream-timeout" in result.stdout
 
 
+class _CountingLock:
+    """A lock that counts how often it was released: put in place of the proxy's fetch lock, it tells how many
+    scrapes have decided, under that lock, whether to start the upstream fetch or to wait for the one in flight."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.released = 0
+
+    def __enter__(self) -> _CountingLock:
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.released += 1  # still under the lock: no update is lost
+        self._lock.release()
+
+
 def test_concurrent_scrapes_share_one_upstream_fetch_and_count_each_failure_once(mpdir, writers):
+    """Ten scrapes while an upstream fetch is in flight share it: one fetch, its failure counted once.
+
+    The overlap is forced: the upstream answers only once all ten scrapes have passed the proxy's fetch lock (the
+    first started the fetch, the nine others found it in flight), however slowly the scrapes arrive."""
+    answer = threading.Event()
     hits = []
 
     def respond(handler):
         hits.append(1)
-        time.sleep(0.5)  # long enough for the concurrent scrapes to arrive while this fetch is in flight
+        answer.wait(60)
         send(handler, 200, b"<html>not metrics</html>")
 
     upstream = fake_upstream(respond)
-    handle = _proxy(mpdir, upstream.url, upstream_timeout_s=5)
+    handle = _proxy(mpdir, upstream.url)
+    lock = handle.proxy._fetch_lock = _CountingLock()
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=10) as pool:
-            answers = list(pool.map(lambda _: get(handle.url), range(10)))
-        final = series(get(handle.url)[2])
+            scrapes = [pool.submit(get, handle.url) for _ in range(10)]
+            # The fetch cannot end before `answer` is set, so its owner releases the lock once and so does each
+            # of the nine waiters.
+            wait_for(lambda: lock.released >= 10 and len(hits) == 1, timeout=60,
+                     what="ten scrapes sharing one upstream fetch")
+            answer.set()
+            answers = [scrape.result() for scrape in scrapes]
+        shared_fetches = len(hits)
+        final = series(get(handle.url)[2])  # a fetch of its own: the in-flight one has ended
     finally:
+        answer.set()
         handle.stop()
         upstream.stop()
     assert all(status == 200 for status, _, _ in answers)
-    assert len(hits) < 10, "concurrent scrapes should share the in-flight upstream fetch"
-    assert final['llm_serving_metrics_upstream_scrape_errors_total{reason="parse"}'] == len(hits)
+    assert shared_fetches == 1, "concurrent scrapes should share the in-flight upstream fetch"
+    assert len(hits) == 2
+    assert final['llm_serving_metrics_upstream_scrape_errors_total{reason="parse"}'] == 2

@@ -333,20 +333,34 @@ def test_errors_have_openai_shape_and_status(server, path, body, raw, status, pa
 
 
 def test_admission_limit_answers_429_with_retry_after(server, eos):
-    """More concurrent requests than the limit: the surplus is refused at once, not queued."""
+    """More concurrent requests than the limit: the surplus is refused at once, not queued.
+
+    Forced: the engine is held (SIGSTOP) until the surplus has been refused, so no admitted request can finish and
+    free its place while the others arrive, however slowly the client sends them: exactly the limit is admitted."""
+    engine = EngineProcesses.of(server.proc.pid)
     body = {"model": MODEL, "prompt": "busy", "max_tokens": 300, "logit_bias": {eos: -100}}
+    surplus = 30
     results: list[httpx.Response] = []
 
     async def main() -> None:
         async with httpx.AsyncClient(timeout=300, headers={"Authorization": f"Bearer {KEY}"},
                                      limits=httpx.Limits(max_connections=200)) as http:
-            results.extend(await asyncio.gather(*(http.post(f"{server.url}/v1/completions", json=body)
-                                                  for _ in range(MAX_CONCURRENT + 30))))
+            engine.hold()
+            try:
+                calls = [asyncio.create_task(http.post(f"{server.url}/v1/completions", json=body))
+                         for _ in range(MAX_CONCURRENT + surplus)]
+                deadline = time.monotonic() + 120  # a guard only: refusals need no engine step
+                while sum(call.done() for call in calls) < surplus:
+                    assert time.monotonic() < deadline, "the surplus was not refused while the engine was held"
+                    await asyncio.sleep(0.05)
+                assert not any(call.done() and call.result().status_code != 429 for call in calls)
+            finally:
+                engine.release()
+            results.extend(await asyncio.gather(*calls))
 
     asyncio.run(main())
     statuses = [r.status_code for r in results]
-    assert set(statuses) == {200, 429}, statuses
-    assert statuses.count(200) >= MAX_CONCURRENT - 10
+    assert (statuses.count(200), statuses.count(429)) == (MAX_CONCURRENT, surplus), statuses
     refused = next(r for r in results if r.status_code == 429)
     assert refused.headers["Retry-After"] == "1" and refused.json()["error"]["type"] == "rate_limit_error"
 

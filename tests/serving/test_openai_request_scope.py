@@ -213,6 +213,7 @@ class Generation:
 
     def __init__(self, tokens: int = 3, *, error: Exception | None = None, hang: bool = False):
         self.tokens, self.error, self.hang = tokens, error, hang
+        self.hanging = asyncio.Event()  # set once a stream waits forever: the request is deep in the engine
 
     async def stream(self, request_id: str) -> AsyncIterator[EngineOutput]:
         for i in range(self.tokens):
@@ -223,6 +224,7 @@ class Generation:
         if self.error:
             raise self.error
         if self.hang:
+            self.hanging.set()
             await asyncio.Event().wait()
 
 
@@ -415,8 +417,9 @@ class ScriptedEngine(Engine):
 
 
 def call_app(books: Bookkeeping, engine: ScriptedEngine, body: dict, client_leaves: str = "never",
-             cancel_after_s: float | None = None, tokens_in_flight: int = 0) -> Client:
-    """One POST /v1/completions through the app. `cancel_after_s`: the server cancels the request's task then;
+             cancel_when_hanging: bool = False, tokens_in_flight: int = 0) -> Client:
+    """One POST /v1/completions through the app. `cancel_when_hanging`: the server cancels the request's task once
+    the engine's stream waits forever (a point the request reaches whatever the machine's speed, unlike a delay);
     `tokens_in_flight`: another request holds that many tokens meanwhile (released afterwards)."""
     app = create_app(engine, books.metrics, config=APIConfig(max_inflight_tokens=100))
     books.admission = admission = app.state.server.admission  # the app's own counters
@@ -427,8 +430,10 @@ def call_app(books: Bookkeeping, engine: ScriptedEngine, body: dict, client_leav
 
     async def main() -> None:
         task = asyncio.create_task(app(http_scope(body=raw), client.receive, client.send))
-        if cancel_after_s is not None:
-            await asyncio.sleep(cancel_after_s)
+        if cancel_when_hanging:
+            hanging = asyncio.create_task(engine.generation.hanging.wait())
+            await asyncio.wait({task, hanging}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+            hanging.cancel()
             task.cancel()
         await asyncio.wait_for(task, timeout=30)  # a request that never ends fails instead of hanging the suite
 
@@ -482,5 +487,5 @@ def test_app_a_client_leaving_a_non_streaming_request_gets_it_aborted(books, tok
 def test_app_a_request_cancelled_by_the_server_is_released(books, stream):
     with pytest.raises(asyncio.CancelledError):
         call_app(books, ScriptedEngine(Generation(hang=True)), {"max_tokens": 30, "stream": stream},
-                 cancel_after_s=0.05)
+                 cancel_when_hanging=True)
     books.assert_released_once(499, "CANCELED")

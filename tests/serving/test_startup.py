@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -201,8 +202,15 @@ def test_unknown_model_is_404(client: openai.OpenAI):
 
 def test_metrics_proxy_serves_vllm_and_frontend_metrics(server: Server, client: openai.OpenAI):
     client.completions.create(model="demo-tiny", prompt="count me", max_tokens=3)
-    body = httpx.get(server.metrics_url, timeout=10).text
-    assert re.search(r'^nv_inference_request_success\{model="demo-tiny",version="1.0.0"\} [1-9]', body, re.M)
+    # The front-end counts the request as it ends, which may be just after the client has its answer, and the proxy
+    # gives the front-ends' metrics a 1 s deadline, which a loaded machine may miss (that scrape serves vLLM's
+    # families alone, by design): wait for a scrape with the front-ends' metrics up (a guard only).
+    success = re.compile(r'^nv_inference_request_success\{model="demo-tiny",version="1.0.0"\} [1-9]', re.M)
+    deadline = time.monotonic() + 60
+    while not success.search(body := httpx.get(server.metrics_url, timeout=10).text):
+        assert time.monotonic() < deadline, f"no scrape counted the request:\n{body}"
+        time.sleep(0.2)
+    assert re.search(r"^llm_serving_metrics_upstream_up 1", body, re.M)
     assert re.search(r"^vllm:generation_tokens_total\{.*\} [1-9]", body, re.M)
 
 

@@ -92,7 +92,10 @@ def read_request(request, model_name: str) -> dict:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is not None and (name == "image" or bool(tensor.as_numpy().reshape(-1)[0])):
             raise RequestError(f"input '{name}': {reason}")
-    raw = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)[0]
+    tensor = pb_utils.get_input_tensor_by_name(request, "text_input")
+    if tensor is None:  # Triton 2.51 passes a request without a required input on to a python-based backend
+        raise RequestError(f"input 'text_input' is required by model '{model_name}' and is missing")
+    raw = tensor.as_numpy().reshape(-1)[0]
     try:
         prompt = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
     except UnicodeDecodeError as exc:
@@ -264,6 +267,10 @@ class TritonPythonModel:
                 parsed = read_request(request, self.model_name)
             except RequestError as exc:
                 self._error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+                continue
+            except Exception as exc:  # a bug here fails this request as the server's error, never the batch
+                self.logger.log_error(f"[vllm] reading a request failed: {exc!r}")
+                self._error(sender, f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
                 continue
             request_id = uuid.uuid4().hex
             with self._lock:

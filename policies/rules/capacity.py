@@ -1,0 +1,113 @@
+"""Capacity: every model pod fits every instance type its GPU pool may launch.
+
+A pod whose requests exceed what a node leaves to pods is never scheduled on that node: with a pool of several
+types (a managed node group's `instanceTypes`, a Karpenter NodePool's instance-type requirement) the scheduler or
+the autoscaler may pick the one it does not fit, and the pod waits forever. The pool of a model pod is the value of
+its `nodeSelector` on `llm-serving/gpu-node-group`; the pools are the node groups and NodePools that label their
+nodes with it. What a node of a type leaves to pods comes from the program's own table (`infra/instances.py`), so
+the rule and the program cannot disagree about a type's size. Types the table lacks are not sized here: the
+approved-instance-types rule refuses them, and a test keeps every approved type in the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pulumi_policy import EnforcementLevel, ReportViolation, StackValidationArgs, StackValidationPolicy
+
+from infra.instances import INSTANCE_FACTS, Allocatable, allocatable, parse_quantity
+from infra.naming import GPU_NODE_GROUP_LABEL
+
+from .._props import as_list, get, iter_mappings, k8s_name
+from ..index import StackIndex, is_serving_workload
+from ..workload import DEPLOYMENT, GPU_RESOURCE, containers, pod_spec
+
+NODE_GROUP = "aws:eks/nodeGroup:NodeGroup"
+INSTANCE_TYPE_KEY = "node.kubernetes.io/instance-type"
+GIB = 2**30
+
+
+def pools(index: StackIndex) -> dict[str, list[str]]:
+    """Pool name -> every instance type the pool may launch (managed node groups and Karpenter NodePools)."""
+    found: dict[str, list[str]] = {}
+    for group in index.of_type(NODE_GROUP):
+        name = (get(group.props, "labels") or {}).get(GPU_NODE_GROUP_LABEL)
+        if name:
+            found.setdefault(name, []).extend(str(t) for t in as_list(get(group.props, "instanceTypes")))
+    for pool in index.k8s("NodePool"):
+        name = (get(pool.props, "spec", "template", "metadata", "labels") or {}).get(GPU_NODE_GROUP_LABEL)
+        if not name:
+            continue
+        types = found.setdefault(name, [])
+        for req in iter_mappings(get(pool.props, "spec", "template", "spec", "requirements")):
+            if get(req, "key") == INSTANCE_TYPE_KEY and get(req, "operator") == "In":
+                types.extend(str(t) for t in as_list(get(req, "values")))
+    return found
+
+
+def pod_needs(props: Mapping[str, Any]) -> dict[str, float]:
+    """The pod's requests (CPU cores, memory bytes, GPUs) and its memory limit: the containers' sum, or the largest
+    init container's when that is larger (Kubernetes' effective request)."""
+    def total(cs, section: str, resource: str) -> float:
+        return sum(parse_quantity(v) for c in cs if (v := get(c, "resources", section, resource)) is not None)
+
+    main, init = containers(props), list(iter_mappings(pod_spec(props).get("initContainers")))
+    needs = {}
+    for key, section, resource in (("cpu", "requests", "cpu"), ("memory", "requests", "memory"),
+                                   ("gpus", "limits", GPU_RESOURCE), ("memory_limit", "limits", "memory")):
+        needs[key] = max([total(main, section, resource), *(total([c], section, resource) for c in init)])
+    return needs
+
+
+def _shortfalls(needs: dict[str, float], node: Allocatable) -> list[str]:
+    out = []
+    if needs["cpu"] * 1000 > node.cpu_millis + 1e-6:
+        out.append(f"{needs['cpu']:g} CPU requested, {node.cpu_millis / 1000:g} allocatable")
+    if needs["memory"] > node.memory_mib * 2**20:
+        out.append(f"{needs['memory'] / GIB:.1f} GiB memory requested, {node.memory_mib / 1024:.1f} GiB allocatable")
+    if needs["memory_limit"] > node.memory_mib * 2**20:
+        out.append(f"memory limit {needs['memory_limit'] / GIB:.1f} GiB above {node.memory_mib / 1024:.1f} GiB "
+                   f"allocatable")
+    if needs["gpus"] > node.gpus:
+        out.append(f"{needs['gpus']:g} GPUs requested, the node has {node.gpus}")
+    return out
+
+
+def _validate_fit(args: StackValidationArgs, report: ReportViolation) -> None:
+    index = StackIndex(args.resources)
+    by_pool = pools(index)
+    for deployment in index.of_type(DEPLOYMENT):
+        if not is_serving_workload(deployment.props):
+            continue
+        name = k8s_name(deployment.props) or deployment.name
+        pool = (pod_spec(deployment.props).get("nodeSelector") or {}).get(GPU_NODE_GROUP_LABEL)
+        if not pool:
+            report(f"model server {name!r} has no nodeSelector on {GPU_NODE_GROUP_LABEL}: it may land on any node "
+                   f"type, so its fit cannot be known; select its GPU pool", deployment.urn)
+            continue
+        if pool not in by_pool:
+            report(f"model server {name!r} selects GPU pool {pool!r}, but no node group or NodePool of this stack "
+                   f"launches nodes labelled {GPU_NODE_GROUP_LABEL}={pool}", deployment.urn)
+            continue
+        types = by_pool[pool]  # a pool without visible types: gpu-nodes-approved-instance-types reports it
+        needs = pod_needs(deployment.props)
+        for itype in dict.fromkeys(types):
+            if itype not in INSTANCE_FACTS:
+                continue
+            short = _shortfalls(needs, allocatable(itype))
+            if short:
+                report(f"model server {name!r} does not fit a {itype} node of pool {pool!r}, which the pool may "
+                       f"launch ({'; '.join(short)}; after the kubelet's reservation and the DaemonSets, "
+                       f"infra/instances.py): it can never be scheduled there. Size the pod from the pool's "
+                       f"smallest type (infra.instances.pod_share) or drop the type from the pool", deployment.urn)
+
+
+model_pod_fits_nodes = StackValidationPolicy(
+    name="model-pod-fits-nodes",
+    description="Every model pod's requests and limits fit every instance type its GPU pool may launch.",
+    validate=_validate_fit,
+    enforcement_level=EnforcementLevel.MANDATORY,
+)
+
+POLICIES = [model_pod_fits_nodes]

@@ -1,0 +1,45 @@
+"""Fixtures of the serving suite that several modules share.
+
+`triton_standalone`: one real `tritonserver` (the local 2.51 from nvidia-pytriton) started by the startup procedure
+on a `standalone` demo-tiny package (the stand-in vllm backend and its engine process), with the example
+Python-backend package (examples/ticket_triage) served beside it, as the BLS example needs. One per session: the
+KServe tests (test_kserve_startup.py) and the example's tests (test_triton_example.py) share it, so the suite starts
+one Triton and one engine for all of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "ticket_triage"
+# float32: see tests/serving/test_kserve_server.py (this VM SIGILLs in vLLM's bf16 AMX attention kernel).
+TRITON_ENGINE_ARGS = {"max_model_len": 4096, "kv_cache_memory_bytes": 128 * 1024 * 1024, "dtype": "float32"}
+
+
+def build_example_package(out: Path) -> Path:
+    from llm_serving.manifest import Backend, ServingMode
+    from llm_serving.package import PackageSpec, build_package
+
+    return build_package(PackageSpec(None, "ticket-triage", "1.0.0", backend=Backend.PYTHON,
+                                     python_model=EXAMPLE / "model", config_pbtxt=EXAMPLE / "config.pbtxt",
+                                     serving_mode=ServingMode.STANDALONE), out)
+
+
+@pytest.fixture(scope="session")
+def triton_standalone(demo_model_dir, tmp_path_factory):
+    from llm_serving.manifest import ServingMode
+    from llm_serving.package import PackageSpec, build_package
+    from serving_image.local_server import start_standalone_server
+
+    root = tmp_path_factory.mktemp("triton-standalone")
+    llm = build_package(PackageSpec(demo_model_dir, "demo-tiny", "1.0.0", engine_args=TRITON_ENGINE_ARGS,
+                                    serving_mode=ServingMode.STANDALONE), root / "demo-tiny")
+    example = build_example_package(root / "ticket-triage")
+    server = start_standalone_server(llm, root / "work", companions=(example,))
+    try:
+        yield server
+    finally:
+        server.kill()

@@ -1,0 +1,148 @@
+"""A Python-backend package served as written by real Triton through the startup procedure (standalone mode), and
+when Triton opens its ports.
+
+The package's model.py imports a helper module carried beside it in the package and runs with the real
+triton_python_backend_utils (the stub's numpy < 2). Its `initialize` blocks until the test releases it: while the
+model is held loading, tritonserver (explicit model control, `--load-model`) has bound neither HTTP nor gRPC, so
+the gRPC port is closed until the model is ready without anything in front of it. No vLLM here: this server starts
+in seconds.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from llm_serving.manifest import Backend, ServingMode
+from llm_serving.package import PackageSpec, build_package
+from serving_image.local_server import Server, accepts, free_port
+
+pytestmark = pytest.mark.slow
+
+MODEL_PY = '''
+import os
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from shout import shout
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        hold = os.environ["TEST_HOLD_DIR"]
+        open(os.path.join(hold, "loading"), "w").close()
+        while not os.path.exists(os.path.join(hold, "release")):
+            time.sleep(0.05)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "text").as_numpy().reshape(-1)
+            out = np.array([shout(v.decode()).encode() for v in text], dtype=np.object_)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("shouted", out),
+                                                         pb_utils.Tensor("numpy", np.array([np.__version__.encode()],
+                                                                                           dtype=np.object_))]))
+        return responses
+'''
+HELPER_PY = "def shout(text):\n    return text.upper() + '!'\n"
+CONFIG = '''
+backend: "python"
+max_batch_size: 0
+input [ { name: "text" data_type: TYPE_STRING dims: [ -1 ] } ]
+output [ { name: "shouted" data_type: TYPE_STRING dims: [ -1 ] }, { name: "numpy" data_type: TYPE_STRING dims: [ 1 ] } ]
+'''
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory):
+    """The startup procedure on the package, its model held in `initialize` until the test creates `release`."""
+    import os
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("python-package")
+    source = root / "src"
+    source.mkdir()
+    (source / "model.py").write_text(MODEL_PY)
+    (source / "shout.py").write_text(HELPER_PY)
+    (root / "config.pbtxt").write_text(CONFIG)
+    package = build_package(PackageSpec(None, "shouter", "1.0.0", backend=Backend.PYTHON, python_model=source,
+                                        config_pbtxt=root / "config.pbtxt", serving_mode=ServingMode.STANDALONE),
+                            root / "pkg")
+    hold = root / "hold"
+    hold.mkdir()
+    work = root / "work"
+    work.mkdir()
+    ports = {name: free_port() for name in ("openai", "metrics", "frontend", "kserve_http", "kserve_grpc")}
+    log_path = work / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "serving_image.startup", str(package), "--workdir", str(work / "run"),
+             "--host", "127.0.0.1", "--openai-port", str(ports["openai"]), "--metrics-port", str(ports["metrics"]),
+             "--frontend-metrics-port", str(ports["frontend"]), "--kserve-http-port", str(ports["kserve_http"]),
+             "--kserve-grpc-port", str(ports["kserve_grpc"])],
+            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, TEST_HOLD_DIR=str(hold),
+                                                           LLM_SERVING_DRAIN_DELAY_S="0"),
+            start_new_session=True)
+    server = Server(proc, log_path, ports, work)
+    try:
+        yield server, hold
+    finally:
+        server.kill()
+
+
+def _wait_for(condition, what: str, server: Server, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert server.proc.poll() is None, f"server exited {server.proc.returncode}:\n{server.log()[-4000:]}"
+        assert time.monotonic() < deadline, f"{what} did not happen:\n{server.log()[-4000:]}"
+        time.sleep(0.05)
+
+
+def test_ports_stay_closed_while_the_model_loads(held):
+    """ports-after-load: measured on tritonserver 2.51, relied on by the startup procedure (§3.7 step 5)."""
+    server, hold = held
+    _wait_for(lambda: (hold / "loading").exists(), "the model's initialize", server)
+    # The model is held in initialize: Triton is running and loading, and has opened no port.
+    triton = [p for p in psutil.Process(server.proc.pid).children() if p.name() == "tritonserver"]
+    assert len(triton) == 1 and triton[0].is_running()
+    assert not accepts(server.ports["kserve_grpc"]) and not accepts(server.ports["kserve_http"])
+    assert "start-engine: done" not in server.log()
+    (hold / "release").touch()
+    _wait_for(lambda: "startup complete" in server.log(), "startup", server)
+    assert accepts(server.ports["kserve_grpc"]) and accepts(server.ports["kserve_http"])
+    assert "shouter 1.0.0 (python)" in server.log()
+
+
+def test_python_package_runs_as_written(held):
+    """The package's model.py with its helper module, the real triton_python_backend_utils, the stub's numpy < 2,
+    over gRPC and HTTP (a non-decoupled model: unary inference)."""
+    server, _hold = held
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports['kserve_grpc']}")
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{server.ports['kserve_http']}")
+    try:
+        for module, client in ((grpcclient, grpc), (httpclient, http)):
+            text = module.InferInput("text", [2], "BYTES")
+            text.set_data_from_numpy(np.array([b"hello", "gr\u00fc\u00df".encode()], dtype=np.object_))
+            result = client.infer("shouter", [text])
+            assert [v.decode() for v in result.as_numpy("shouted")] == ["HELLO!", "GR\u00dcSS!"]
+            assert result.as_numpy("numpy")[0].decode().startswith("1.")
+    finally:
+        grpc.close()
+        http.close()
+
+
+def test_sigterm_closes_every_port(held):
+    server, _hold = held
+    assert server.stop(signal.SIGTERM, timeout=120) == 0, server.log()[-3000:]
+    for name in ("kserve_http", "kserve_grpc", "metrics", "frontend"):
+        assert not accepts(server.ports[name]), name
+    assert Path(server.log_path).exists()

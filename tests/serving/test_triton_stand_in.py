@@ -1,0 +1,100 @@
+"""The stand-in `vllm` backend's pure parts, without Triton: its declared I/O is the tensor contract, and
+`sampling_parameters` is read as NVIDIA's backend reads it (with every refusal naming the field)."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from llm_serving.tensor_contract import VLLM_INPUTS, VLLM_OUTPUTS
+from serving_image.engine.base import ModelInfo
+from serving_image.triton.backends.vllm import engine_wire
+from serving_image.triton.engine_host import ParameterError, sampling_params_from_json
+
+MODEL_PY = Path(__file__).resolve().parents[2] / "serving_image" / "triton" / "backends" / "vllm" / "model.py"
+INFO = ModelInfo(name="m", version="1", max_model_len=512, vocab_size=1000, eos_token_id=2)
+_TYPES = {"TYPE_STRING": "BYTES", "TYPE_BOOL": "BOOL", "TYPE_UINT32": "UINT32", "TYPE_FP32": "FP32"}
+
+
+def _declared(name: str) -> list[dict]:
+    """INPUTS / OUTPUTS of model.py, read without importing it (it needs Triton's stub)."""
+    for node in ast.parse(MODEL_PY.read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == name:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{name} not found in {MODEL_PY}")
+
+
+def test_auto_complete_declares_the_tensor_contract():
+    for declared, contract in ((_declared("INPUTS"), VLLM_INPUTS), (_declared("OUTPUTS"), VLLM_OUTPUTS)):
+        assert [(d["name"], _TYPES[d["data_type"]], tuple(d["dims"]), d.get("optional", False)) for d in declared] \
+            == [(t.name, t.datatype, t.shape, t.optional) for t in contract]
+
+
+def test_wire_round_trip():
+    import io
+
+    message = {"id": "a", "out": [[0, "h\u00e9", 1, None]], "p": 3, "done": False}
+    stream = io.BytesIO(engine_wire.encode(message) + engine_wire.encode({"op": "dead", "error": "x"}))
+    assert engine_wire.read_message(stream) == message
+    assert engine_wire.read_message(stream)["op"] == "dead"
+    assert engine_wire.read_message(stream) is None
+
+
+def _params(value, root="sampling_parameters"):
+    return sampling_params_from_json(value if isinstance(value, str) else json.dumps(value), root, INFO)
+
+
+def test_fields_are_converted_as_the_backend_does():
+    params = _params({"max_tokens": "64", "temperature": "0.5", "top_k": 5.0, "ignore_eos": True, "seed": None,
+                      "stop": ["\n"], "skip_special_tokens": False})
+    assert (params.max_tokens, params.temperature, params.top_k, params.ignore_eos) == (64, 0.5, 5, True)
+    assert params.seed is None and params.stop == ["\n"] and params.skip_special_tokens is False
+    assert _params({}).max_tokens == 16  # vLLM's default, which the backend keeps
+
+
+def test_structured_outputs_string_and_guided_decoding_string_or_object():
+    schema = {"type": "object"}
+    assert _params({"structured_outputs": json.dumps({"json": schema})}).structured_outputs.json == schema
+    assert _params({"guided_decoding": {"json": schema, "backend": "xgrammar"}}).structured_outputs.json == schema
+    assert _params({"guided_decoding": json.dumps({"regex": "a+"})}).structured_outputs.regex == "a+"
+
+
+def test_extra_args_pass_through_and_the_constraint_is_validated():
+    params = _params({"extra_args": {"constraint": {"kind": "allowed_tokens", "tokens": [5, 7]}, "trace": "x"}})
+    assert params.extra_args["trace"] == "x" and params.extra_args["constraint"]["kind"] == "allowed_tokens"
+
+
+@pytest.mark.parametrize(("value", "field"), [
+    ("{not json", "sampling_parameters"),
+    ("[1]", "sampling_parameters"),
+    ({"max_token": 3}, "sampling_parameters.max_token"),
+    ({"temperature": "hot"}, "sampling_parameters.temperature"),
+    ({"temperature": -1}, "sampling_parameters.temperature"),
+    ({"ignore_eos": "false"}, "sampling_parameters.ignore_eos"),
+    ({"max_tokens": 1.5}, "sampling_parameters.max_tokens"),
+    ({"output_kind": 1}, "sampling_parameters.output_kind"),
+    ({"structured_outputs": {"json": {}}}, "sampling_parameters.structured_outputs"),
+    ({"structured_outputs": json.dumps({"jsn": {}})}, "sampling_parameters.structured_outputs.jsn"),
+    ({"guided_decoding": {"regex": "a", "backend": "outlines"}}, "sampling_parameters.guided_decoding.backend"),
+    ({"constraint": {"kind": "allowed_tokens", "tokens": [5]}}, "sampling_parameters.constraint"),
+    ({"extra_args": {"constraint": {"kind": "allowed_tokens", "tokens": [5000]}}},
+     "sampling_parameters.extra_args.constraint.tokens[0]"),
+    ({"extra_args": {"constraint": {"kind": "allowed_tokens", "tokens": [5]}},
+      "structured_outputs": json.dumps({"regex": "a"})}, "sampling_parameters.extra_args.constraint"),
+    ({"lora_name": "x"}, "sampling_parameters.lora_name"),
+])
+def test_refusals_name_the_field(value, field):
+    with pytest.raises(ParameterError) as info:
+        _params(value)
+    assert info.value.field == field and field in str(info.value)
+
+
+def test_request_parameters_drop_what_triton_consumes():
+    params = sampling_params_from_json(json.dumps({"max_tokens": 3, "triton_enable_empty_final_response": True}),
+                                       "parameters", INFO)
+    assert params.max_tokens == 3
+    with pytest.raises(ParameterError, match="parameters.max_token "):
+        sampling_params_from_json(json.dumps({"max_token": 3}), "parameters", INFO)
