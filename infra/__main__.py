@@ -1,6 +1,7 @@
 """The serving platform's Pulumi program: one stack per environment and region (docs/architecture.md §2, §3.6, §4).
 
-    config (validated) -> network -> EKS + node groups -> cluster bootstrap (CRDs, controllers) -> model storage (S3 + FSx) -> ECR + serving image
+    config (validated) -> network -> EKS + node groups -> cluster bootstrap (CRDs, controllers)
+        -> model storage (S3 + FSx) -> ECR + serving image
         -> shared Kubernetes objects -> per-model serving -> stack outputs (docs/stack-outputs.md)
     the cluster's monitoring namespace: alert rules, PodMonitor, Grafana dashboard (deploy/observability/)
 """

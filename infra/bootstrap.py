@@ -22,10 +22,11 @@ needs a Lattice service network associated with the VPC, the ACM certificate ARN
 node security group ingress from Lattice's managed prefix list and its own DNS, four more AWS moving parts per
 region, and its routes are programmed asynchronously outside the cluster.
 
-**Node autoscaling: Karpenter.** Each GPU node group keeps its `desiredSize` nodes as a managed node group (the floor,
-there before Karpenter runs); a NodePool with the same labels, taint and instance types adds up to `maxSize - desiredSize`
-nodes' GPUs when red-black surge pods or KEDA replicas are pending, and removes empty nodes. The pool never goes
-beyond the group's `maxSize` in total, the cap `gpu-nodes-size-cap` reviews.
+**Node autoscaling: Karpenter.** Each GPU node group keeps its `desiredSize` nodes as a managed node group (the
+floor, there before Karpenter runs); a NodePool with the same labels, taint and instance types adds up to
+`maxSize - desiredSize` nodes' GPUs when red-black surge pods or KEDA replicas are pending, and removes empty
+nodes. The pool never goes beyond the group's `maxSize` in total, the cap `gpu-nodes-size-cap` reviews. Only
+on-demand capacity for now (spot needs Karpenter's interruption queue, capacity reservations its selector terms).
 """
 
 from __future__ import annotations

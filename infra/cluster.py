@@ -109,6 +109,7 @@ class Cluster(pulumi.ComponentResource):
         super().__init__("llm-serving:infra:Cluster", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         cfg = args.config
+        bootstrap_cidrs = list(cfg.api_access.bootstrap_public_cidrs)
 
         cluster_role = role_with_policy(f"{name}-cluster", service_trust("eks.amazonaws.com"), None,
                                         CLUSTER_POLICIES, args.tags, child)
@@ -122,7 +123,10 @@ class Cluster(pulumi.ComponentResource):
             vpc_config={
                 "subnet_ids": args.private_subnet_ids,
                 "endpoint_private_access": True,
-                "endpoint_public_access": cfg.endpoint_public_access,
+                # Public only when the stack allows it (dev) or, restricted to the runner, for a first update that
+                # cannot reach the private endpoint yet (docs/first-update.md).
+                "endpoint_public_access": cfg.endpoint_public_access or bool(bootstrap_cidrs),
+                **({"public_access_cidrs": bootstrap_cidrs} if bootstrap_cidrs else {}),
             },
             access_config={"authentication_mode": "API", "bootstrap_cluster_creator_admin_permissions": True},
             encryption_config={"provider": {"key_arn": secrets_key.arn}, "resources": ["secrets"]},
@@ -132,6 +136,13 @@ class Cluster(pulumi.ComponentResource):
         )
         self.name = cluster.name
         self.endpoint = cluster.endpoint
+        # The private endpoint answers on the cluster security group: a runner inside the VPC (or routed to it)
+        # needs TCP 443 there, which EKS does not open by default (only the group itself).
+        for i, cidr in enumerate(cfg.api_access.runner_cidrs):
+            aws.vpc.SecurityGroupIngressRule(
+                f"{name}-api-runner-{i}", security_group_id=cluster.vpc_config.cluster_security_group_id,
+                ip_protocol="tcp", from_port=443, to_port=443, cidr_ipv4=cidr,
+                description=f"Kubernetes API from the update's runner ({cidr})", opts=child)
         self.node_security_group_id = cluster.vpc_config.cluster_security_group_id
         self.oidc_issuer_url = cluster.identities.apply(lambda ids: ids[0]["oidcs"][0]["issuer"])
         oidc = aws.iam.OpenIdConnectProvider(f"{name}-oidc", url=self.oidc_issuer_url,

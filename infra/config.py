@@ -167,7 +167,38 @@ class GpuNodeGroupConfig(_Camel):
         return self.ami_type in AMIS_WITHOUT_DEVICE_PLUGIN
 
 
+def _narrow_cidr(v: str, widest: int) -> str:
+    import ipaddress
+
+    net = ipaddress.ip_network(v, strict=True)
+    if net.prefixlen < widest:
+        raise ValueError(f"{v!r} is wider than /{widest}: name the runner's own addresses")
+    return v
+
+
+class ApiAccessConfig(_Camel):
+    """How the update's runner reaches the Kubernetes API of the cluster this update creates (docs/first-update.md,
+    "Reaching a private cluster")."""
+
+    # A runner in the VPC, or in a network routed to it: TCP 443 to the private endpoint from these CIDRs.
+    runner_cidrs: list[str] = Field(default_factory=list)
+    # Only for the first update of a cluster in a VPC the same update creates: the public endpoint is on, restricted
+    # to these CIDRs (the runner's egress addresses), until the next update, without this key, turns it off again.
+    bootstrap_public_cidrs: list[str] = Field(default_factory=list)
+
+    @field_validator("runner_cidrs")
+    @classmethod
+    def _runner(cls, v: list[str]) -> list[str]:
+        return [_narrow_cidr(c, 16) for c in v]
+
+    @field_validator("bootstrap_public_cidrs")
+    @classmethod
+    def _bootstrap(cls, v: list[str]) -> list[str]:
+        return [_narrow_cidr(c, 24) for c in v]
+
+
 class ClusterConfig(_Camel):
+    api_access: ApiAccessConfig = ApiAccessConfig()
     kubernetes_version: str = Field(default="1.33", pattern=r"^1\.(2[89]|3\d)$")
     endpoint_public_access: bool = False
     system_node_group: SystemNodeGroupConfig = SystemNodeGroupConfig()

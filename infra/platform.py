@@ -133,7 +133,10 @@ class ServingPlatform(pulumi.ComponentResource):
             f"{name}-gateway",
             api_version="gateway.networking.k8s.io/v1",
             kind="Gateway",
-            metadata={"name": GATEWAY_NAME, "namespace": ns_name, "labels": platform_labels("gateway")},
+            # Ready once the controller has programmed it (its load balancer exists), not when the API stores it.
+            metadata={"name": GATEWAY_NAME, "namespace": ns_name, "labels": platform_labels("gateway"),
+                      "annotations": {"pulumi.com/waitFor": "condition=Programmed",
+                                      "pulumi.com/timeoutSeconds": "900"}},
             spec={
                 "gatewayClassName": cfg.serving.gateway_class_name,
                 # Envoy Gateway copies these onto the Service it creates: an internal NLB.

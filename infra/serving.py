@@ -20,6 +20,7 @@ capacity under load but can never undo a red-black split.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -37,6 +38,16 @@ PROBE_PERIOD_SECONDS = 10
 PRESTOP_SLEEP_SECONDS = 15  # lets the gateway drop the pod from its endpoints before SIGTERM
 RUN_AS_UID = 10001  # above the host's system and user ranges (the serving image's user)
 DEFAULT_TIMEOUT_MINUTES = 10  # the Kubernetes provider's own default, which a GPU start routinely exceeds
+# The Kubernetes provider has no await logic for custom resources: without this annotation a route counts as created
+# the moment the API server stores it, and the active version's scale-down (which depends on the route) could start
+# before the gateway controller has accepted the new weights and resolved every backend. With it, Pulumi waits for
+# both conditions the controller sets on the route's status for our Gateway (docs/first-update.md, "Routes wait").
+ROUTE_CONDITIONS = ("Accepted", "ResolvedRefs")
+ROUTE_AWAIT_ANNOTATIONS = {
+    "pulumi.com/waitFor": json.dumps(
+        [f'jsonpath={{.status.parents[0].conditions[?(@.type=="{c}")].status}}=True' for c in ROUTE_CONDITIONS]),
+    "pulumi.com/timeoutSeconds": "300",
+}
 
 
 @dataclass(frozen=True)
@@ -275,7 +286,8 @@ def _routes(name: str, ctx: ServingContext, model: ModelConfig, label_version: s
             backends: list[tuple[str, int]], parent: pulumi.Resource,
             depends_on: list[pulumi.Resource]) -> list[pulumi.Resource]:
     """HTTPRoute (OpenAI on 9000 under /v1, KServe HTTP on 8000 under /v2) and GRPCRoute (KServe gRPC, 8001)."""
-    meta = {"namespace": ctx.namespace, "labels": model_labels(model.id, label_version)}
+    meta = {"namespace": ctx.namespace, "labels": model_labels(model.id, label_version),
+            "annotations": dict(ROUTE_AWAIT_ANNOTATIONS)}
     parent_ref = [{"name": ctx.gateway_name, "sectionName": "openai"}]
     opts = pulumi.ResourceOptions(parent=parent, provider=ctx.provider, depends_on=[*ctx.depends_on, *depends_on])
 

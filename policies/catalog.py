@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pulumi_policy import EnforcementLevel, Policy
 
-from .rules import capacity, cost, fsx, gpu_nodes, iam, nodes, platform, rollout, s3, serving
+from .rules import bootstrap, capacity, cost, fsx, gpu_nodes, iam, nodes, platform, rollout, s3, serving
 
 ALL_POLICIES: list[Policy] = [
     *s3.POLICIES,
@@ -13,6 +13,7 @@ ALL_POLICIES: list[Policy] = [
     *gpu_nodes.POLICIES,
     *capacity.POLICIES,
     *nodes.POLICIES,
+    *bootstrap.POLICIES,
     *iam.POLICIES,
     *serving.POLICIES,
     *rollout.POLICIES,

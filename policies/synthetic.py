@@ -171,10 +171,16 @@ def add_model_version(stack: SyntheticStack, model_id: str, version: str, replic
     if route:
         stack.add("kubernetes:gateway.networking.k8s.io/v1:HTTPRoute", f"{name}-route", {
             "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
-            "metadata": {"name": name, "namespace": "llm-serving"},
+            "metadata": {"name": name, "namespace": "llm-serving", "annotations": {"pulumi.com/waitFor": json.dumps([
+                f'jsonpath={{.status.parents[0].conditions[?(@.type=="{c}")].status}}=True'
+                for c in ("Accepted", "ResolvedRefs")])}},
             "spec": {"parentRefs": [{"name": "llm-gateway"}],
                      "rules": [{"backendRefs": [{"name": name, "port": 9000.0, "weight": float(weight)}]}]},
-        }, depends_on=[name, f"{name}-svc"])
+        }, depends_on=[name, f"{name}-svc", *(["gateway-crds"] if _has(stack, "gateway-crds") else [])])
+
+
+def _has(stack: SyntheticStack, name: str) -> bool:
+    return any(r.name == name for r in stack.resources)
 
 
 def compliant_stack(stack_name: str = "prod-us-east-1") -> SyntheticStack:
@@ -227,6 +233,9 @@ def compliant_stack(stack_name: str = "prod-us-east-1") -> SyntheticStack:
         "encryptionConfig": {"provider": {"keyArn": "arn:key"}, "resources": ["secrets"]},
         "enabledClusterLogTypes": ["api", "audit", "authenticator"],
         "tags": tags()})
+    stack.add("aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule", "cluster-api-runner", {
+        "securityGroupId": "sg-cluster", "ipProtocol": "tcp", "fromPort": 443.0, "toPort": 443.0,
+        "cidrIpv4": "10.0.0.0/16"}, depends_on=["cluster"])
     for addon, settings in (("vpc-cni", '{"enableNetworkPolicy": "true"}'), ("eks-pod-identity-agent", None)):
         stack.add("aws:eks/addon:Addon", addon, {"clusterName": "cluster", "addonName": addon, "tags": tags(),
                                                   **({"configurationValues": settings} if settings else {})},
@@ -278,6 +287,18 @@ def compliant_stack(stack_name: str = "prod-us-east-1") -> SyntheticStack:
         "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": "model-cache",
                  "resources": {"requests": {"storage": "2400Gi"}}},
     }, depends_on=["model-cache-pv"])
+    # The bootstrap (infra/bootstrap.py): the Gateway API CRDs before the routes, Karpenter for the GPU pool.
+    stack.add("kubernetes:helm.sh/v3:Release", "gateway-crds", {
+        "chart": "oci://docker.io/envoyproxy/gateway-crds-helm", "version": "v1.8.2", "name": "gateway-crds"})
+    stack.add("kubernetes:helm.sh/v3:Release", "keda", {"chart": "keda", "version": "2.17.2", "name": "keda"})
+    stack.add("kubernetes:helm.sh/v3:Release", "karpenter-crd", {
+        "chart": "oci://public.ecr.aws/karpenter/karpenter-crd", "version": "1.8.1", "name": "karpenter-crd"})
+    stack.add("kubernetes:karpenter.sh/v1:NodePool", "gpu-pool", {
+        "apiVersion": "karpenter.sh/v1", "kind": "NodePool", "metadata": {"name": "gpu"},
+        "spec": {"limits": {"nvidia.com/gpu": "8"}, "template": {
+            "metadata": {"labels": {"llm-serving/gpu-node-group": "gpu"}},
+            "spec": {"requirements": [{"key": "node.kubernetes.io/instance-type", "operator": "In",
+                                       "values": ["g6e.12xlarge"]}]}}}}, depends_on=["karpenter-crd"])
     add_model_version(stack, "llama", "v1")
     return stack
 

@@ -1,16 +1,23 @@
 // Validates custom resources against their CRDs' JSON schemas, with the validators that @kubernetes-models
-// generates from the upstream CRDs (Gateway API v1, KEDA v2, Prometheus Operator v1: PodMonitor, PrometheusRule).
+// generates from the upstream CRDs (Gateway API v1, KEDA v2, Prometheus Operator v1: PodMonitor, PrometheusRule;
+// Karpenter v1: NodePool, EC2NodeClass; cert-manager v1: ClusterIssuer, Certificate).
 // Reads a JSON array of manifests on stdin and prints a JSON array of {index, kind, name, errors}: a kind this file
 // does not know is an error, never a pass.
+import { Certificate } from "@kubernetes-models/cert-manager/cert-manager.io/v1/Certificate";
+import { ClusterIssuer } from "@kubernetes-models/cert-manager/cert-manager.io/v1/ClusterIssuer";
 import { Gateway } from "@kubernetes-models/gateway-api/gateway.networking.k8s.io/v1/Gateway";
+import { GatewayClass } from "@kubernetes-models/gateway-api/gateway.networking.k8s.io/v1/GatewayClass";
 import { GRPCRoute } from "@kubernetes-models/gateway-api/gateway.networking.k8s.io/v1/GRPCRoute";
 import { HTTPRoute } from "@kubernetes-models/gateway-api/gateway.networking.k8s.io/v1/HTTPRoute";
+import { EC2NodeClass } from "@kubernetes-models/karpenter/karpenter.k8s.aws/v1/EC2NodeClass";
+import { NodePool } from "@kubernetes-models/karpenter/karpenter.sh/v1/NodePool";
 import { ScaledObject } from "@kubernetes-models/keda/keda.sh/v1alpha1/ScaledObject";
 import { PodMonitor } from "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/PodMonitor";
 import { PrometheusRule } from "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/PrometheusRule";
 
 const MODELS = new Map(
-  [Gateway, GRPCRoute, HTTPRoute, ScaledObject, PodMonitor, PrometheusRule]
+  [Gateway, GatewayClass, GRPCRoute, HTTPRoute, ScaledObject, PodMonitor, PrometheusRule, NodePool, EC2NodeClass,
+    ClusterIssuer, Certificate]
     .map((m) => [`${m.apiVersion}/${m.kind}`, m]),
 );
 

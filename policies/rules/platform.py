@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-from pulumi_policy import EnforcementLevel, ReportViolation, ResourceValidationArgs, ResourceValidationPolicy
+from pulumi_policy import (
+    EnforcementLevel,
+    ReportViolation,
+    ResourceValidationArgs,
+    ResourceValidationPolicy,
+    StackValidationArgs,
+    StackValidationPolicy,
+)
 
 from .._props import as_bool, as_list, get, iter_mappings
 from ..context import stack_context
+from ..index import StackIndex
 
 CLUSTER = "aws:eks/cluster:Cluster"
 REPOSITORY = "aws:ecr/repository:Repository"
@@ -20,6 +28,12 @@ def _validate_private_endpoint(args: ResourceValidationArgs, report: ReportViola
         return
     # The EKS API defaults to a public endpoint when endpointPublicAccess is unset.
     public = as_bool(get(args.props, "vpcConfig", "endpointPublicAccess"))
+    cidrs = [str(c) for c in as_list(get(args.props, "vpcConfig", "publicAccessCidrs"))]
+    # The one exception: a first update's bootstrap window (cluster.apiAccess.bootstrapPublicCidrs), public only to
+    # the runner's own addresses.
+    bootstrap = get(ctx.config.get("cluster") or {}, "apiAccess", "bootstrapPublicCidrs")
+    if public is True and bootstrap and cidrs and not any(c.endswith("/0") for c in cidrs):
+        return
     if public is not False:
         report(f"EKS cluster {args.name!r} in prod stack {ctx.stack!r} has a public API endpoint "
                f"(vpcConfig.endpointPublicAccess {public if public is not None else 'unset, which means true'}): "
@@ -65,6 +79,30 @@ def _validate_key_rotation(args: ResourceValidationArgs, report: ReportViolation
         report(f"KMS key {args.name!r} does not rotate (enableKeyRotation)", None)
 
 
+SG_INGRESS_RULE = "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"
+
+
+def _validate_api_reachable(args: StackValidationArgs, report: ReportViolation) -> None:
+    index = StackIndex(args.resources)
+    for cluster in index.of_type(CLUSTER):
+        if as_bool(get(cluster.props, "vpcConfig", "endpointPublicAccess")) is not False:
+            continue  # public (dev, or a bootstrap window restricted to the runner): reachable from outside
+        rules = [r for r in index.of_type(SG_INGRESS_RULE) if index.depends_on(r, cluster)
+                 and (get(r.props, "fromPort") or 0) <= 443 <= (get(r.props, "toPort") or 0)]
+        if not rules:
+            report(f"EKS cluster {cluster.name!r} has a private endpoint only and no security group rule lets a "
+                   f"runner reach it on TCP 443: the Kubernetes objects of this very update cannot be created "
+                   f"(set cluster.apiAccess.runnerCidrs, or bootstrapPublicCidrs for a first update; "
+                   f"docs/first-update.md)", cluster.urn)
+
+
+eks_api_reachable = StackValidationPolicy(
+    name="eks-api-reachable-from-runner",
+    description="A private-only EKS API endpoint has a security group rule admitting the update's runner on 443.",
+    validate=_validate_api_reachable,
+    enforcement_level=EnforcementLevel.ADVISORY,
+)
+
 eks_private_endpoint = ResourceValidationPolicy(
     name="eks-private-endpoint-in-prod",
     description="Prod EKS clusters expose their API on a private endpoint only.",
@@ -91,4 +129,4 @@ kms_key_rotation = ResourceValidationPolicy(
     enforcement_level=EnforcementLevel.ADVISORY,
 )
 
-POLICIES = [eks_private_endpoint, ecr_immutable_scanned, eks_cluster_hardening, kms_key_rotation]
+POLICIES = [eks_private_endpoint, eks_api_reachable, ecr_immutable_scanned, eks_cluster_hardening, kms_key_rotation]

@@ -129,11 +129,7 @@ def test_pod_without_pool_or_pool_without_nodes(compat):
 
 def test_karpenter_node_pool_types_count(compat):
     stack = compliant_stack()
-    stack.add("kubernetes:karpenter.sh/v1:NodePool", "gpu-pool", {
-        "apiVersion": "karpenter.sh/v1", "kind": "NodePool", "metadata": {"name": "gpu"},
-        "spec": {"template": {"metadata": {"labels": {"llm-serving/gpu-node-group": "gpu"}}, "spec": {
-            "requirements": [{"key": "node.kubernetes.io/instance-type", "operator": "In",
-                              "values": ["g6e.12xlarge", "g6e.xlarge"]}]}}}})
+    inputs_of(stack, "gpu-pool")["spec"]["template"]["spec"]["requirements"][0]["values"].append("g6e.xlarge")
     shown = messages(stack.evaluate(compat), "model-pod-fits-nodes")
     assert len(shown) == 1 and "g6e.xlarge" in shown[0]
 

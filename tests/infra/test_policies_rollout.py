@@ -36,8 +36,8 @@ def red_black_in_progress(weight: int = 25, candidate_replicas: int = 1):
         {"name": "llama-v2", "port": 9000.0, "weight": float(weight)},
     ]
     route_res, active = stack.get("llama-v1-route"), stack.get("llama-v1")
-    route_res.dependencies[:] = [stack.get("llama-v2").urn, stack.get("llama-v2-svc").urn,
-                                 stack.get("llama-v1-svc").urn]
+    route_res.dependencies[:] = [stack.get("gateway-crds").urn, stack.get("llama-v2").urn,
+                                 stack.get("llama-v2-svc").urn, stack.get("llama-v1-svc").urn]
     active.dependencies.append(route_res.urn)
     return stack
 
@@ -192,7 +192,7 @@ def _scaled_object(stack, deployment, **spec):
     stack.add("kubernetes:keda.sh/v1alpha1:ScaledObject", f"{deployment}-scaler", {
         "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
         "metadata": {"name": deployment, "namespace": "llm-serving"},
-        "spec": {"scaleTargetRef": {"name": deployment}, "maxReplicaCount": 4.0, **spec}})
+        "spec": {"scaleTargetRef": {"name": deployment}, "maxReplicaCount": 4.0, **spec}}, depends_on=["keda"])
 
 
 def test_autoscaler_with_a_floor_is_fine(compat):

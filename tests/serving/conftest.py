@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "ticket_triage"
 # float32: see tests/serving/test_kserve_server.py (this VM SIGILLs in vLLM's bf16 AMX attention kernel).
-TRITON_ENGINE_ARGS = {"max_model_len": 4096, "kv_cache_memory_bytes": 128 * 1024 * 1024, "dtype": "float32"}
+TRITON_ENGINE_ARGS = {"max_model_len": 2048, "kv_cache_memory_bytes": 128 * 1024 * 1024, "dtype": "float32"}
 
 
 def build_example_package(out: Path) -> Path:

@@ -384,7 +384,7 @@ def _engine_host(server) -> EngineProcesses:
 
 
 def test_cancelling_a_stream_aborts_the_request_in_the_engine(triton_standalone):
-    """cancellation: the engine is held right after the first response of a 4000-token request, and the stream is
+    """cancellation: the engine is held right after the first response of a 2000-token request, and the stream is
     cancelled while it is held, so the request is still running when the cancellation arrives, whatever the
     machine's speed; once released, the backend sees the request cancelled and the engine aborts it."""
     server = triton_standalone
@@ -396,7 +396,7 @@ def test_cancelling_a_stream_aborts_the_request_in_the_engine(triton_standalone)
 
         async def requests():
             yield {"model_name": MODEL, "request_id": "cancel-me",
-                   "inputs": _inputs(grpcaio, "long", stream=True, params={"max_tokens": 4000, "ignore_eos": True})}
+                   "inputs": _inputs(grpcaio, "long", stream=True, params={"max_tokens": 2000, "ignore_eos": True})}
             await asyncio.sleep(3600)
 
         stream = client.stream_infer(requests())

@@ -98,3 +98,41 @@ def test_request_parameters_drop_what_triton_consumes():
     assert params.max_tokens == 3
     with pytest.raises(ParameterError, match="parameters.max_token "):
         sampling_params_from_json(json.dumps({"max_token": 3}), "parameters", INFO)
+
+
+# -- the local Triton installation ----------------------------------------------------------------------------
+
+
+def test_makefile_installs_the_pinned_triton():
+    import re
+
+    from serving_image.triton.pins import load_pins
+
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    pin = load_pins().local_triton
+    assert re.search(rf"^TRITON_WHEEL := {re.escape(pin.distribution)}=={re.escape(pin.distribution_version)}$",
+                     makefile, re.M)
+    assert re.search(rf"^STUB_NUMPY := numpy=={re.escape(pin.stub_numpy)}$", makefile, re.M)
+    assert f"python_backend_stubs/{pin.python_backend_stub}/" in makefile
+
+
+def test_local_install_finds_everything_and_composes_the_backend_directory(tmp_path):
+    from serving_image.triton.local_install import locate
+
+    local = locate()
+    assert local.binary.is_file() and local.library.name.startswith("libtritonserver")
+    backends = local.backend_directory(tmp_path / "backends")
+    assert (backends / "python" / "triton_python_backend_stub").exists()
+    assert (backends / "python" / "numpy").is_dir()  # the stub's numpy (< 2), on the stub's sys.path
+    assert (backends / "vllm" / "model.py").resolve() == MODEL_PY
+    assert local.backend_directory(tmp_path / "backends") == backends  # idempotent
+
+
+def test_a_missing_triton_says_how_to_get_it(tmp_path):
+    from serving_image.triton.local_install import TritonNotInstalledError, locate
+
+    with pytest.raises(TritonNotInstalledError, match="make triton-env"):
+        locate(tmp_path / "nowhere")
+    (tmp_path / "venv" / "lib" / "python3.11" / "site-packages").mkdir(parents=True)
+    with pytest.raises(TritonNotInstalledError, match="nvidia-pytriton is not installed .*make triton-env"):
+        locate(tmp_path / "venv")

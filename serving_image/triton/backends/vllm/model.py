@@ -204,8 +204,8 @@ class TritonPythonModel:
         if not python:
             raise pb_utils.TritonModelException(
                 f"${wire.ENGINE_PYTHON_ENV} is not set: the stand-in vllm backend runs its engine with the "
-                ".venv-serving interpreter it names (the startup procedure sets it; see docs/local-environment.md, "
-                "\"Triton locally\")")
+                ".venv-serving interpreter it names (the startup procedure sets it; see "
+                "docs/local-environment.md, \"Triton locally\")")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         command = [python, "-m", wire.ENGINE_MODULE, "--model-json", model_json, "--fd", str(theirs.fileno()),
                    "--model-name", self.model_name, "--model-version", str(args["model_version"])]
