@@ -286,9 +286,10 @@ class ClusterBootstrap(pulumi.ComponentResource):
             {"Sid": "ChangeModelRecords", "Effect": "Allow",
              "Action": ["route53:ChangeResourceRecordSets", "route53:ListResourceRecordSets"],
              "Resource": [zone.arn]},
-            {"Sid": "FindZoneAndChanges", "Effect": "Allow",
-             "Action": ["route53:GetChange", "route53:ListHostedZones", "route53:ListHostedZonesByName"],
-             "Resource": ["*"]},
+            {"Sid": "FollowChanges", "Effect": "Allow", "Action": ["route53:GetChange"],
+             "Resource": ["arn:aws:route53:::change/*"]},
+            {"Sid": "FindZone", "Effect": "Allow",
+             "Action": ["route53:ListHostedZones", "route53:ListHostedZonesByName"], "Resource": ["*"]},
         )
         self._pod_identity_role("cert-manager", CERT_MANAGER_NAMESPACE, "cert-manager", change_records)
         self._pod_identity_role("external-dns", EXTERNAL_DNS_NAMESPACE, "external-dns", change_records)

@@ -1,5 +1,7 @@
 """IAM documents and IRSA roles. Policies are JSON built here (not getPolicyDocument invokes) so that the exact
-statements are visible in the resources' inputs to tests and policies. No statement uses a bare "*" resource."""
+statements are visible in the resources' inputs to tests and policies. No statement uses a bare "*" resource, except
+for actions AWS does not scope by resource at all (UNSCOPABLE_ACTIONS, read-only lookups the node autoscaler and
+ExternalDNS need)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,15 @@ from typing import Any
 
 import pulumi
 import pulumi_aws as aws
+
+# Read-only actions without resource-level permissions: IAM only accepts "*" for them.
+UNSCOPABLE_ACTIONS = frozenset({
+    "ec2:DescribeAvailabilityZones", "ec2:DescribeImages", "ec2:DescribeInstances",
+    "ec2:DescribeInstanceTypeOfferings", "ec2:DescribeInstanceTypes", "ec2:DescribeLaunchTemplates",
+    "ec2:DescribeSecurityGroups", "ec2:DescribeSubnets", "ec2:DescribeSpotPriceHistory",
+    "ec2:DescribeCapacityReservations", "pricing:GetProducts", "route53:ListHostedZones",
+    "route53:ListHostedZonesByName",
+})
 
 
 def policy_document(*statements: dict[str, Any]) -> pulumi.Output[str]:

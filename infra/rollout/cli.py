@@ -28,6 +28,7 @@ from infra.rollout.planner import DEFAULT_STEPS, PlanError, check_steps
 
 try:  # ruamel.yaml and the Pulumi SDKs are in .venv-infra only; `llm-serving` is installed in both venvs
     from infra.rollout.orchestrate import Options, Report, Rollout, RolloutError, prometheus_gate
+    from infra.rollout.replication import s3_replica_check
     from infra.rollout.runner import PolicyGate, RunnerUnavailable
     from infra.rollout.stackfile import StackFile, StackFileError, version_entry
 except ModuleNotFoundError as _err:
@@ -168,7 +169,9 @@ def main(argv: list[str] | None = None, *, policy_gate: PolicyGate | None = None
         options = Options(args.steps, args.surge, thresholds, args.bake, args.idle_window, args.first_wave)
         rollout = Rollout(runner, args.model, stacks, options,
                           gate=None if args.no_gate else prometheus_gate(clients, thresholds), prometheus=clients,
-                          on_event=lambda msg: console.print(f"[cyan]>[/] {msg}", highlight=False))
+                          on_event=lambda msg: console.print(f"[cyan]>[/] {msg}", highlight=False),
+                          # Against the real buckets for a real rollout; the mock runner's stacks have no buckets.
+                          replicas=s3_replica_check() if args.runner == "automation" else None)
         if args.action == "status":
             rows = rollout.status()
             if args.json:

@@ -15,9 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from infra.config import ModelConfig, newest_version
+from infra.config import ConfigError, ModelConfig, StackConfig, newest_version
 from infra.rollout.gate import GateResult, GateThresholds, PrometheusClient, analyze, request_count
 from infra.rollout.planner import DEFAULT_STEPS, PlanError, next_weight, plan_red_black, rollback_peak
+from infra.rollout.replication import ReplicaCheck, missing_replicas
 from infra.rollout.runner import StackRunner, UpResult
 from infra.rollout.stackfile import StackFile, StackFileError
 
@@ -95,7 +96,7 @@ def prometheus_gate(clients: dict[str, PrometheusClient], thresholds: GateThresh
 class Rollout:
     def __init__(self, runner: StackRunner, model_id: str, stacks: list[str], options: Options = Options(),
                  gate: GateFn | None = None, prometheus: dict[str, PrometheusClient] | None = None,
-                 on_event: Callable[[str], None] = lambda _: None):
+                 on_event: Callable[[str], None] = lambda _: None, replicas: ReplicaCheck | None = None):
         self.runner = runner
         self.model_id = model_id
         self.stacks = list(stacks)
@@ -103,6 +104,8 @@ class Rollout:
         self.gate = gate
         self.prometheus = prometheus or {}
         self.on_event = on_event
+        # Asked before `start` writes a package into any stack: is it in that stack's region yet?
+        self.replicas = replicas
         self.waves = waves(self.stacks, options.first_wave)
 
     # -- helpers -----------------------------------------------------------------------------------------------
@@ -117,6 +120,12 @@ class Rollout:
         try:
             return self._file(stack).model(self.model_id)
         except StackFileError as err:
+            raise RolloutError(str(err)) from None
+
+    def _typed(self, stack: str) -> StackConfig:
+        try:
+            return self._file(stack).typed()
+        except (StackFileError, ConfigError) as err:
             raise RolloutError(str(err)) from None
 
     def _up(self, stack: str, what: str) -> UpResult:
@@ -229,6 +238,12 @@ class Rollout:
             entry.status, entry.gpu_bound = "started", self._bound(model)
             return version["version"]
 
+        if self.replicas is not None:
+            configs = {stack: self._typed(stack) for stack in self.stacks}
+            missing = missing_replicas(configs, version["package"], self.replicas)
+            if missing:
+                raise RolloutError(f"{version['package']} cannot be rolled out yet (nothing was changed):\n  "
+                                   + "\n  ".join(missing))
         return self._run("start", step)
 
     def advance(self) -> Report:

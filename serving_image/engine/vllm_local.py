@@ -8,6 +8,7 @@ vLLM is imported only when an engine is built, so that `PROMETHEUS_MULTIPROC_DIR
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -230,8 +231,11 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
             params = to_sampling_params(spec, default_max_tokens=room, control_ids=self._control_ids)
         except (ValueError, VLLMClientError) as exc:  # vLLM's validation errors are not all ValueErrors
             raise EngineInputError(str(exc), getattr(exc, "parameter", None)) from exc
-        async for output in self.generate_params(request.request_id, prompt_ids, params):
-            yield output
+        # aclosing: when the caller stops early (a client gone), vLLM's own stream is closed now, aborting the
+        # request in the engine, not whenever the garbage collector finalizes the inner generator.
+        async with contextlib.aclosing(self.generate_params(request.request_id, prompt_ids, params)) as outputs:
+            async for output in outputs:
+                yield output
 
     def json_control_bias(self, structured_kind: str | None, logit_bias: dict[int, float] | None):
         """The logit bias a request with this structured-output kind runs with (see json_control_token_bias)."""
