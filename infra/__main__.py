@@ -14,9 +14,9 @@ from infra.config import from_pulumi_config, triton_pin
 from infra.naming import aws_tags
 from infra.network import Network, NetworkArgs
 from infra.observability import Observability, ObservabilityArgs
-from infra.platform import PlatformArgs, ServingPlatform
 from infra.registry import ServingImage, ServingImageArgs
 from infra.serving import ModelServing, ServingContext
+from infra.serving_platform import PlatformArgs, ServingPlatform
 from infra.storage import ModelStorage, ModelStorageArgs
 from llm_serving.stack_outputs import SCHEMA_VERSION, ModelOutputs
 
@@ -41,9 +41,15 @@ bootstrap = ClusterBootstrap("bootstrap", BootstrapArgs(
 storage = ModelStorage("storage", ModelStorageArgs(
     config=cfg, vpc_id=network.vpc_id,
     fsx_subnet_id=network.private_subnet_ids[0], node_security_group_id=cluster.node_security_group_id, tags=tags))
-image = ServingImage("serving-image", ServingImageArgs(repository_name=f"llm-serving/{cfg.environment}/model-server",
-                                                       triton=pin,
-                                                       kms_key_arn=storage.kms_key_arn, tags=tags))
+# One build, in the home region, replicated by ECR; every other region runs the home region's digest.
+home_image = None
+if not cfg.is_home_region:
+    organization = pulumi.get_organization() or "organization"
+    home_stack = f"{organization}/{pulumi.get_project()}/{cfg.environment}-{cfg.home_region}"
+    home_image = pulumi.StackReference(home_stack).get_output("servingImage")
+image = ServingImage("serving-image", ServingImageArgs(
+    repository_name=f"llm-serving/{cfg.environment}/model-server", triton=pin, kms_key_arn=storage.kms_key_arn,
+    replica_regions=tuple(r.region for r in cfg.model_storage.replica_regions), home_image=home_image, tags=tags))
 platform = ServingPlatform("platform", PlatformArgs(
     config=cfg, provider=cluster.provider, oidc_provider_arn=cluster.oidc_provider_arn,
     oidc_issuer_url=cluster.oidc_issuer_url, bucket_arn=storage.bucket_arn, kms_key_arn=storage.kms_key_arn,

@@ -9,10 +9,10 @@ every CustomResourceDefinition exists before a custom resource of its kind ("no 
         GPU node group
     cert-manager (+ its CRDs) -> ClusterIssuer (ACME DNS-01 on the stack's Route53 zone) -> Certificate for the
         model hostnames, the Gateway's TLS secret
-    (infra/platform.py: the Certificate in the serving namespace, the Gateway waits for it)
+    (infra/serving_platform.py: the Certificate in the serving namespace, the Gateway waits for it)
     ExternalDNS: the routes' hostnames as Route53 records of the Gateway's load balancer
 
-KEDA and NVIDIA's device plugin stay in `infra/platform.py`.
+KEDA and NVIDIA's device plugin stay in `infra/serving_platform.py`.
 
 **The gateway: Envoy Gateway.** It implements the standard channel's HTTPRoute and GRPCRoute with weighted
 backendRefs (the red-black split, §4) inside the cluster, sets the route conditions (`Accepted`, `ResolvedRefs`)
@@ -105,7 +105,7 @@ def ami_alias(ami_type: str) -> str:
 class ClusterBootstrap(pulumi.ComponentResource):
     gateway_class: pulumi.Resource
     monitoring: pulumi.Resource  # kube-prometheus-stack: PodMonitor and PrometheusRule wait for it
-    cluster_issuer: pulumi.Resource  # the serving namespace's Certificate (infra/platform.py) waits for it
+    cluster_issuer: pulumi.Resource  # the serving namespace's Certificate (infra/serving_platform.py) waits for it
     ready: list[pulumi.Resource]  # what the serving objects wait for
 
     def __init__(self, name: str, args: BootstrapArgs, opts: pulumi.ResourceOptions | None = None):

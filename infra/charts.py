@@ -26,12 +26,12 @@ CRD_SOURCES = {
     "karpenter.k8s.aws": "karpenter-crd",
     "cert-manager.io": "cert-manager",
     "acme.cert-manager.io": "cert-manager",
-    "keda.sh": "keda",  # infra/platform.py
+    "keda.sh": "keda",  # infra/serving_platform.py
 }
 
 
 def chart_key(chart: str) -> str | None:
-    """The CHARTS key of a Helm release's `chart` value ("keda" for KEDA's, infra/platform.py)."""
+    """The CHARTS key of a Helm release's `chart` value ("keda" for KEDA's, infra/serving_platform.py)."""
     if chart == "keda":
         return "keda"
     return next((k for k, spec in CHARTS.items() if spec["chart"] == chart), None)

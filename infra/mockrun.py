@@ -33,6 +33,7 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STACKS_DIR = REPO_ROOT / "stacks"
+ORGANIZATION = "organization"  # what StackReference names carry under the mock runtime
 EXIT_CONFIG_ERROR = 3
 EXIT_PROGRAM_ERROR = 4
 
@@ -179,10 +180,16 @@ def _execute(stack: str, config: dict[str, Any], stack_outputs: dict | None = No
     project = Project.load(project_root)
     mocks = PlatformMocks(region=region, stack_outputs=stack_outputs)
     pulumi.runtime.set_all_config({k: to_config_value(v) for k, v in config.items()})
-    pulumi.runtime.set_mocks(mocks, project=project.name, stack=stack, preview=False, monitor=RecordingMonitor(mocks))
+    pulumi.runtime.set_mocks(mocks, project=project.name, stack=stack, preview=False, monitor=RecordingMonitor(mocks),
+                             organization=ORGANIZATION)
 
     loop = asyncio.get_event_loop()
-    runpy.run_path(str(project.main / "__main__.py" if project.main.is_dir() else project.main), run_name="__main__")
+    # As the Pulumi CLI runs a program whose `main` is a directory: from that directory, which is also put first on
+    # sys.path (runpy does both for a directory). Paths the program hands to providers (the image's build context)
+    # are therefore relative to it, and one that only works from the repository root fails here as it would there.
+    workdir = project.main if project.main.is_dir() else project.main.parent
+    os.chdir(workdir)
+    runpy.run_path(str(project.main), run_name="__main__")
     loop.run_until_complete(pulumi.runtime.stack.wait_for_rpcs())
 
     root = pulumi.runtime.get_root_resource()
@@ -265,6 +272,7 @@ def run_stack(
     it resolves to; `project` runs another Pulumi project directory (the consumer example) the same way."""
     from infra.config import ConfigError
 
+    stack_outputs = {**home_stack_outputs(stack, config_overrides, config_file, project), **(stack_outputs or {})}
     cmd = [sys.executable, "-m", "infra.mockrun", "--stack", stack, "--json",
            "--overrides", json.dumps(config_overrides or {}), "--stack-outputs", json.dumps(stack_outputs or {})]
     if config_file is not None:
@@ -272,7 +280,9 @@ def run_stack(
     if project is not None:
         cmd += ["--project", str(Path(project).resolve())]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    main = Project.load(Path(project).resolve() if project is not None else REPO_ROOT).main
+    proc = subprocess.run(cmd, cwd=main if main.is_dir() else main.parent, env=env, capture_output=True, text=True,
+                          timeout=timeout)
     last_line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     try:
         doc = json.loads(last_line)
@@ -291,6 +301,24 @@ def run_stack(
         resources=[MockedResource(**r) for r in doc["resources"]],
         outputs=doc["outputs"],
     )
+
+
+def home_stack_outputs(stack: str, overrides: dict | None = None, config_file: str | os.PathLike | None = None,
+                       project: str | os.PathLike | None = None) -> dict[str, dict]:
+    """A non-home region's program reads its home region's outputs (the serving image it runs) through a
+    StackReference: the home stack's own mock run answers it, when that stack is a shipped one of this project."""
+    if project is not None and Path(project).resolve() != REPO_ROOT:
+        return {}
+    try:
+        config = load_config(stack, Path(config_file) if config_file else None, overrides)
+    except FileNotFoundError:
+        return {}
+    env, home, region = (config.get("llm-serving:environment"), config.get("llm-serving:homeRegion"),
+                         config.get("aws:region"))
+    home_stack = f"{env}-{home}"
+    if not home or home == region or home_stack == stack or home_stack not in shipped_stacks():
+        return {}
+    return {f"{ORGANIZATION}/{project_name()}/{home_stack}": dict(shipped_run(home_stack).outputs)}
 
 
 @functools.cache

@@ -136,9 +136,16 @@ class PlatformMocks(pulumi.runtime.Mocks):
                 "registryId": ACCOUNT_ID,
             }
         if typ == "docker-build:index:Image":
-            context = Path(str((inputs.get("context") or {}).get("location", "")))
-            if not context.is_absolute():
-                context = REPO_ROOT / context
+            # Relative to the program's working directory, as docker-build resolves it (the CLI runs the program
+            # from its main directory): a context that does not exist there fails the run, as the build would.
+            context = Path(str((inputs.get("context") or {}).get("location", ""))).resolve()
+            dockerfile = (inputs.get("dockerfile") or {}).get("location")
+            if not context.is_dir():
+                raise FileNotFoundError(f"docker-build context {context} does not exist (relative to the working "
+                                        f"directory {Path.cwd()}, the program's main directory)")
+            if dockerfile and not Path(str(dockerfile)).resolve().parent.is_dir():
+                raise FileNotFoundError(f"docker-build dockerfile {dockerfile} is not under an existing directory "
+                                        f"(relative to {Path.cwd()})")
             # BuildKit digests depend on layers; the plan needs one property: it changes exactly when the context does.
             digest = "sha256:" + context_hash(context)
             tags = inputs.get("tags") or []

@@ -8,6 +8,7 @@ tags are immutable, and the same context always gets the same tag.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,11 +24,23 @@ CONTEXT = "serving_image"
 DOCKERFILE = "serving_image/Dockerfile"  # written by the serving-image issue; the plan only needs its path
 
 
+def from_workdir(repo_path: str) -> str:
+    """A repository path as docker-build must receive it: relative to the working directory the Pulumi CLI runs the
+    program in (Pulumi.yaml's `main`, infra/), e.g. `../serving_image`. Relative, so that the state does not carry
+    the machine's checkout path."""
+    return os.path.relpath(REPO_ROOT / repo_path, Path.cwd())
+
+
 @dataclass(frozen=True)
 class ServingImageArgs:
     repository_name: str
     triton: TritonPin
     kms_key_arn: pulumi.Input[str]
+    # The home region builds and replicates its repository to these regions (ECR replication). Another region
+    # builds nothing: it runs the home region's digest (`home_image`, its `servingImage` output), replicated into
+    # this region's repository of the same name, so every region runs the same bytes (docs/first-update.md).
+    replica_regions: tuple[str, ...] = ()
+    home_image: pulumi.Input[str] | None = None
     tags: dict[str, str] = field(default_factory=dict)
 
 
@@ -55,12 +68,20 @@ class ServingImage(pulumi.ComponentResource):
             "action": {"type": "expire"},
         }]}), opts=pulumi.ResourceOptions(parent=repo))
 
+        self.repository_url = repo.repository_url
+        if args.home_image is not None:
+            digest = pulumi.Output.from_input(args.home_image).apply(lambda ref: ref.rsplit("@", 1)[1])
+            self.digest = digest
+            self.image_ref = pulumi.Output.all(repo.repository_url, digest).apply(lambda a: f"{a[0]}@{a[1]}")
+            self.register_outputs({"repositoryUrl": self.repository_url, "imageRef": self.image_ref})
+            return
+
         tag = f"triton-{args.triton.release}-{context_hash(REPO_ROOT / CONTEXT)[:16]}"
         auth = aws.ecr.get_authorization_token_output(registry_id=repo.registry_id)
         image = docker_build.Image(
             name,
-            context={"location": CONTEXT},
-            dockerfile={"location": DOCKERFILE},
+            context={"location": from_workdir(CONTEXT)},
+            dockerfile={"location": from_workdir(DOCKERFILE)},
             platforms=["linux/amd64"],
             build_args={"TRITON_IMAGE": args.triton.image},
             push=True,
@@ -68,7 +89,16 @@ class ServingImage(pulumi.ComponentResource):
             registries=[{"address": repo.repository_url, "username": auth.user_name, "password": auth.password}],
             opts=child,
         )
-        self.repository_url = repo.repository_url
+        if args.replica_regions:
+            # Registry-wide, in the home region: every push under this repository's name is copied to the same
+            # repository name in each replica region (which that region's stack created, with its own key).
+            aws.ecr.ReplicationConfiguration(
+                name,
+                replication_configuration={"rules": [{
+                    "destinations": [{"region": r, "registry_id": repo.registry_id} for r in args.replica_regions],
+                    "repository_filters": [{"filter": args.repository_name, "filter_type": "PREFIX_MATCH"}],
+                }]},
+                opts=pulumi.ResourceOptions(parent=repo))
         self.digest = image.digest
         self.image_ref = pulumi.Output.all(repo.repository_url, image.digest).apply(lambda a: f"{a[0]}@{a[1]}")
         self.register_outputs({"repositoryUrl": self.repository_url, "imageRef": self.image_ref})

@@ -80,6 +80,40 @@ def _validate_key_rotation(args: ResourceValidationArgs, report: ReportViolation
 
 
 SG_INGRESS_RULE = "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"
+DOCKER_IMAGE = "docker-build:index:Image"
+ECR_REPLICATION = "aws:ecr/replicationConfiguration:ReplicationConfiguration"
+STACK_REFERENCE = "pulumi:pulumi:StackReference"
+
+
+def _validate_one_build(args: StackValidationArgs, report: ReportViolation) -> None:
+    """Every region runs the bytes the home region built: the home region builds and replicates its repository to
+    every replica region; any other region builds nothing and reads the home region's digest."""
+    index = StackIndex(args.resources)
+    ctx = stack_context(args)
+    region = ctx.stack.split("-", 1)[1] if "-" in ctx.stack else None
+    home = ctx.config.get("homeRegion")
+    if not home or not region:
+        return
+    images = index.of_type(DOCKER_IMAGE)
+    if region != home:
+        for image in images:
+            report(f"stack {ctx.stack!r} builds its own serving image ({image.name!r}) outside the home region "
+                   f"{home}: its digest differs from every other region's; run the home region's digest, replicated "
+                   f"by ECR (infra/registry.py)", image.urn)
+        if not any(str(get(r.props, "name") or r.name).endswith(f"-{home}") for r in index.of_type(STACK_REFERENCE)):
+            report(f"stack {ctx.stack!r} does not read its home region's serving image (no StackReference to the "
+                   f"{home} stack)", None)
+        return
+    wanted = {str(get(r, "region")) for r in as_list(get(ctx.config.get("modelStorage") or {}, "replicaRegions"))}
+    if not wanted or not images:
+        return
+    replicated = {str(get(d, "region")) for c in index.of_type(ECR_REPLICATION)
+                  for rule in as_list(get(c.props, "replicationConfiguration", "rules"))
+                  for d in as_list(get(rule, "destinations"))}
+    missing = sorted(wanted - replicated)
+    if missing:
+        report(f"stack {ctx.stack!r} builds the serving image but does not replicate it to {', '.join(missing)} "
+               f"(no ECR replication rule names them): those regions cannot run its digest", images[0].urn)
 
 
 def _validate_api_reachable(args: StackValidationArgs, report: ReportViolation) -> None:
@@ -101,6 +135,14 @@ eks_api_reachable = StackValidationPolicy(
     description="A private-only EKS API endpoint has a security group rule admitting the update's runner on 443.",
     validate=_validate_api_reachable,
     enforcement_level=EnforcementLevel.ADVISORY,
+)
+
+ecr_one_build_replicated = StackValidationPolicy(
+    name="ecr-one-build-replicated",
+    description="Only the home region builds the serving image and replicates it to every replica region; the "
+                "others run its digest.",
+    validate=_validate_one_build,
+    enforcement_level=EnforcementLevel.MANDATORY,
 )
 
 eks_private_endpoint = ResourceValidationPolicy(
@@ -129,4 +171,5 @@ kms_key_rotation = ResourceValidationPolicy(
     enforcement_level=EnforcementLevel.ADVISORY,
 )
 
-POLICIES = [eks_private_endpoint, eks_api_reachable, ecr_immutable_scanned, eks_cluster_hardening, kms_key_rotation]
+POLICIES = [eks_private_endpoint, eks_api_reachable, ecr_one_build_replicated, ecr_immutable_scanned,
+            eks_cluster_hardening, kms_key_rotation]

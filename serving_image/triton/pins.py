@@ -38,7 +38,7 @@ class LocalTriton:
     release: str
     python_backend_stub: str
     stub_numpy: str
-    relied_on: tuple[str, ...]  # "<name>: <behaviour>", each checked by a test (tests/serving/test_triton_local.py)
+    relied_on: tuple[str, ...]  # "<name>: <behaviour>", each checked by a test (test_kserve_startup.py)
     differences: tuple[str, ...]
 
     def relied_on_names(self) -> tuple[str, ...]:

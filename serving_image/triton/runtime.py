@@ -90,7 +90,8 @@ async def start_standalone_triton(packages: list[VerifiedPackage], workdir: Path
 
         local = locate()
         binary, backends = local.binary, local.backend_directory(workdir / "triton-backends")
-        env = {ENGINE_PYTHON_ENV: sys.executable}  # the stand-in backend's engine process runs in this venv
+        # the stand-in backend's engine process runs in this venv (unless the environment names another interpreter)
+        env = {ENGINE_PYTHON_ENV: os.environ.get(ENGINE_PYTHON_ENV) or sys.executable}
     main = packages[0].manifest.model
     return await start_standalone(repository=repository, models=ids, version=main.version, http_port=http_port,
                                   grpc_port=grpc_port, metrics_port=metrics_port, binary=binary,

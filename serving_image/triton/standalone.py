@@ -11,9 +11,10 @@ the metrics proxy: this project's own KServe front-ends and the OpenAI front-end
   (serving_image/triton/backends/vllm). Only `--backend-directory` differs.
 
 When the gRPC port opens: in explicit model control mode with `--load-model`, tritonserver loads the models before it
-binds HTTP and gRPC (measured on 2.51, and tested: tests/serving/test_triton_local.py holds the engine process
-stopped during the load and finds both ports closed). So 8001 accepts nothing until the model is ready, without
-anything else in front of it; step 4 is done when Triton reports every model ready over that port.
+binds HTTP and gRPC (measured on 2.51, and tested: tests/serving/test_triton_python.py holds a model in its
+`initialize` and finds both ports closed). Loading the stand-in vllm model is starting its engine, so 8001 accepts
+nothing until the engine is ready, without anything else in front of it; step 4 is done when Triton reports every
+model ready over that port.
 
 The returned `StandaloneTriton` is what the startup procedure watches (the child's exit, or a model that stops being
 ready: the stand-in backend unloads its model when its engine dies, as NVIDIA's health check does) and stops (SIGTERM:

@@ -34,7 +34,8 @@ EXTRA_MANDATORY = {"iam-irsa-trust-scoped", "serving-update-timeout", "rollout-g
                    # Issue 18 (the first real `pulumi up`): pods fit nodes, FSx may decrypt, nodes and add-ons.
                    "model-pod-fits-nodes", "fsx-s3-key-access", "nodes-bottlerocket-data-volume",
                    "eks-network-policy-and-pod-identity", "nodes-imdsv2-and-encrypted-disks",
-                   "crds-before-custom-resources", "gpu-capacity-autoscaled", "routes-wait-for-controller"}
+                   "crds-before-custom-resources", "gpu-capacity-autoscaled", "routes-wait-for-controller",
+                   "ecr-one-build-replicated"}
 
 
 @pytest.fixture

@@ -174,6 +174,9 @@ MUTATIONS: dict[str, Callable] = {
     "routes-wait-for-controller": lambda res, cfg: [
         r.inputs["metadata"]["annotations"].pop("pulumi.com/waitFor")
         for r in _of(res, "kubernetes:gateway.networking.k8s.io/v1:GRPCRoute")],
+    # The home region stops replicating its image: the other regions' digest is never there.
+    "ecr-one-build-replicated": lambda res, cfg: [res.remove(r) for r in _of(
+        res, "aws:ecr/replicationConfiguration:ReplicationConfiguration")],
     # No Karpenter NodePools: fixed node groups only.
     "gpu-capacity-autoscaled": lambda res, cfg: [res.remove(p)
                                                  for p in _of(res, "kubernetes:karpenter.sh/v1:NodePool")],

@@ -166,7 +166,7 @@ def test_inprocess_engine_needs_the_triton_image():
                                                 tokenizer_path=Path("/nonexistent"), max_model_len=16))
 
 
-# -- standalone mode in the image (tritonserver exists only inside the Triton image) -----------------------------
+# -- standalone mode: the command line (the image's tritonserver and the local one take the same) -----------------
 
 
 def test_tritonserver_command_line():
@@ -178,11 +178,10 @@ def test_tritonserver_command_line():
             "--http-port=8000", "--grpc-port=8001", "--metrics-port=8004", "--strict-readiness=true"} <= set(command)
 
 
-def test_standalone_start_reports_a_tritonserver_that_exits(tmp_path, monkeypatch):
-    """A stand-in `tritonserver` executable (Triton cannot run here) that fails at once: step 4 must report its
-    exit status instead of waiting for a model that never comes."""
+def test_standalone_start_reports_a_tritonserver_that_exits(tmp_path):
+    """A `tritonserver` executable that fails at once: step 4 must report its exit status instead of waiting for a
+    model that never comes."""
     import asyncio
-    import os
 
     from serving_image.triton.standalone import start_standalone
 
@@ -190,11 +189,9 @@ def test_standalone_start_reports_a_tritonserver_that_exits(tmp_path, monkeypatc
     fake.parent.mkdir()
     fake.write_text("#!/bin/sh\necho 'E: failed to load model' >&2\nexit 3\n")
     fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
     with pytest.raises(RuntimeError, match="tritonserver exited with status 3"):
-        asyncio.run(start_standalone(repository=tmp_path, model_id="m", version="1", tokenizer_path=tmp_path,
-                                     max_model_len=16, http_port=1, grpc_port=free_grpc_port(), metrics_port=1,
-                                     structured_key="structured_outputs"))
+        asyncio.run(start_standalone(repository=tmp_path, models="m", version="1", http_port=1,
+                                     grpc_port=free_grpc_port(), metrics_port=1, binary=fake))
 
 
 def free_grpc_port() -> int:
@@ -216,8 +213,7 @@ def test_image_runtime_generates_the_repository_before_starting_triton(demo_mode
     package = open_package(build_package(PackageSpec(demo_model_dir, "demo-tiny", "1.0.0",
                                                      engine_args={"max_model_len": 512}), tmp_path / "pkg"))
     with pytest.raises(ModuleNotFoundError, match="tritonserver"):
-        asyncio.run(start_triton_engine(package, tmp_path / "work", 512, http_port=8000, grpc_port=8001,
-                                        metrics_port=8004))
+        asyncio.run(start_triton_engine(package, tmp_path / "work", 512))
     model_dir = tmp_path / "work" / "model-repository" / "demo-tiny"
     engine = json.loads((model_dir / "1" / "model.json").read_text())
     assert engine["model"] == str(package.root / "weights") and engine["max_model_len"] == 512

@@ -146,3 +146,75 @@ def test_sigterm_closes_every_port(held):
     for name in ("kserve_http", "kserve_grpc", "metrics", "frontend"):
         assert not accepts(server.ports[name]), name
     assert Path(server.log_path).exists()
+
+
+# -- the stand-in vllm backend when its engine process dies (a fake engine process: no vLLM, seconds) ------------
+
+
+def test_a_dead_engine_is_unavailable_not_a_client_error_and_startup_exits(demo_model_dir, tmp_path):
+    """The engine process exits while a request streams: that request and the next get UNAVAILABLE ("Model is
+    unavailable due to unhealthy vLLM engine", never a client error), the backend unloads its model as NVIDIA's
+    health check does, and the startup procedure sees the model not ready and exits with status 1 so that the
+    container restarts."""
+    import asyncio
+    import sys
+
+    import httpx
+    import tritonclient.grpc.aio as grpcaio
+
+    from serving_image.local_server import start_standalone_server
+
+    fake = tmp_path / "fake-python"
+    script = Path(__file__).resolve().parent / "scripts" / "fake_engine_host.py"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
+    fake.chmod(0o755)
+    package = build_package(PackageSpec(demo_model_dir, "demo-tiny", "1.0.0", engine_args={"max_model_len": 64},
+                                        serving_mode=ServingMode.STANDALONE), tmp_path / "pkg")
+    server = start_standalone_server(package, tmp_path / "work", extra_env={"LLM_SERVING_ENGINE_PYTHON": str(fake),
+                                                                            "LLM_SERVING_DRAIN_DELAY_S": "0"})
+    try:
+        grpc_url = f"127.0.0.1:{server.ports['kserve_grpc']}"
+
+        async def stream_then_kill():
+            client = grpcaio.InferenceServerClient(grpc_url)
+            text = grpcaio.InferInput("text_input", [1], "BYTES")
+            text.set_data_from_numpy(np.array([b"hello"], dtype=np.object_))
+            flag = grpcaio.InferInput("stream", [1], "BOOL")
+            flag.set_data_from_numpy(np.array([True]))
+
+            async def requests():
+                yield {"model_name": "demo-tiny", "inputs": [text, flag], "request_id": "in-flight"}
+                await asyncio.sleep(3600)
+
+            stream = client.stream_infer(requests())
+            seen = []
+            async for result, error in stream:
+                seen.append((result, error))
+                if len(seen) == 1:  # the request is running: now the engine dies
+                    response = await asyncio.to_thread(
+                        httpx.post, f"http://127.0.0.1:{server.ports['kserve_http']}/v2/models/demo-tiny/generate",
+                        json={"text_input": "die"}, timeout=60)
+                    seen.append(response)
+                if error is not None:
+                    break
+            stream.cancel()
+            await client.close()
+            return seen
+
+        generate = f"http://127.0.0.1:{server.ports['kserve_http']}/v2/models/demo-tiny/generate"
+        internal = httpx.post(generate, json={"text_input": "internal"}, timeout=60)
+        first, died, (_, error) = asyncio.run(stream_then_kill())
+        assert first[1] is None and first[0].as_numpy("text_output")[0] == b"tok"
+        # Triton 2.51's generate endpoint answers 400 for an error response whatever its code (INTERNAL and
+        # UNAVAILABLE alike: compat.toml [local.triton] differences); the message says it is the engine
+        assert internal.status_code == died.status_code == 400, (internal.text, died.text)
+        assert "unhealthy vLLM engine" in died.json()["error"], died.text
+        assert "unhealthy vLLM engine" in str(error)
+        assert server.proc.wait(timeout=120) == 1, server.log()[-3000:]
+        log = server.log()
+        assert "engine died, exiting so the orchestrator restarts the container" in log
+        assert "not ready" in log
+        for name in ("kserve_http", "kserve_grpc", "metrics"):
+            assert not accepts(server.ports[name]), name
+    finally:
+        server.kill()

@@ -33,6 +33,7 @@ import os
 import socket
 import subprocess
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -73,6 +74,7 @@ REFUSED_INPUTS = {
     "return_logprobs": "log probabilities are not produced by the local stand-in backend",
 }
 ERROR_PREFIX = "Error generating stream: "  # NVIDIA's backend's prefix for a failed request
+CANCEL_CHECK_S = 0.05
 
 
 class RequestError(ValueError):
@@ -125,7 +127,8 @@ def read_request(request, model_name: str) -> dict:
 class _Request:
     """One request in flight: its sender, what the client asked for, and (when not streaming) the totals so far."""
 
-    __slots__ = ("sender", "stream", "prepend", "prompt", "flags", "texts", "tokens", "finish", "prompt_tokens")
+    __slots__ = ("sender", "stream", "prepend", "prompt", "flags", "texts", "tokens", "finish", "prompt_tokens",
+                 "checked_at")
 
     def __init__(self, sender, parsed: dict):
         self.sender = sender
@@ -137,6 +140,16 @@ class _Request:
         self.tokens: list[int] = []
         self.finish: list[str | None] = []
         self.prompt_tokens = 0
+        self.checked_at = 0.0  # when the request was last checked for cancellation
+
+    def cancelled(self, now: float) -> bool:
+        """Whether the client cancelled the request. Asking is a round trip to the Triton process, so it is asked
+        at most every CANCEL_CHECK_S per request (NVIDIA's backend asks after every response): a cancelled request
+        runs on for at most that long, and a request finishing within it is not aborted (it is done anyway)."""
+        if now - self.checked_at < CANCEL_CHECK_S:
+            return False
+        self.checked_at = now
+        return self.sender.is_cancelled()
 
     def add(self, message: dict) -> tuple[list[str], list[int]]:
         """Fold one engine delta in; return this step's text and token count per choice."""
@@ -313,7 +326,7 @@ class TritonPythonModel:
                                                                           pb_utils.TritonError.INTERNAL)
             self._error(state.sender, message["error"], code)
             return
-        if state.sender.is_cancelled():
+        if state.cancelled(time.monotonic()):
             self._drop(request_id)
             try:
                 self._send({"op": "abort", "id": request_id})
