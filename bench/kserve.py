@@ -1,11 +1,12 @@
 """KServe gRPC streaming against the vLLM engine called directly, in one run (issues #6 and #13).
 
 128 requests of 64 greedy output tokens (ignore_eos, so every request makes the same work), 32 prompt tokens, 16 at a
-time, on the demo model. Baseline: `engine.generate` in this process, measured before and after the others (their
-mean). Subjects, with NVIDIA's asyncio tritonclient streaming every token over gRPC:
+time, on the demo model. Baseline: `engine.generate` in this process. Subjects, with NVIDIA's asyncio tritonclient
+streaming every token over gRPC:
 - `triton`: the `standalone` serving mode, real tritonserver 2.51 with the stand-in vllm backend, whose engine runs in
   its own process behind a Unix socket (the hops: client -> Triton -> Python backend stub -> engine process, and back);
 - `imitation`: this project's own KServe server on the direct engine (the `openai` mode's KServe path).
+All three measured in turn over several rounds (medians), with the CPU seconds each process spent per 1000 tokens.
 Reported as ratios (subject / direct); the target for Triton is 0.8 of direct throughput (issue #13).
 """
 
@@ -120,11 +121,51 @@ async def _start_triton(model_dir: pathlib.Path, workdir: pathlib.Path):
     return triton, f"127.0.0.1:{ports['grpc']}"
 
 
-def _mean(a: dict, b: dict) -> dict:
-    return {k: (a[k] + b[k]) / 2 for k in a}
+_ROLES = (("tritonserver", "tritonserver"), ("triton_python_backend_stub", "Python backend stub"),
+          ("serving_image.triton.engine_host", "engine process (stand-in)"), ("VLLM::", "vLLM engine core + worker"))
+
+
+def _cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of this process (the client, and the direct engine's front) and its descendants, by role."""
+    import psutil
+
+    me = psutil.Process()
+    totals: dict[str, float] = {}
+    under_triton = {p.pid for t in me.children() if t.name() == "tritonserver" for p in t.children(recursive=True)}
+    for proc in (me, *me.children(recursive=True)):
+        try:
+            cmdline, times = " ".join(proc.cmdline()), proc.cpu_times()
+        except psutil.Error:
+            continue
+        role = "this process (client; direct: the engine's front)" if proc.pid == me.pid else next(
+            (name for needle, name in _ROLES if needle in cmdline or needle in proc.name()), "other")
+        if role == "vLLM engine core + worker":
+            role += " (Triton's)" if proc.pid in under_triton else " (direct)"
+        totals[role] = totals.get(role, 0.0) + times.user + times.system
+    return totals
+
+
+async def _with_cpu(coro) -> tuple[dict, dict[str, float]]:
+    """Run one measurement; also return the CPU seconds per 1000 output tokens it cost, by role."""
+    before = _cpu_seconds()
+    summary = await coro
+    after = _cpu_seconds()
+    tokens = N_REQUESTS * OUTPUT_TOKENS / 1000
+    return summary, {role: (after[role] - before.get(role, 0.0)) / tokens for role in after
+                     if after[role] - before.get(role, 0.0) > 0.005}
+
+
+ROUNDS = 3
+
+
+def _median(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
 async def measure(model_dir: pathlib.Path) -> dict[str, dict]:
+    """Both engines up at once (each idle while the other is measured), then ROUNDS rounds of direct, Triton,
+    imitation, one after the other; medians, so that a burst of load from elsewhere on this shared machine moves one
+    round, not the result."""
     import tempfile
 
     from serving_image.engine.vllm_local import VllmLocalEngine
@@ -133,26 +174,34 @@ async def measure(model_dir: pathlib.Path) -> dict[str, dict]:
     engine = await VllmLocalEngine.start(name="demo-tiny", version="bench", model_path=model_dir,
                                          tokenizer_path=model_dir, args=dict(ENGINE_ARGS))
     kserve = await start_kserve(engine, None, host="127.0.0.1", grpc_port=_free_port(), http_port=_free_port())
+    runs: dict[str, list] = {"direct": [], "triton": [], "imitation": []}
+    cpu: dict[str, list] = {"direct": [], "triton": []}
     try:
-        await _direct(engine)  # warm-up, not reported
-        first = await _direct(engine)
-        imitation = await _kserve(f"127.0.0.1:{kserve.grpc_port}", "demo-tiny")
         with tempfile.TemporaryDirectory(prefix="bench-triton-") as workdir:
             triton, url = await _start_triton(model_dir, pathlib.Path(workdir))
             try:
-                await _kserve(url, "demo-tiny", n_requests=CONCURRENCY)  # warm-up, not reported
-                through_triton = await _kserve(url, "demo-tiny")
+                await _direct(engine)  # warm-ups, not reported
+                await _kserve(url, "demo-tiny", n_requests=CONCURRENCY)
+                for _ in range(ROUNDS):
+                    summary, used = await _with_cpu(_direct(engine))
+                    runs["direct"].append(summary)
+                    cpu["direct"].append(used)
+                    summary, used = await _with_cpu(_kserve(url, "demo-tiny"))
+                    runs["triton"].append(summary)
+                    cpu["triton"].append(used)
+                    runs["imitation"].append(await _kserve(f"127.0.0.1:{kserve.grpc_port}", "demo-tiny"))
             finally:
                 await triton.shutdown()
-        second = await _direct(engine)
     finally:
         await kserve.stop()
         await engine.shutdown()
-    results = {"direct": _mean(first, second), "triton": through_triton, "imitation": imitation,
-               "direct_runs": [first, second]}
-    if results["triton"]["output_tokens_per_s"] <= 0:
+    if min(r["output_tokens_per_s"] for r in runs["triton"]) <= 0:
         raise RuntimeError("no tokens came back over KServe")
-    return results
+    roles = {role for used in cpu["direct"] + cpu["triton"] for role in used}
+    return {"direct": _median(runs["direct"]), "triton": _median(runs["triton"]),
+            "imitation": _median(runs["imitation"]), "runs": runs,
+            "cpu": {side: {role: statistics.median(u.get(role, 0.0) for u in cpu[side]) for role in roles}
+                    for side in cpu}}
 
 
 def run(out_dir: pathlib.Path) -> dict:
@@ -161,14 +210,25 @@ def run(out_dir: pathlib.Path) -> dict:
     throughput = results["triton"]["output_tokens_per_s"] / base["output_tokens_per_s"]
     lines = [
         f"{N_REQUESTS} requests, {OUTPUT_TOKENS} greedy output tokens each, {CONCURRENCY} at a time (demo model), "
-        "NVIDIA's asyncio tritonclient streaming over gRPC, against the engine called directly in this process "
-        "(the mean of a run before and one after the others).",
+        "NVIDIA's asyncio tritonclient streaming over gRPC, against the engine called directly in this process; "
+        f"medians of {ROUNDS} rounds (direct, Triton, imitation in turn).",
         "",
         "Real tritonserver 2.51, the stand-in vllm backend and its engine process (the `standalone` serving mode):",
         "",
         *ratio_table(results["triton"], base, ("Triton gRPC stream", "engine directly", "ratio (Triton / direct)")),
         "",
-        f"Triton's output-token throughput is {throughput:.2f} of direct (target 0.8).",
+        f"Triton's output-token throughput is {throughput:.2f} of direct (target 0.8); per round: "
+        + ", ".join(f"{t['output_tokens_per_s'] / d['output_tokens_per_s']:.2f}"
+                    for t, d in zip(results["runs"]["triton"], results["runs"]["direct"], strict=True)) + ".",
+        "",
+        "CPU seconds per 1000 output tokens, by process (this machine's cores are what the hops compete for; on a "
+        "GPU node the engine's work leaves them to the front-ends):",
+        "",
+        "| process | direct | through Triton |",
+        "| --- | ---: | ---: |",
+        *(f"| {role} | {results['cpu']['direct'].get(role, 0.0):.3f} | {results['cpu']['triton'].get(role, 0.0):.3f} |"
+          for role in sorted(set(results["cpu"]["direct"]) | set(results["cpu"]["triton"]))),
+        f"| total | {sum(results['cpu']['direct'].values()):.3f} | {sum(results['cpu']['triton'].values()):.3f} |",
         "",
         "This project's own KServe server on the same engine (the `openai` mode's KServe path):",
         "",
