@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import json
 import pathlib
-import socket
 import statistics
 import time
 
 from bench.report import demo_model, main, percentile, ratio_plot, ratio_table, ratios, result
+from serving_image.local_server import free_port
 
 N_REQUESTS = 128
 CONCURRENCY = 16
@@ -27,12 +27,6 @@ OUTPUT_TOKENS = 64
 PROMPT = "The platform serves large language models next to the rest of the models " * 2
 # float32: this machine's VM dies with SIGILL in vLLM's bf16 AMX attention kernel (tests/serving/test_kserve_server.py)
 ENGINE_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 256 * 1024 * 1024, "dtype": "float32"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _summary(ttfts: list[float], elapsed: float, tokens: int) -> dict:
@@ -115,7 +109,7 @@ async def _start_triton(model_dir: pathlib.Path, workdir: pathlib.Path):
 
     package = open_package(build_package(PackageSpec(model_dir, "demo-tiny", "bench", engine_args=dict(ENGINE_ARGS),
                                                      serving_mode=ServingMode.STANDALONE), workdir / "pkg"))
-    ports = {name: _free_port() for name in ("http", "grpc", "metrics")}
+    ports = {name: free_port() for name in ("http", "grpc", "metrics")}
     triton = await start_standalone_triton([package], workdir, http_port=ports["http"], grpc_port=ports["grpc"],
                                            metrics_port=ports["metrics"], host="127.0.0.1")
     return triton, f"127.0.0.1:{ports['grpc']}"
@@ -173,7 +167,7 @@ async def measure(model_dir: pathlib.Path) -> dict[str, dict]:
 
     engine = await VllmLocalEngine.start(name="demo-tiny", version="bench", model_path=model_dir,
                                          tokenizer_path=model_dir, args=dict(ENGINE_ARGS))
-    kserve = await start_kserve(engine, None, host="127.0.0.1", grpc_port=_free_port(), http_port=_free_port())
+    kserve = await start_kserve(engine, None, host="127.0.0.1", grpc_port=free_port(), http_port=free_port())
     runs: dict[str, list] = {"direct": [], "triton": [], "imitation": []}
     cpu: dict[str, list] = {"direct": [], "triton": []}
     try:

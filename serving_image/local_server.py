@@ -4,6 +4,7 @@ benchmarks, which must exercise exactly what the image runs."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,10 +24,31 @@ START_TIMEOUT_S = 600  # generous: CI machines are small and shared
 ENGINE_ARGS = {"max_model_len": 2048, "kv_cache_memory_bytes": 128 * 1024 * 1024, "dtype": "float32"}
 
 
+def _ephemeral_range_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free now, for a server another process binds later (often tens of seconds later, after the engine).
+
+    Not from the kernel's ephemeral range (a bind to port 0): until the server binds it, such a port can be handed to
+    any outgoing connection on the machine as its local port, and the server then fails with "Address already in
+    use" (seen on a loaded CI machine). Ports below that range are never handed out that way. Drawn with the
+    system's randomness, so that processes with the same seed do not draw the same ports."""
+    high = min(_ephemeral_range_start(), 32768)
+    draw = random.SystemRandom()
+    for _ in range(1000):
+        port = draw.randrange(high - 12000, high)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {high}")
 
 
 def accepts(port: int) -> bool:
@@ -101,10 +123,13 @@ def start_server(package: Path, workdir: Path, *, extra_env: dict | None = None,
         if proc.poll() is not None:
             server.kill()
             raise AssertionError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-5000:]}")
+        # Probe the ports first, then read the log: a port that accepted before the log said the engine was done
+        # really opened early (read the other way round, a port opening between the two reads looked early).
+        grpc_open, openai_open = accepts(ports["kserve_grpc"]), accepts(ports["openai"])
         engine_done = "start-engine: done" in log_path.read_text()
-        if not engine_done and accepts(ports["kserve_grpc"]):
+        if not engine_done and grpc_open:
             server.early_connect.append("KServe gRPC port accepted before the engine was ready")
-        if accepts(ports["openai"]):
+        if openai_open:
             if not engine_done:
                 server.early_connect.append("openai port accepted before the engine was ready")
             try:

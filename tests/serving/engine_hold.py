@@ -18,6 +18,14 @@ from dataclasses import dataclass
 import psutil
 
 
+def _is_engine_process(process: psutil.Process) -> bool:
+    """Not Python's multiprocessing resource tracker, and alive (a zombie or a process gone meanwhile is not)."""
+    try:
+        return "resource_tracker" not in " ".join(process.cmdline())
+    except psutil.Error:
+        return False
+
+
 @dataclass(frozen=True)
 class EngineProcesses:
     """The engine's processes under one server process."""
@@ -27,8 +35,7 @@ class EngineProcesses:
     @classmethod
     def of(cls, server_pid: int) -> EngineProcesses:
         """Every descendant of the server but Python's multiprocessing resource tracker (not part of the engine)."""
-        pids = tuple(p.pid for p in psutil.Process(server_pid).children(recursive=True)
-                     if "resource_tracker" not in " ".join(p.cmdline()))
+        pids = tuple(p.pid for p in psutil.Process(server_pid).children(recursive=True) if _is_engine_process(p))
         if not pids:
             raise AssertionError(f"process {server_pid} has no engine child processes")
         return cls(pids)
@@ -46,7 +53,7 @@ class EngineProcesses:
             except psutil.Error:  # gone, or a zombie: not an engine
                 continue
         pids = tuple(p.pid for engine in engines for p in (engine, *engine.children(recursive=True))
-                     if "resource_tracker" not in " ".join(p.cmdline()))
+                     if _is_engine_process(p))
         if not pids:
             raise AssertionError("this process runs no vLLM engine process (none titled VLLM::...)")
         return cls(pids)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
-import socket
 
 import grpc
 import httpx
@@ -27,6 +26,7 @@ from tritonclient.utils import InferenceServerException
 
 from llm_serving.tensor_contract import VLLM_INPUTS, VLLM_OUTPUTS
 from serving_image.kserve.service import DECOUPLED_GRPC_MESSAGE, DECOUPLED_HTTP_MESSAGE
+from serving_image.local_server import free_port
 from tests.serving.engine_hold import EngineProcesses
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -38,12 +38,6 @@ ENGINE_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 128 * 1024 * 1024,
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "count": {"type": "integer"}},
           "required": ["name", "count"], "additionalProperties": False}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Servers:
@@ -65,7 +59,7 @@ async def servers(demo_model_dir):
     engine = await VllmLocalEngine.start(name="demo-tiny", version="1.0.0", model_path=demo_model_dir,
                                          tokenizer_path=demo_model_dir, args=dict(ENGINE_ARGS))
     metrics = FrontendMetrics()
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = free_port(), free_port()
     running = await start_kserve(engine, metrics, host="127.0.0.1", grpc_port=grpc_port, http_port=http_port)
     try:
         yield Servers(engine, running.service, grpc_port, http_port, metrics)

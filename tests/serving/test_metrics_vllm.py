@@ -18,7 +18,6 @@ import concurrent.futures
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import openai
 import pytest
 import yaml
 
+from serving_image.local_server import free_port
 from serving_image.metrics import observability
 from serving_image.metrics.exposition import parse_text
 from serving_image.metrics.frontend import FrontendMetrics, serve_frontend_metrics
@@ -49,12 +49,6 @@ K8S_LABELS = {
     "app_kubernetes_io_component": "model-server",
     "app_kubernetes_io_part_of": "llm-serving",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Platform:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import httpx
 import jsonschema
@@ -18,6 +17,7 @@ import openai
 import pytest
 import pytest_asyncio
 
+from serving_image.local_server import free_port
 from tests.serving.engine_hold import EngineProcesses
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -29,12 +29,6 @@ MODEL = "demo-tiny"
 # Bounded on purpose (a boolean and a short string): an unbounded integer can run past max_tokens.
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "label": {"type": "string", "maxLength": 10}},
           "required": ["ok", "label"], "additionalProperties": False}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Paths:
@@ -59,7 +53,7 @@ async def paths(demo_model_dir):
 
     engine = await VllmLocalEngine.start(name=MODEL, version="1.0.0", model_path=demo_model_dir,
                                          tokenizer_path=demo_model_dir, args=dict(ENGINE_ARGS))
-    kserve = await start_kserve(engine, None, host="127.0.0.1", grpc_port=_free_port(), http_port=_free_port())
+    kserve = await start_kserve(engine, None, host="127.0.0.1", grpc_port=free_port(), http_port=free_port())
     remote = await TritonRemoteEngine.connect(url=f"127.0.0.1:{kserve.grpc_port}", model_name=MODEL,
                                               version="1.0.0", tokenizer_path=demo_model_dir,
                                               max_model_len=engine.info.max_model_len)
