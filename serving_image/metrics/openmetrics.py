@@ -64,7 +64,9 @@ def _openmetrics_histogram(family: Family) -> list[Sample] | None:
             return None
         if counts and (counts[0].value != values[-1]):
             return None
-        if sums and (math.isnan(sums[0].value) or any(float(dict(b.labels)["le"]) < 0 for b in buckets)):
+        # A histogram's _sum is counter-like in OpenMetrics: never NaN, never negative (a negative observation makes
+        # it negative, and then the histogram may carry no sum at all), and absent when a bucket bound is negative.
+        if sums and (not _counter_like_ok(sums[0].value) or any(float(dict(b.labels)["le"]) < 0 for b in buckets)):
             return None
         ordered += buckets + counts + sums
     return ordered
