@@ -100,13 +100,10 @@ def publish_demo(demo_model_dir: Path, root: Path, *, version: str = "1.0.0", ta
     return Path(LocalStore(root / "store", root / "model-cache").publish(package).model_cache_uri)
 
 
-def start_server(package: Path, workdir: Path, *, extra_env: dict | None = None,
-                 extra_args: list[str] | None = None) -> Server:
-    """Start the entrypoint on free ports and wait until /health/ready answers 200. Records whether the OpenAI
-    port accepted a connection before the engine step had finished (it must not)."""
+def _launch(package: Path, workdir: Path, extra_env: dict | None, extra_args: list[str]) -> Server:
+    """The entrypoint (`python -m serving_image.startup`) on free ports, in a session of its own, logging to a file."""
     workdir.mkdir(parents=True, exist_ok=True)
-    ports = {"openai": free_port(), "metrics": free_port(), "frontend": free_port(), "kserve_http": free_port(),
-             "kserve_grpc": free_port()}
+    ports = {name: free_port() for name in ("openai", "metrics", "frontend", "kserve_http", "kserve_grpc")}
     log_path = workdir / "server.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", **(extra_env or {}))
     with open(log_path, "w") as log:
@@ -114,10 +111,18 @@ def start_server(package: Path, workdir: Path, *, extra_env: dict | None = None,
             [sys.executable, "-m", "serving_image.startup", str(package), "--workdir", str(workdir / "run"),
              "--host", "127.0.0.1", "--openai-port", str(ports["openai"]), "--metrics-port", str(ports["metrics"]),
              "--frontend-metrics-port", str(ports["frontend"]), "--kserve-http-port", str(ports["kserve_http"]),
-             "--kserve-grpc-port", str(ports["kserve_grpc"]), *(extra_args or [])],
+             "--kserve-grpc-port", str(ports["kserve_grpc"]), *extra_args],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
-    server = Server(proc, log_path, ports, workdir)
+    return Server(proc, log_path, ports, workdir)
+
+
+def start_server(package: Path, workdir: Path, *, extra_env: dict | None = None,
+                 extra_args: list[str] | None = None) -> Server:
+    """Start the entrypoint on free ports and wait until /health/ready answers 200. Records whether the OpenAI
+    port accepted a connection before the engine step had finished (it must not)."""
+    server = _launch(package, workdir, extra_env, list(extra_args or []))
+    proc, log_path, ports = server.proc, server.log_path, server.ports
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -147,20 +152,9 @@ def start_standalone_server(package: Path, workdir: Path, *, companions: tuple[P
     """Start the entrypoint on a `standalone` package (tritonserver owns the KServe ports) and wait until Triton's
     /v2/health/ready answers 200. Records whether the gRPC port ever accepted a connection while the models were not
     ready (it must not: Triton opens it once they are loaded, a moment before step 4 logs that it is done)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    ports = {name: free_port() for name in ("openai", "metrics", "frontend", "kserve_http", "kserve_grpc")}
-    log_path = workdir / "server.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", **(extra_env or {}))
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "serving_image.startup", str(package), "--workdir", str(workdir / "run"),
-             "--host", "127.0.0.1", "--openai-port", str(ports["openai"]), "--metrics-port", str(ports["metrics"]),
-             "--frontend-metrics-port", str(ports["frontend"]), "--kserve-http-port", str(ports["kserve_http"]),
-             "--kserve-grpc-port", str(ports["kserve_grpc"]),
-             *(arg for path in companions for arg in ("--with-package", str(path)))],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
-    server = Server(proc, log_path, ports, workdir)
+    server = _launch(package, workdir, extra_env,
+                     [arg for path in companions for arg in ("--with-package", str(path))])
+    proc, log_path, ports = server.proc, server.log_path, server.ports
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
