@@ -242,6 +242,9 @@ class EngineHost:
             if error := context_window_error(len(prompt_ids), params.max_tokens, info.max_model_len,
                                              prompt_field="text_input", max_tokens_field=f"{root}.max_tokens"):
                 raise error
+            # Logged once the request is past its checks and on its way into the engine: from here a cancellation
+            # aborts it in the engine (the log is what a cancellation test waits for before cancelling).
+            log.info("request %s (client id %r) submitted to the engine", request_id, message.get("client_id", ""))
             async for output in self.engine.generate_params(request_id, prompt_ids, params):
                 self.send({"id": request_id, "p": output.prompt_tokens, "done": output.finished,
                            "out": [[c.index, c.text, len(c.token_ids), c.finish_reason] for c in output.choices]})

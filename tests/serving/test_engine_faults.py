@@ -80,8 +80,13 @@ def test_engine_killed_mid_stream(server, demo_model_dir: Path):
                             return
                         async for line in response.aiter_lines():
                             if line.startswith("data: {"):
+                                if not first_token.is_set():
+                                    # Held here, by the first caller to see a token, before this loop can run on:
+                                    # a caller reading a fast stream does not yield to the others while data is
+                                    # buffered, and one held from another task had read its whole stream first.
+                                    engine.hold()
+                                    first_token.set()
                                 events.append(json.loads(line[6:]))
-                                first_token.set()
                 except httpx.HTTPError as exc:
                     outcomes[i] = f"error: {type(exc).__name__}"
                     return
@@ -99,7 +104,6 @@ def test_engine_killed_mid_stream(server, demo_model_dir: Path):
 
             callers = [asyncio.create_task(stream(i)) for i in range(8)]
             await asyncio.wait_for(first_token.wait(), timeout=120)
-            engine.hold()
             await asyncio.sleep(0.5)  # what the front-end already had reaches the callers (not needed for the verdict)
             engine.kill()
             killed_at = time.monotonic()

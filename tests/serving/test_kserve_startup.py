@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import queue
+import time
 from pathlib import Path
 
 import httpx
@@ -384,42 +385,53 @@ def _engine_host(server) -> EngineProcesses:
 
 
 def test_cancelling_a_stream_aborts_the_request_in_the_engine(triton_standalone):
-    """cancellation: the engine is held right after the first response of a 2000-token request, and the stream is
-    cancelled while it is held, so the request is still running when the cancellation arrives, whatever the
-    machine's speed; once released, the backend sees the request cancelled and the engine aborts it."""
+    """cancellation: the request reaches an engine that is held (its vLLM processes stopped, the engine host
+    itself running), so it is still in the engine when its stream is cancelled, whatever the machine's speed (held
+    after a first response instead, a fast engine had finished all the tokens into the socket before the hold). The
+    backend notices the cancellation although the request produces nothing, and the engine aborts it while held."""
     server = triton_standalone
-    engine = _engine_host(server)
+    host = _engine_host(server)
+    vllm_processes = EngineProcesses(host.pids[1:])
     before = server.log().count("aborted in the engine (its client cancelled it)")
+    cancelled_before = server.log().count("[vllm] Cancelling the request")
+    log_start = len(server.log())
 
-    async def cancel_after_the_first() -> int:
+    async def cancel_while_held() -> None:
         client = grpcaio.InferenceServerClient(_grpc_url(server))
+        sent = asyncio.Event()
 
         async def requests():
             yield {"model_name": MODEL, "request_id": "cancel-me",
                    "inputs": _inputs(grpcaio, "long", stream=True, params={"max_tokens": 2000, "ignore_eos": True})}
+            sent.set()
             await asyncio.sleep(3600)
 
         stream = client.stream_infer(requests())
-        seen = 0
-        async for _result, error in stream:
-            assert error is None, error
-            seen += 1
-            break
-        engine.hold()  # blocking on purpose: nothing else may run on this loop before the engine is held
+        reader = asyncio.ensure_future(anext(aiter(stream), None))
+        await asyncio.wait_for(sent.wait(), timeout=30)
+        deadline = asyncio.get_running_loop().time() + 60
+        while "(client id 'cancel-me') submitted to the engine" not in server.log()[log_start:]:
+            assert asyncio.get_running_loop().time() < deadline, (
+                f"the request never reached the engine:\n{server.log()[-3000:]}")
+            await asyncio.sleep(0.05)
+        assert not reader.done(), "a response came from a held engine"
         stream.cancel()
+        while server.log().count("[vllm] Cancelling the request") == cancelled_before:
+            assert asyncio.get_running_loop().time() < deadline, (
+                f"the backend never noticed the cancellation:\n{server.log()[-3000:]}")
+            await asyncio.sleep(0.05)
+        reader.cancel()
         await client.close()
-        return seen
 
+    vllm_processes.hold()
     try:
-        assert _run(cancel_after_the_first()) == 1
+        _run(cancel_while_held())
+        deadline = time.monotonic() + 60
+        while server.log().count("aborted in the engine (its client cancelled it)") == before:
+            assert time.monotonic() < deadline, f"no abort in the engine:\n{server.log()[-3000:]}"
+            time.sleep(0.1)
     finally:
-        engine.release()
-    import time
-
-    deadline = time.monotonic() + 120
-    while server.log().count("aborted in the engine (its client cancelled it)") == before:
-        assert time.monotonic() < deadline, f"no abort in the engine:\n{server.log()[-3000:]}"
-        time.sleep(0.1)
+        vllm_processes.release()
 
 
 # -- metrics --------------------------------------------------------------------------------------------------

@@ -75,6 +75,10 @@ REFUSED_INPUTS = {
 }
 ERROR_PREFIX = "Error generating stream: "  # NVIDIA's backend's prefix for a failed request
 CANCEL_CHECK_S = 0.05
+# A request that produces nothing (queued behind others, in a long prefill, or its engine held) is still checked
+# for cancellation this often, by a watcher thread: NVIDIA's backend only checks after a response, so a cancelled
+# request waiting in the queue would keep its place until its first token.
+CANCEL_WATCH_S = 0.5
 
 
 class RequestError(ValueError):
@@ -239,12 +243,19 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(f"[vllm] Failed to start engine: {detail}")
         self.info = first["info"]
         self.logger.log_info(f"[vllm] engine ready for {self.model_name}: {self.info} (pid {self.process.pid})")
+        # Held by whoever answers a request (the reader thread, the cancellation watcher), so that nothing is sent
+        # to a sender after its final response.
+        self._respond_lock = threading.Lock()
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._read_loop, name="vllm-stand-in-reader", daemon=True)
         self._thread.start()
+        self._watcher = threading.Thread(target=self._watch_cancellations, name="vllm-stand-in-cancel", daemon=True)
+        self._watcher.start()
 
     def finalize(self):
         self.logger.log_info("[vllm] Issuing finalize to vllm backend")
         self._closing = True
+        self._stopped.set()
         try:
             self._socket.shutdown(socket.SHUT_WR)  # the engine process drains, shuts vLLM down and exits
         except OSError:
@@ -255,6 +266,7 @@ class TritonPythonModel:
             self.process.kill()
             self.process.wait()
         self._thread.join(timeout=10)
+        self._watcher.join(timeout=10)
         self._socket.close()
 
     # -- requests ----------------------------------------------------------------------------------------------
@@ -289,8 +301,8 @@ class TritonPythonModel:
             with self._lock:
                 self._requests[request_id] = _Request(sender, parsed)
             try:
-                self._send({"op": "generate", "id": request_id, "prompt": parsed["prompt"],
-                            "params": parsed["params"], "root": parsed["root"]})
+                self._send({"op": "generate", "id": request_id, "client_id": request.request_id(),
+                            "prompt": parsed["prompt"], "params": parsed["params"], "root": parsed["root"]})
             except OSError as exc:
                 with self._lock:
                     self._requests.pop(request_id, None)
@@ -314,6 +326,10 @@ class TritonPythonModel:
             self._on_message(message)
 
     def _on_message(self, message: dict) -> None:
+        with self._respond_lock:
+            self._answer(message)
+
+    def _answer(self, message: dict) -> None:
         request_id = message["id"]
         with self._lock:
             state = self._requests.get(request_id)
@@ -327,15 +343,7 @@ class TritonPythonModel:
             self._error(state.sender, message["error"], code)
             return
         if state.cancelled(time.monotonic()):
-            self._drop(request_id)
-            try:
-                self._send({"op": "abort", "id": request_id})
-            except OSError:
-                pass
-            self.logger.log_info("[vllm] Cancelling the request")
-            state.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                message="Request was cancelled", code=pb_utils.TritonError.CANCELLED)),
-                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self._cancel(request_id, state)
             return
         texts, tokens = state.add(message)
         done = bool(message["done"])
@@ -347,6 +355,36 @@ class TritonPythonModel:
         elif done:
             state.sender.send(state.response(state.texts, state.tokens, state.prompt if state.prepend else ""),
                               flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _cancel(self, request_id: str, state: _Request) -> None:
+        """Abort a request its client cancelled, in the engine too, and end it with CANCELLED (as NVIDIA's backend
+        does). Called with the respond lock held."""
+        self._drop(request_id)
+        try:
+            self._send({"op": "abort", "id": request_id})
+        except OSError:
+            pass
+        self.logger.log_info("[vllm] Cancelling the request")
+        state.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+            message="Request was cancelled", code=pb_utils.TritonError.CANCELLED)),
+            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _watch_cancellations(self) -> None:
+        """Check the requests that produced nothing for CANCEL_WATCH_S (the others are checked as they answer)."""
+        while not self._stopped.wait(CANCEL_WATCH_S):
+            with self._lock:
+                quiet = [(rid, state) for rid, state in self._requests.items()
+                         if time.monotonic() - state.checked_at >= CANCEL_WATCH_S]
+            for request_id, state in quiet:
+                with self._respond_lock:
+                    with self._lock:
+                        if self._requests.get(request_id) is not state:
+                            continue  # answered meanwhile
+                    try:
+                        if state.cancelled(time.monotonic()):
+                            self._cancel(request_id, state)
+                    except Exception as exc:  # one sender failing must not stop the watch of the others
+                        self.logger.log_warn(f"[vllm] checking request {request_id} for cancellation failed: {exc}")
 
     def _drop(self, request_id: str) -> None:
         with self._lock:
