@@ -29,6 +29,8 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +40,13 @@ from serving_image.engine.base import ModelInfo
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 1800  # loading a large model from the model cache can take many minutes
+# Once the stand-in backend's engine reports ready, Triton finishes loading the model within seconds. tritonserver
+# 2.51's Python backend can instead hang for good right there (seen on fresh clones under heavy load: the launcher
+# waits for a stub that has answered its initialize and runs on; docs/local-environment.md, "Triton locally").
+# Past this delay the load is declared stuck and Triton is started again, once, loudly.
+LOAD_AFTER_ENGINE_READY_S = 120
+ENGINE_READY_MARK = "[vllm] engine ready for "  # what the stand-in backend logs when its engine is up
+STUCK_LOAD_RESTARTS = 1
 WATCH_INTERVAL_S = 1.0
 STOP_TIMEOUT_S = 90  # Triton's own exit timeout is 30 s, then each model's finalize (its engine's shutdown)
 
@@ -125,6 +134,58 @@ class StandaloneTriton:
                 await asyncio.to_thread(self.process.wait)
 
 
+class StuckLoadError(RuntimeError):
+    """Triton did not finish loading a model whose engine was ready (the Python backend's launch hang)."""
+
+
+class _LogForwarder:
+    """Copies tritonserver's output to this process's stdout, as if it wrote there itself, and notes when the
+    stand-in backend's engines report ready."""
+
+    def __init__(self, stream) -> None:
+        self.engines_ready_at: dict[str, float] = {}
+        self._stream = stream
+        self._thread = threading.Thread(target=self._run, name="tritonserver-log", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
+        for line in iter(self._stream.readline, b""):
+            if out is not None:
+                out.write(line)
+                out.flush()
+            else:
+                sys.stdout.write(line.decode("utf-8", "replace"))
+            text = line.decode("utf-8", "replace")
+            if ENGINE_READY_MARK in text:
+                model = text.split(ENGINE_READY_MARK, 1)[1].split(":", 1)[0].strip()
+                self.engines_ready_at.setdefault(model, time.monotonic())
+
+    def all_engines_ready_since(self, models: Sequence[str]) -> float | None:
+        """When the last of `models` reported its engine ready, or None while one has not."""
+        times = [self.engines_ready_at.get(m) for m in models]
+        return None if None in times else max(times)
+
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    """Kill tritonserver and what it started (the stubs, their engines): a stub whose launcher hung would otherwise
+    outlive the server with its engine."""
+    import psutil
+
+    try:
+        children = psutil.Process(process.pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    process.kill()
+    process.wait()
+    for child in children:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(children, timeout=30)
+
+
 def _accepts(host: str, port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(1.0)
@@ -135,16 +196,35 @@ async def start_standalone(*, repository: Path, models: str | Sequence[str], ver
                            grpc_port: int, metrics_port: int, binary: str | Path = "tritonserver",
                            backend_directory: Path | None = None, host: str | None = None,
                            env: dict[str, str] | None = None, max_model_len: int = 0,
-                           ready_timeout_s: float = READY_TIMEOUT_S) -> StandaloneTriton:
-    """Start tritonserver and wait until every model is ready (its gRPC port opens only then)."""
-    import tritonclient.grpc.aio as grpcaio
-
+                           ready_timeout_s: float = READY_TIMEOUT_S,
+                           stuck_after_s: float = LOAD_AFTER_ENGINE_READY_S) -> StandaloneTriton:
+    """Start tritonserver and wait until every model is ready (its gRPC port opens only then). A load stuck after
+    the engines were ready (StuckLoadError) is retried with a fresh tritonserver, STUCK_LOAD_RESTARTS times."""
     models = (models,) if isinstance(models, str) else tuple(models)
     command = tritonserver_command(repository, models, http_port=http_port, grpc_port=grpc_port,
                                    metrics_port=metrics_port, binary=binary, backend_directory=backend_directory,
                                    host=host)
+    for attempt in range(STUCK_LOAD_RESTARTS + 1):
+        try:
+            return await _start_once(command, models, version, grpc_port, host, env, max_model_len,
+                                     ready_timeout_s, stuck_after_s)
+        except StuckLoadError as exc:
+            if attempt == STUCK_LOAD_RESTARTS:
+                raise
+            log.warning("%s: starting tritonserver again (attempt %d of %d)", exc, attempt + 2,
+                        STUCK_LOAD_RESTARTS + 1)
+    raise AssertionError("unreachable")
+
+
+async def _start_once(command: list[str], models: tuple[str, ...], version: str, grpc_port: int, host: str | None,
+                      env: dict[str, str] | None, max_model_len: int, ready_timeout_s: float,
+                      stuck_after_s: float) -> StandaloneTriton:
+    import tritonclient.grpc.aio as grpcaio
+
     log.info("starting %s", " ".join(command))
-    process = subprocess.Popen(command, env={**os.environ, **(env or {})})
+    process = subprocess.Popen(command, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT)
+    output = _LogForwarder(process.stdout)
     address = "127.0.0.1" if host in (None, "0.0.0.0", "") else host
     url = f"{address}:{grpc_port}"
     client = None
@@ -167,6 +247,11 @@ async def start_standalone(*, repository: Path, models: str | Sequence[str], ver
                     problem = "not ready yet"
                 except Exception as exc:  # listening, not answering yet
                     problem = str(exc)
+            engines_ready = output.all_engines_ready_since(models)
+            if client is None and engines_ready is not None and time.monotonic() - engines_ready > stuck_after_s:
+                raise StuckLoadError(f"tritonserver has not finished loading {', '.join(models)} {stuck_after_s:.0f}s "
+                                     "after the engine reported ready (the Python backend's launch hang of "
+                                     "tritonserver 2.51)")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tritonserver did not report {', '.join(models)} ready in {ready_timeout_s}s: "
                                    f"{problem}")
@@ -176,8 +261,7 @@ async def start_standalone(*, repository: Path, models: str | Sequence[str], ver
         if client is not None:
             await client.close()
         if process.poll() is None:
-            process.kill()
-            process.wait()
+            _kill_tree(process)
         raise
     log.info("Triton %s ready on gRPC %s: %s", metadata.version, url, ", ".join(models))
     info = ModelInfo(name=models[0], version=version, max_model_len=max_model_len, vocab_size=0, eos_token_id=None)

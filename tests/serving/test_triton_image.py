@@ -194,6 +194,35 @@ def test_standalone_start_reports_a_tritonserver_that_exits(tmp_path):
                                      grpc_port=free_grpc_port(), metrics_port=1, binary=fake))
 
 
+def test_standalone_start_restarts_a_load_stuck_after_the_engine_was_ready(tmp_path):
+    """tritonserver 2.51's Python backend can hang for good after the stand-in's engine reported ready (the launcher
+    waits for a stub that has answered). A fake tritonserver that logs the engine ready and never opens its ports:
+    step 4 starts it again once, then fails naming the hang, and leaves no process behind (not even the child that
+    the fake started, as a stub would be)."""
+    import asyncio
+
+    import psutil
+
+    from serving_image.triton.standalone import StuckLoadError, start_standalone
+
+    starts = tmp_path / "starts"
+    fake = tmp_path / "bin" / "tritonserver"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\n"
+                    f"echo started >> {starts}\n"
+                    "sleep 3600 &\n"
+                    "echo $! >> " + str(tmp_path / "children") + "\n"
+                    "echo 'I1201 model.py:245] \"[vllm] engine ready for m: {}\"'\n"
+                    "wait\n")
+    fake.chmod(0o755)
+    with pytest.raises(StuckLoadError, match="has not finished loading m 0s after the engine reported ready"):
+        asyncio.run(start_standalone(repository=tmp_path, models="m", version="1", http_port=1,
+                                     grpc_port=free_grpc_port(), metrics_port=1, binary=fake, stuck_after_s=0))
+    assert starts.read_text().splitlines() == ["started", "started"]
+    for pid in map(int, (tmp_path / "children").read_text().split()):
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
 def free_grpc_port() -> int:
     import socket
 
