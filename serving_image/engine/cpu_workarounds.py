@@ -59,6 +59,10 @@ def patch_model_runner() -> bool:
 def register() -> None:
     from vllm.platforms import current_platform
 
+    from serving_image.engine.shm_ledger import record_created_segments
+
+    record_created_segments()  # every platform: the shutdown leak it repairs is not a CPU one
+
     if not current_platform.is_cpu():
         return
     if patch_model_runner():

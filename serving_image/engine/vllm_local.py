@@ -35,6 +35,7 @@ from serving_image.engine.base import (
     context_window_error,
     raise_if_cut_short,
 )
+from serving_image.engine.shm_ledger import ShmLedger
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +157,9 @@ def _already_shut_down(timeout: float | None = None) -> None:
 
 
 class VllmLocalEngine(HFTokenizerMixin, Engine):
-    def __init__(self, llm, info: ModelInfo, embedder=None):
+    def __init__(self, llm, info: ModelInfo, embedder=None, shm_ledger: ShmLedger | None = None):
         self._llm = llm
+        self._shm_ledger = shm_ledger
         self._embedder = embedder  # a second, pooling AsyncLLM on the same weights when "embed" is served
         self.info = info
         self._tokenizer = llm.get_tokenizer()
@@ -169,6 +171,7 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         started = []
+        shm_ledger = ShmLedger()  # before the engine's processes start: they inherit it
         try:
             llm = AsyncLLM.from_engine_args(build_engine_args(model_path, tokenizer_path, args))
             started.append(llm)
@@ -197,8 +200,9 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
         except BaseException:
             for engine in started:
                 engine.shutdown()
+            shm_ledger.reclaim()
             raise
-        return cls(llm, info, embedder)
+        return cls(llm, info, embedder, shm_ledger)
 
     def is_ready(self) -> bool:
         return self.dead_reason is None
@@ -353,3 +357,6 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
             llm.shutdown = _already_shut_down
         del llms
         gc.collect()
+        if self._shm_ledger is not None:
+            self._shm_ledger.reclaim()
+            self._shm_ledger = None
