@@ -19,7 +19,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 NATIVE_SOURCES := native/CMakeLists.txt $(wildcard native/src/* native/include/*)
 
-.PHONY: up test plan bench lint serving-env infra-env checkov-env triton-env crd-validate-env clean
+.PHONY: up test plan bench rehearse lint serving-env infra-env checkov-env triton-env crd-validate-env clean
 
 up: serving-env triton-env
 	$(SERVING)/bin/llm-serving up $(if $(MODEL),--model "$(MODEL)",) $(if $(MODE),--serving-mode "$(MODE)",)
@@ -39,6 +39,12 @@ plan: infra-env checkov-env crd-validate-env
 
 bench: serving-env triton-env
 	$(SERVING)/bin/python -m bench.run
+
+# A stack's model pods on this machine as their rendered Deployments say (docs/rehearsal.md). Needs root (network
+# and mount namespaces). Not part of `make test` (its time budget): run on its own, e.g. as a CI step of its own.
+STACK ?= dev-us-east-1
+rehearse: serving-env infra-env
+	$(SERVING)/bin/llm-serving rehearse --stack "$(STACK)"
 
 lint: serving-env
 	$(SERVING)/bin/ruff check .
@@ -94,13 +100,18 @@ $(CHECKOV)/.stamp: infra/checkov-requirements.txt
 # does at start-up. serving_image/triton/local_install.py finds all of it; compat.toml [local.triton] records it.
 TRITON_WHEEL := nvidia-pytriton==0.7.0
 STUB_NUMPY := numpy==1.26.4
+# The demo ranker's (examples/ranker) XGBoost and the scipy it imports, for the same stub (numpy < 2), next to numpy;
+# its train.py runs with .venv-triton's python and this directory on PYTHONPATH. Pinned in compat.toml too.
+STUB_XGBOOST := xgboost==3.0.5
+STUB_SCIPY := scipy==1.13.1
 $(TRITON)/.stamp: Makefile
-	@echo "== setting up $(TRITON) (tritonserver from $(TRITON_WHEEL), the Python backend stub and its numpy)"
+	@echo "== setting up $(TRITON) (tritonserver from $(TRITON_WHEEL), the Python backend stub, its numpy and xgboost)"
 	test -x $(TRITON)/bin/python || $(PYTHON) -m venv $(TRITON)
 	$(TRITON)/bin/pip install -q --no-deps '$(TRITON_WHEEL)'
 	server=$$($(TRITON)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/pytriton/tritonserver && \
 	  install -m 0755 "$$server/python_backend_stubs/3.11/triton_python_backend_stub" "$$server/backends/python/" && \
-	  $(TRITON)/bin/pip install -q --no-deps --upgrade --target "$$server/backends/python" '$(STUB_NUMPY)' && \
+	  $(TRITON)/bin/pip install -q --no-deps --upgrade --target "$$server/backends/python" '$(STUB_NUMPY)' \
+	    '$(STUB_XGBOOST)' '$(STUB_SCIPY)' && \
 	  test -x "$$server/bin/tritonserver"
 	touch $@
 

@@ -18,6 +18,14 @@ logits shapes:
 Rows are in sparse states (a few allowed tokens: DFAs, choice sequences, small allowed sets), so the fill cost
 per row should not depend on the vocabulary; that is measured too. Times are medians over a few steps.
 
+The targets (issue 20) are stated for what each half is bound by:
+  - the host-side step, advance + bitmask fill and no logits write (what stays on the CPU when a GPU applies the
+    mask, `_host_step`): in µs per step at batch 1..256, independent of the vocabulary, and at least 100x below the
+    Python per-request path's host work (advance, allowed set, one mask tensor per request);
+  - the apply, which writes batch x vocab logits: against the write floor (bandwidth), not against Python.
+The whole-step ratio against Python is reported but is not a target: both sides are bound by writing the logits
+at large shapes (2-3x at batch 256 / 128k), which says nothing about the constraint logic.
+
 `run(out_dir)` is what `make bench` calls; `python -m bench.constraints [out_dir]` runs it alone.
 """
 
@@ -33,8 +41,9 @@ from bench.report import main, pyplot, result, save_figure
 BATCHES = (1, 8, 32, 128, 256)
 VOCABS = (32_000, 128_000, 256_000)
 STEPS = 7  # timed steps per configuration (after one warm-up step)
+HOST_STEPS = 25  # timed steps of the host-side step alone (µs each: more samples against a shared machine's noise)
 EOS = 2
-TARGET = (256, 128_000)  # where the issue sets the 20x target
+TARGET = (256, 128_000)  # where the targets are read
 
 
 def _specs(rng: random.Random, n: int, vocab: int):
@@ -189,6 +198,44 @@ def _time_steps(impls, logits, streams) -> dict[str, float]:
     return {f"{name}:{how}": _stat_ms(v, how) for name, v in samples.items() for how in ("best", "median")}
 
 
+def _host_step(vocab: int, specs, rng: random.Random) -> dict[str, float]:
+    """The host-side step alone, µs (best of the steps): this engine's sync + fill of the constrained rows as the
+    GPU path runs them (`ConstraintBatch.fill_apply` on CUDA logits; 1 thread: the per-row cost, no hand-off)
+    against the Python per-request path's host work, with its mask tensors (`python`) and without
+    them (`python_state`: advance and allowed set only, the least any Python per-request path does)."""
+    import torch
+
+    from serving_image.constraints.reference import ReferenceState
+
+    streams = _streams(rng, specs, HOST_STEPS)
+    nat = _Native(specs, vocab, 1)
+    states = [ReferenceState(s, EOS) for s in specs]
+    states_only = [ReferenceState(s, EOS) for s in specs]
+    samples: dict[str, list[float]] = {"native": [], "python": [], "python_state": []}
+    nat.batch.sync()
+    nat.batch.core.fill_constrained(-1, 1)  # warm-up
+    for k in range(HOST_STEPS):
+        tokens = [s[k] for s in streams]
+        for lst, t in zip(nat.lists, tokens, strict=True):
+            lst.append(t)
+        t0 = time.perf_counter()
+        nat.batch.sync()
+        nat.batch.core.fill_constrained(-1, 1)  # what the GPU path runs on the host before its kernel
+        samples["native"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for st, t in zip(states, tokens, strict=True):
+            st.advance(t)
+            mask = torch.full((vocab,), float("-inf"))
+            mask[list(st.allowed())] = 0
+        samples["python"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for st, t in zip(states_only, tokens, strict=True):
+            st.advance(t)
+            st.allowed()
+        samples["python_state"].append(time.perf_counter() - t0)
+    return {name: min(v) * 1e6 for name, v in samples.items()}
+
+
 def measure_write_bandwidth() -> dict[str, float]:
     """Bytes/s written into a 512 MiB float32 buffer (every thread, best of 5): torch's fill_, and -inf written
     with streaming stores by the core's store loop without a mask (`Engine.write_bandwidth`)."""
@@ -265,6 +312,7 @@ def run(out_dir: pathlib.Path) -> dict:
 
     step: dict[tuple[int, int], dict[str, float]] = {}
     apply: dict[tuple[int, int], dict[str, float]] = {}
+    host: dict[tuple[int, int], dict[str, float]] = {}
     for vocab in VOCABS:
         rng = random.Random(vocab)
         specs_all = _specs(rng, max(BATCHES), vocab)
@@ -276,6 +324,7 @@ def run(out_dir: pathlib.Path) -> dict:
                      _Native(specs, vocab, all_threads))
             step[(batch, vocab)] = _time_steps(impls, logits, streams)
             apply[(batch, vocab)] = _apply_only(vocab, batch, all_threads, streams, specs)
+            host[(batch, vocab)] = _host_step(vocab, specs, random.Random(batch + vocab))
             del logits
 
     native_all = f"native-{all_threads}t"
@@ -315,6 +364,22 @@ def run(out_dir: pathlib.Path) -> dict:
             f"{a['fill_us_per_row']:.2f} |"
         )
 
+    lines += [
+        "",
+        "### Host-side step alone (µs): advance + bitmask fill, no logits write (what stays on the CPU with a GPU)",
+        "",
+        "| batch | " + " | ".join(f"native {v // 1000}k" for v in VOCABS) + " | python (state + mask) 128k | "
+        "python (state only) 128k | python / native 128k | python state-only / native 128k |",
+        "| ---: |" + " ---: |" * (len(VOCABS) + 4),
+    ]
+    for batch in BATCHES:
+        h = host[(batch, 128_000)]
+        lines.append(
+            f"| {batch} | " + " | ".join(f"{host[(batch, v)]['native']:.1f}" for v in VOCABS)
+            + f" | {h['python']:.0f} | {h['python_state']:.0f} | {h['python'] / h['native']:.0f}x | "
+            f"{h['python_state'] / h['native']:.0f}x |"
+        )
+
     # Targets, stated as met or missed, on best-of and on medians.
     def ratios(how: str) -> tuple[float, float]:
         t, a = step[TARGET], apply[TARGET]
@@ -327,12 +392,26 @@ def run(out_dir: pathlib.Path) -> dict:
     fill_spread = max(fills.values()) / min(fills.values())
     xgr_ratio = apply[TARGET][f"xgrammar:{B}"] / apply[TARGET][f"native:{B}"]
     verdict = lambda ok: "met" if ok else "MISSED"  # noqa: E731
+    host_ratio = {b: host[(b, 128_000)]["python"] / host[(b, 128_000)]["native"] for b in BATCHES}
+    state_ratio = {b: host[(b, 128_000)]["python_state"] / host[(b, 128_000)]["native"] for b in BATCHES}
+    host_spread = {b: max(host[(b, v)]["native"] for v in VOCABS) / min(host[(b, v)]["native"] for v in VOCABS)
+                   for b in BATCHES}
+    judged = [b for b in BATCHES if b >= 32] or list(BATCHES)  # a few µs of call overhead below that: noise
+    worst_spread = max(host_spread[b] for b in judged)
     lines += [
         "",
         "### Targets",
         "",
-        f"- at least 20x faster than the Python per-request path at batch 256, vocabulary 128k: **{speedup:.1f}x** "
-        f"({verdict(speedup >= 20)}); medians: {speedup_med:.1f}x ({verdict(speedup_med >= 20)})",
+        "- host-side step (advance + bitmask fill, no logits write), µs per step at vocabulary 128k: "
+        + ", ".join(f"batch {b}: {host[(b, 128_000)]['native']:.1f}" for b in BATCHES),
+        f"- ... independent of the vocabulary ({VOCABS[0] // 1000}k to {VOCABS[-1] // 1000}k): worst spread over "
+        f"batches >= {judged[0]}: {worst_spread:.2f}x ({verdict(worst_spread <= 1.5)}); per batch: "
+        + ", ".join(f"{b}: {host_spread[b]:.2f}x" for b in BATCHES),
+        f"- ... at least 100x below the Python per-request path (state + mask per request) at batch 256, 128k: "
+        f"**{host_ratio[256]:.0f}x** ({verdict(host_ratio[256] >= 100)}). Per batch: "
+        + ", ".join(f"{b}: {host_ratio[b]:.0f}x" for b in BATCHES)
+        + " (at batch 1 the native step is a microsecond of call overhead). Against the Python state alone (no mask "
+        f"tensors, the least a Python per-request path does): {state_ratio[256]:.0f}x at batch 256",
         f"- apply within 1.5x of the write floor at batch 256, vocabulary 128k: **{floor_ratio:.2f}x** "
         f"({verdict(floor_ratio <= 1.5)}); medians: {floor_med:.2f}x ({verdict(floor_med <= 1.5)}); worst over "
         f"batches >= 32: {worst_floor:.2f}x ({verdict(worst_floor <= 1.5)})",
@@ -341,6 +420,9 @@ def run(out_dir: pathlib.Path) -> dict:
         + f", spread {fill_spread:.2f}x ({verdict(fill_spread <= 1.5)})",
         f"- peer: xgrammar's CPU bitmask apply takes {xgr_ratio:.1f}x this engine's apply at batch 256, "
         "vocabulary 128k (same bitmask, same logits)",
+        f"- not a target: the whole CPU step (advance + fill + apply) against the Python path at batch 256, 128k: "
+        f"{speedup:.1f}x (medians {speedup_med:.1f}x). Both sides are bound by writing 128 MB of logits there, "
+        "so this ratio measures memory bandwidth, not the constraint logic (issue 20 retired the old '20x' target)",
     ]
 
     plots = []
@@ -371,7 +453,7 @@ def run(out_dir: pathlib.Path) -> dict:
     ax1.set_title("apply half, vocab 128k")
     ax1.grid(True, which="both", alpha=0.3)
     ax1.legend()
-    for b in (32, 128, 256):
+    for b in [b for b in BATCHES if b >= 32]:
         ax2.plot([v // 1000 for v in VOCABS], [apply[(b, v)]["fill_us_per_row"] for v in VOCABS], marker="o",
                  label=f"batch {b}")
     ax2.set_xlabel("vocabulary (k tokens)")
@@ -381,6 +463,22 @@ def run(out_dir: pathlib.Path) -> dict:
     ax2.grid(True, alpha=0.3)
     ax2.legend()
     plots.append(save_figure(fig, out_dir, "constraints_apply_fill.png", dpi=110))
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for v in VOCABS:
+        ax.plot(BATCHES, [host[(b, v)]["native"] for b in BATCHES], marker="o", label=f"native, vocab {v // 1000}k")
+    ax.plot(BATCHES, [host[(b, 128_000)]["python"] for b in BATCHES], "k--", marker="x",
+            label="python per request (state + mask), 128k")
+    ax.plot(BATCHES, [host[(b, 128_000)]["python_state"] for b in BATCHES], "k:", marker="x",
+            label="python per request (state only), 128k")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("µs per step")
+    ax.set_title("host-side step: advance + bitmask fill (no logits write)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    plots.append(save_figure(fig, out_dir, "constraints_host_step.png", dpi=110))
 
     return result("Constraint engine (native core vs Python, torch, xgrammar, bandwidth floor)", lines, plots)
 

@@ -74,13 +74,14 @@ def _measured(pid: int, base_url: str, model_dir: pathlib.Path, label: str) -> d
     return result
 
 
-def measure(model_dir: pathlib.Path, workdir: pathlib.Path) -> dict[str, list[dict]]:
+def measure(model_dir: pathlib.Path, workdir: pathlib.Path, extra_env: dict[str, str] | None = None,
+            rounds: int = ROUNDS) -> dict[str, list[dict]]:
     """Alternate the two servers (ours, vLLM's, ours, vLLM's...): on a shared machine the load drifts, and a single
-    pair would charge the drift to whichever ran second."""
+    pair would charge the drift to whichever ran second. `extra_env` configures ours (e.g. the embedded Triton)."""
     results: dict[str, list[dict]] = {"llm-serving": [], "vllm": []}
     package = publish_demo(model_dir, workdir, version="bench")
-    for i in range(ROUNDS):
-        ours = start_server(package, workdir / f"ours-{i}")
+    for i in range(rounds):
+        ours = start_server(package, workdir / f"ours-{i}", extra_env=extra_env)
         try:
             _bench(ours.url, model_dir, "warm-up", num_prompts=CONCURRENCY)  # first-request kernel warm-up, unmeasured
             results["llm-serving"].append(_measured(ours.proc.pid, ours.url, model_dir, "llm-serving"))

@@ -24,11 +24,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 # Order: cheap and independent first; the ones that start vLLM engines last.
 MODULES = [
     "bench.constraints",
+    "bench.gpu_mask",
     "bench.metrics_proxy",
     "bench.rollout_cost",
     "bench.openai_frontend",
+    "bench.openai_embedded",
     "bench.kserve",
     "bench.startup",
+    "bench.constraints_e2e",
     "bench.soak",
 ]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -57,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", help="run only these modules (e.g. bench.constraints)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--quick", action="store_true",
+                        help="reduced sizes where a benchmark has them (LLM_SERVING_BENCH_QUICK=1): checks it works")
     args = parser.parse_args(argv)
+    if args.quick:
+        os.environ["LLM_SERVING_BENCH_QUICK"] = "1"
     modules = [m for m in MODULES if not args.only or m in args.only]
     args.out.mkdir(parents=True, exist_ok=True)
     sections, failed = [], []

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from infra.instances import INSTANCE_FACTS, MIN_IMAGE_VOLUME_GIB
+from llm_serving.pod_contract import PodContractError, package_uri, parse_package_uri
 
 PROJECT = "llm-serving"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -281,7 +282,11 @@ class ServingConfig(_Camel):
 
 class ModelVersion(_Camel):
     version: str = Field(pattern=_VERSION_RE)
-    package: str = Field(pattern=r"^s3://[a-z0-9][a-z0-9.-]+/.+\.tar\.gz$")
+    # The published package directory on the model cache,
+    # `s3://<home bucket>/<modelPrefix>model-cache/<id>/<version>/` (llm_serving.pod_contract.package_uri, the key
+    # `llm-serving publish` writes); its id is checked against the model's below. Its version is normally this
+    # entry's, but a candidate that only changes the serving image names the active version's package (§4).
+    package: str = Field(pattern=r"^s3://[a-z0-9][a-z0-9.-]+/.+/$")
     io_fingerprint: str = Field(pattern=_FINGERPRINT_RE)
     # A digest of the stack's serving image repository that this version keeps running (the `servingImage`
     # output of an earlier update). Without it the version runs the image this update builds. Pinning the active
@@ -411,6 +416,16 @@ class StackConfig(_Camel):
                     raise ValueError(f"models[{i}].versions[{j}].package: {v.package!r} must be under "
                                      f"s3://{home_bucket}/{prefix} (packages are published once in the home region "
                                      f"and replicated to the others)")
+                try:
+                    _, package_id, _ = parse_package_uri(v.package, prefix)
+                except PodContractError:
+                    package_id = None
+                if package_id != model.id:
+                    expected = package_uri(home_bucket, prefix, model.id, v.version)
+                    raise ValueError(f"models[{i}].versions[{j}].package: {v.package!r} is not where "
+                                     f"`llm-serving publish --store s3://{home_bucket}/{prefix.rstrip('/')}` puts a "
+                                     f"package of {model.id}; expected {expected!r} for {model.id} {v.version} (the "
+                                     f"unpacked package on the model cache, read in place by the pods)")
         if self.region != self.home_region and self.model_storage.replica_regions:
             raise ValueError(f"modelStorage.replicaRegions: only the home region ({self.home_region}) replicates")
         if self.region in [r.region for r in self.model_storage.replica_regions]:

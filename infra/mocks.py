@@ -147,7 +147,8 @@ class PlatformMocks(pulumi.runtime.Mocks):
                 raise FileNotFoundError(f"docker-build dockerfile {dockerfile} is not under an existing directory "
                                         f"(relative to {Path.cwd()})")
             # BuildKit digests depend on layers; the plan needs one property: it changes exactly when the context does.
-            digest = "sha256:" + context_hash(context)
+            digest = "sha256:" + context_hash(context, Path(str(dockerfile)).resolve() if dockerfile
+                                              else context / "Dockerfile")
             tags = inputs.get("tags") or []
             ref = f"{str(tags[0]).rsplit(':', 1)[0]}@{digest}" if tags else digest
             return {"digest": digest, "ref": ref}

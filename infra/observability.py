@@ -28,6 +28,7 @@ import yaml
 from infra.config import REPO_ROOT, StackConfig
 from infra.naming import COMPONENT, PART_OF, platform_labels
 from infra.serving import PORTS
+from llm_serving import pod_contract as pc
 
 OBSERVABILITY_DIR = REPO_ROOT / "deploy" / "observability"
 RULES_FILE = OBSERVABILITY_DIR / "prometheus" / "llm-serving-alerts.yml"
@@ -35,8 +36,8 @@ DASHBOARD_FILE = OBSERVABILITY_DIR / "grafana" / "llm-serving.json"
 NAME = "llm-serving"
 DASHBOARD_CONFIGMAP = "llm-serving-dashboard"
 DASHBOARD_KEY = "llm-serving.json"
-METRICS_PORT_NAME = "metrics"  # the model-server container's port 8002, by name
-METRICS_PORT = PORTS[METRICS_PORT_NAME]  # fails at import if infra/serving.py renames the port
+METRICS_PORT_NAME = pc.METRICS_PORT_NAME  # the model-server container's port 8002, by name (the pod contract's)
+METRICS_PORT = PORTS[METRICS_PORT_NAME]
 MONITORING_API = "monitoring.coreos.com/v1"
 GRAFANA_SIDECAR_LABEL = {"grafana_dashboard": "1"}  # kube-prometheus-stack's grafana.sidecar.dashboards.label/Value
 SCRAPE_INTERVAL = "15s"  # the scrape file's scrape_interval
@@ -77,7 +78,7 @@ def pod_monitor_spec(serving_namespace: str) -> dict[str, Any]:
     return {
         "selector": {"matchLabels": model_server_selector()},
         "namespaceSelector": {"matchNames": [serving_namespace]},
-        "podMetricsEndpoints": [{"port": METRICS_PORT_NAME, "path": "/metrics", "interval": SCRAPE_INTERVAL,
+        "podMetricsEndpoints": [{"port": METRICS_PORT_NAME, "path": pc.METRICS_PATH, "interval": SCRAPE_INTERVAL,
                                  "relabelings": RELABELINGS}],
     }
 

@@ -1,8 +1,10 @@
-"""The stack's ECR repository and the serving image, built by the program from `serving_image/` and pushed there.
+"""The stack's ECR repository and the serving image, built by the program from `serving_image/Dockerfile` with the
+repository root as its context (the Dockerfile copies `llm_serving/`, `native/`, ... from there), and pushed there.
 
 Every Deployment pins the image by the digest this build reports, so a change to the image's context changes the
 pod template and rolls out like any other change (docs/architecture.md §2). The tag is the context's content hash: ECR's
-tags are immutable, and the same context always gets the same tag.
+tags are immutable, and the same context always gets the same tag. The hash covers every file the Dockerfile copies
+(infra/image_context.py).
 """
 
 from __future__ import annotations
@@ -20,15 +22,15 @@ from infra.config import TritonPin
 from infra.image_context import context_hash
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CONTEXT = "serving_image"
-DOCKERFILE = "serving_image/Dockerfile"  # written by the serving-image issue; the plan only needs its path
+CONTEXT = "."  # the repository root: what serving_image/Dockerfile's COPY instructions expect
+DOCKERFILE = "serving_image/Dockerfile"
 
 
 def from_workdir(repo_path: str) -> str:
     """A repository path as docker-build must receive it: relative to the working directory the Pulumi CLI runs the
     program in (Pulumi.yaml's `main`, infra/), e.g. `../serving_image`. Relative, so that the state does not carry
-    the machine's checkout path."""
-    return os.path.relpath(REPO_ROOT / repo_path, Path.cwd())
+    the machine's checkout path. The same from any working directory: the CLI's (infra/) or the repository root."""
+    return os.path.relpath((REPO_ROOT / repo_path).resolve(), Path.cwd().resolve())
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class ServingImage(pulumi.ComponentResource):
             self.register_outputs({"repositoryUrl": self.repository_url, "imageRef": self.image_ref})
             return
 
-        tag = f"triton-{args.triton.release}-{context_hash(REPO_ROOT / CONTEXT)[:16]}"
+        tag = f"triton-{args.triton.release}-{context_hash(REPO_ROOT / CONTEXT, REPO_ROOT / DOCKERFILE)[:16]}"
         auth = aws.ecr.get_authorization_token_output(registry_id=repo.registry_id)
         image = docker_build.Image(
             name,

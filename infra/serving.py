@@ -31,12 +31,14 @@ from infra.config import ModelConfig, StackConfig, TritonPin
 from infra.instances import pod_share
 from infra.naming import GPU_NODE_GROUP_LABEL, cost_labels, instance_name, model_labels, selector_labels, version_slug
 from infra.rollout.planner import VersionShare, plan_red_black
+from llm_serving import pod_contract as pc
 
-PORTS = {"kserve-http": 8000, "kserve-grpc": 8001, "metrics": 8002, "openai": 9000}
-MODEL_CACHE_MOUNT = "/mnt/model-cache"
+# The pod contract (docs/architecture.md §3.10b) owns every port, path, env name and the user id the image expects.
+PORTS = pc.PORTS
+MODEL_CACHE_MOUNT = pc.MODEL_CACHE_MOUNT
+RUN_AS_UID = pc.RUN_AS_UID
 PROBE_PERIOD_SECONDS = 10
 PRESTOP_SLEEP_SECONDS = 15  # lets the gateway drop the pod from its endpoints before SIGTERM
-RUN_AS_UID = 10001  # above the host's system and user ranges (the serving image's user)
 DEFAULT_TIMEOUT_MINUTES = 10  # the Kubernetes provider's own default, which a GPU start routinely exceeds
 # The Kubernetes provider has no await logic for custom resources: without this annotation a route counts as created
 # the moment the API server stores it, and the active version's scale-down (which depends on the route) could start
@@ -72,11 +74,49 @@ def deployment_timeouts(model: ModelConfig) -> pulumi.CustomTimeouts:
     return pulumi.CustomTimeouts(create=f"{minutes}m", update=f"{minutes}m", delete="15m")
 
 
-def package_path(stack: StackConfig, package_uri: str) -> str:
-    """Where a package published under the bucket's model prefix appears on the model cache (the FSx data
-    repository association maps `s3://<bucket>/<modelPrefix>` to the file system, mounted at MODEL_CACHE_MOUNT)."""
-    key = package_uri.split("/", 3)[3]
-    return f"{MODEL_CACHE_MOUNT}/{key.removeprefix(stack.model_storage.model_prefix)}"
+def package_path(model_id: str, version: str) -> str:
+    """Where the pod reads the package of (model id, version) in place: the unpacked directory `llm-serving publish`
+    wrote under `model-cache/` (llm_serving.pod_contract.model_cache_key), below the path at which the data
+    repository association presents the bucket's model prefix on the FSx root (mounted at MODEL_CACHE_MOUNT)."""
+    return pc.package_path_in_pod(model_id, version)
+
+
+def package_version(stack: StackConfig, package: str) -> str:
+    """The version of the package a stack's version entry names (its own, or the one whose image it replaces)."""
+    return pc.parse_package_uri(package, stack.model_storage.model_prefix)[2]
+
+
+def container_env(model_id: str, version: str, io_fingerprint: str) -> list[dict]:
+    """The model container's environment for the package of (model id, package version): what the startup reads
+    (pc.STARTUP_ENV), and the image's ENV that the pod must not leave to the image's defaults (pc.POD_ENV: the
+    metrics directory, offline hubs, the caches on the writable cache volume)."""
+    env = {
+        pc.ENV_MODEL_ID: model_id,
+        pc.ENV_MODEL_VERSION: version,
+        pc.ENV_PACKAGE: package_path(model_id, version),
+        pc.ENV_IO_FINGERPRINT: io_fingerprint,
+        pc.ENV_MODEL_CACHE: pc.MODEL_CACHE_MOUNT,
+        **pc.POD_ENV,
+    }
+    return [{"name": k, "value": v} for k, v in env.items()]
+
+
+def pod_volumes(claim: str, gpus: int) -> tuple[list[dict], list[dict]]:
+    """(volumeMounts, volumes) for the contract's volumes: the model cache read-only from its claim, the rest
+    emptyDirs (the root file system is read-only)."""
+    mounts, volumes = [], []
+    for v in pc.VOLUMES:
+        mount = {"name": v.name, "mountPath": v.mount_path}
+        if v.read_only:
+            mount["readOnly"] = True
+        mounts.append(mount)
+        if v.name == pc.MODEL_CACHE_VOLUME:
+            volumes.append({"name": v.name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        elif v.medium == "Memory":
+            volumes.append({"name": v.name, "emptyDir": {"medium": "Memory", "sizeLimit": f"{16 * gpus}Gi"}})
+        else:
+            volumes.append({"name": v.name, "emptyDir": {"sizeLimit": v.size_limit}})
+    return mounts, volumes
 
 
 def hostnames(stack: StackConfig, model_id: str, version: str | None = None) -> tuple[str, str]:
@@ -97,6 +137,7 @@ def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, repli
     group = next(g for g in stack.cluster.gpu_node_groups if g.name == model.gpu.node_group)
     gpus = model.gpu.count
     pkg = model.version(version)
+    mounts, volumes = pod_volumes(ctx.model_cache_claim, gpus)
     startup_failures = math.ceil(model.load_time_seconds / PROBE_PERIOD_SECONDS)
     image = (pulumi.Output.from_input(ctx.repository_url).apply(lambda url: f"{url}@{pkg.image}") if pkg.image
              else ctx.image_ref)
@@ -104,35 +145,22 @@ def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, repli
         "name": "model-server",
         "image": image,
         "imagePullPolicy": "IfNotPresent",
-        "env": [
-            {"name": "LLM_SERVING_MODEL_ID", "value": model.id},
-            {"name": "LLM_SERVING_MODEL_VERSION", "value": version},
-            {"name": "LLM_SERVING_PACKAGE", "value": package_path(stack, pkg.package)},
-            {"name": "LLM_SERVING_IO_FINGERPRINT", "value": pkg.io_fingerprint},
-            {"name": "LLM_SERVING_MODEL_CACHE", "value": MODEL_CACHE_MOUNT},
-            {"name": "PROMETHEUS_MULTIPROC_DIR", "value": "/var/run/llm-serving/metrics"},
-            {"name": "HF_HUB_OFFLINE", "value": "1"},
-        ],
+        "env": container_env(model.id, package_version(stack, pkg.package), pkg.io_fingerprint),
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in PORTS.items()],
         # §3.2/§3.7: ready only once the engine is; the startup probe's budget is the model's load time.
-        "startupProbe": {"httpGet": {"path": "/v2/health/ready", "port": "kserve-http"},
+        "startupProbe": {"httpGet": {"path": pc.READY_PATH, "port": pc.PROBE_PORT_NAME},
                          "periodSeconds": PROBE_PERIOD_SECONDS, "failureThreshold": startup_failures,
                          "timeoutSeconds": 5},
-        "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": "kserve-http"},
+        "readinessProbe": {"httpGet": {"path": pc.READY_PATH, "port": pc.PROBE_PORT_NAME},
                            "periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 5},
-        "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "kserve-http"},
+        "livenessProbe": {"httpGet": {"path": pc.LIVE_PATH, "port": pc.PROBE_PORT_NAME},
                           "periodSeconds": 10, "failureThreshold": 6, "timeoutSeconds": 5},
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
         # The GPUs' share of the smallest node the pool may launch (infra/instances.py): fits every type.
         "resources": model_pod_share(stack, model).resources(),
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": [
-            {"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT, "readOnly": True},
-            {"name": "scratch", "mountPath": "/tmp"},
-            {"name": "run", "mountPath": "/var/run/llm-serving"},
-            {"name": "dshm", "mountPath": "/dev/shm"},
-        ],
+        "volumeMounts": mounts,
     }
     return {
         "replicas": replicas,
@@ -142,8 +170,8 @@ def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, repli
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
         "template": {
             "metadata": {"labels": {**labels, **cost_labels(stack.team, stack.environment, model.id)}, "annotations": {
-                "prometheus.io/scrape": "true", "prometheus.io/port": str(PORTS["metrics"]),
-                "prometheus.io/path": "/metrics",
+                "prometheus.io/scrape": "true", "prometheus.io/port": str(PORTS[pc.METRICS_PORT_NAME]),
+                "prometheus.io/path": pc.METRICS_PATH,
                 # What the image pins (serving_image/compat.toml); the startup procedure checks it against the
                 # image itself, these make it visible to on-call and the policies without pulling the image.
                 "llm-serving/triton-release": ctx.triton.release,
@@ -167,13 +195,7 @@ def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, repli
                      "labelSelector": {"matchLabels": selector_labels(model.id, version)}},
                 ],
                 "containers": [container],
-                "volumes": [
-                    {"name": "model-cache",
-                     "persistentVolumeClaim": {"claimName": ctx.model_cache_claim, "readOnly": True}},
-                    {"name": "scratch", "emptyDir": {"sizeLimit": "10Gi"}},
-                    {"name": "run", "emptyDir": {"sizeLimit": "1Gi"}},
-                    {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{16 * gpus}Gi"}},
-                ],
+                "volumes": volumes,
             },
         },
     }
@@ -205,13 +227,14 @@ def network_policy_spec(ctx: ServingContext, model_id: str, version: str) -> dic
     """Ingress only on the serving ports (from the gateway, whose data plane depends on the gateway class) and on
     the metrics port only from the monitoring namespace. Egress is not restricted: the pods reach STS (IRSA) and
     the Lustre servers, whose addresses are not stable."""
-    serving_ports = [{"protocol": "TCP", "port": PORTS[p]} for p in ("kserve-http", "kserve-grpc", "openai")]
+    serving_ports = [{"protocol": "TCP", "port": PORTS[p]}
+                     for p in (pc.KSERVE_HTTP_PORT_NAME, pc.KSERVE_GRPC_PORT_NAME, pc.OPENAI_PORT_NAME)]
     return {
         "podSelector": {"matchLabels": selector_labels(model_id, version)},
         "policyTypes": ["Ingress"],
         "ingress": [
             {"ports": serving_ports},
-            {"ports": [{"protocol": "TCP", "port": PORTS["metrics"]}],
+            {"ports": [{"protocol": "TCP", "port": PORTS[pc.METRICS_PORT_NAME]}],
              "from": [{"namespaceSelector": {"matchLabels": {
                  "kubernetes.io/metadata.name": ctx.stack.serving.monitoring_namespace}}}]},
         ],
@@ -247,11 +270,9 @@ class ModelVersionServing(pulumi.ComponentResource):
             f"{name}-service",
             metadata=meta,
             spec={"type": "ClusterIP", "selector": selector_labels(model.id, version), "ports": [
-                {"name": "kserve-http", "port": PORTS["kserve-http"], "targetPort": "kserve-http"},
-                {"name": "kserve-grpc", "port": PORTS["kserve-grpc"], "targetPort": "kserve-grpc",
-                 "appProtocol": "kubernetes.io/h2c"},
-                {"name": "metrics", "port": PORTS["metrics"], "targetPort": "metrics"},
-                {"name": "openai", "port": PORTS["openai"], "targetPort": "openai"},
+                {"name": port_name, "port": port, "targetPort": port_name,
+                 **({"appProtocol": "kubernetes.io/h2c"} if port_name == pc.KSERVE_GRPC_PORT_NAME else {})}
+                for port_name, port in PORTS.items()
             ]},
             opts=base,
         )
@@ -298,9 +319,10 @@ def _routes(name: str, ctx: ServingContext, model: ModelConfig, label_version: s
         f"{name}-http", api_version="gateway.networking.k8s.io/v1", kind="HTTPRoute",
         metadata={**meta, "name": f"{name}-http"},
         spec={"parentRefs": parent_ref, "hostnames": [host[0]], "rules": [
-            {"matches": [{"path": {"type": "PathPrefix", "value": "/v1"}}], "backendRefs": refs(PORTS["openai"])},
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/v1"}}],
+             "backendRefs": refs(PORTS[pc.OPENAI_PORT_NAME])},
             {"matches": [{"path": {"type": "PathPrefix", "value": "/v2"}}],
-             "backendRefs": refs(PORTS["kserve-http"])},
+             "backendRefs": refs(PORTS[pc.KSERVE_HTTP_PORT_NAME])},
         ]},
         opts=opts)
     grpc = k8s.apiextensions.CustomResource(
@@ -308,7 +330,7 @@ def _routes(name: str, ctx: ServingContext, model: ModelConfig, label_version: s
         metadata={**meta, "name": f"{name}-grpc"},
         spec={"parentRefs": [{"name": ctx.gateway_name, "sectionName": "grpc"}], "hostnames": [host[1]],
               "rules": [{"matches": [{"method": {"service": "inference.GRPCInferenceService"}}],
-                         "backendRefs": refs(PORTS["kserve-grpc"])}]},
+                         "backendRefs": refs(PORTS[pc.KSERVE_GRPC_PORT_NAME])}]},
         opts=opts)
     return [http, grpc]
 

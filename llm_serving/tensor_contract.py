@@ -80,7 +80,8 @@ class PbtxtError(ValueError):
 
 
 _BLOCK = re.compile(r"\b(input|output)\s*\[(.*?)\]\s*(?=\b(?:input|output|instance_group|parameters|backend|"
-                    r"max_batch_size|dynamic_batching|model_transaction_policy|name|platform)\b|\Z)", re.S)
+                    r"max_batch_size|dynamic_batching|model_transaction_policy|name|platform|"
+                    r"ensemble_scheduling)\b|\Z)", re.S)
 _ENTRY = re.compile(r"\{(.*?)\}", re.S)
 
 
@@ -102,3 +103,13 @@ def pbtxt_io(config_pbtxt: str) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpe
     if not found["input"] or not found["output"]:
         raise PbtxtError("config.pbtxt: a Python-backend model must declare its inputs and outputs explicitly")
     return tuple(found["input"]), tuple(found["output"])
+
+
+def ensemble_step_names(config_pbtxt: str) -> tuple[str, ...]:
+    """The model names an ensemble's `config.pbtxt` calls (its `ensemble_scheduling` steps), in order."""
+    if not re.search(r"\bplatform\s*:\s*\"ensemble\"", config_pbtxt):
+        raise PbtxtError('config.pbtxt: an ensemble package\'s config says platform: "ensemble"')
+    names = tuple(re.findall(r'\bmodel_name\s*:\s*"([^"]+)"', config_pbtxt))
+    if not names:
+        raise PbtxtError("config.pbtxt: an ensemble needs ensemble_scheduling steps (model_name ...)")
+    return names

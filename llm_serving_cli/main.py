@@ -1,4 +1,4 @@
-"""`llm-serving`: package, publish, serve, and `up` (what `make up` runs).
+"""`llm-serving`: package, publish, serve, `up` (what `make up` runs), `rollout` and `rehearse` (`make rehearse`).
 
 Heavy imports (vLLM, torch) happen inside the commands that need them, so `llm-serving package` and `publish` run in
 either virtual environment.
@@ -55,6 +55,13 @@ def _content_version(model_dir: Path, engine_args: dict, serving_mode: ServingMo
     return f"local-{digest.hexdigest()[:10]}"
 
 
+def _step(text: str) -> tuple[str, str]:
+    model_id, sep, version = text.partition("=")
+    if not sep or not model_id or not version:
+        raise argparse.ArgumentTypeError(f"--step {text!r}: expected MODEL_ID=VERSION")
+    return model_id, version
+
+
 def cmd_package(args: argparse.Namespace) -> int:
     spec = PackageSpec(
         model_dir=args.model_dir,
@@ -66,6 +73,8 @@ def cmd_package(args: argparse.Namespace) -> int:
         plugins=tuple(args.plugin or ()),
         python_model=args.python_model,
         config_pbtxt=args.config_pbtxt,
+        ensemble_config=args.ensemble_config,
+        ensemble_steps=tuple(args.step or ()),
     )
     with console.status(f"packaging {args.id} {args.version}"):
         out = build_package(spec, args.out)
@@ -107,6 +116,9 @@ def _print_ready(started) -> None:
         "  KServe v2      http://localhost:8000/v2 (health, metadata, generate)   gRPC localhost:8001 "
         "(tritonclient; stream with ModelStreamInfer)\n"
     )
+    for package in [started.package, *getattr(started, "companions", [])]:
+        ident = package.manifest.model
+        console.print(f"  model          {ident.id} {ident.version} ({ident.backend})", markup=False, highlight=False)
     example = json.dumps({"model": info.name, "messages": [{"role": "user", "content": "Say hello"}],
                           "max_tokens": 32, "response_format": {"type": "json_schema", "json_schema": {
                               "name": "greeting", "schema": {"type": "object", "properties": {
@@ -151,9 +163,22 @@ def cmd_up(args: argparse.Namespace) -> int:
     with console.status("publishing to the local model store"):
         published = store.publish(package)
     console.print(f"[green]published[/] {published.package_uri}\n          model cache {published.model_cache_uri}")
+    companions = []
+    if args.model is None and serving_mode is ServingMode.STANDALONE:
+        # Every model kind on one Triton (docs/architecture.md §3.4, "Model kinds"): the demo ranker (XGBoost,
+        # trained now) and its pipeline (an ensemble), each packaged and published like any other package.
+        from llm_serving_cli.demo_packages import build_ranker_packages
+
+        with console.status("training the demo ranker and packaging it with its pipeline"):
+            extra = build_ranker_packages(cache / "packages", packed=True, serving_mode=serving_mode)
+        for path in extra:
+            with console.status(f"publishing {path.name}"):
+                companion = store.publish(path)
+            console.print(f"[green]published[/] {companion.package_uri}")
+            companions.append(Path(companion.model_cache_uri))
     from serving_image.startup import StartupConfig, run
 
-    config = StartupConfig(package=Path(published.model_cache_uri), workdir=cache / "run")
+    config = StartupConfig(package=Path(published.model_cache_uri), workdir=cache / "run", companions=companions)
     return run(config, on_ready=_print_ready)
 
 
@@ -166,6 +191,12 @@ def _rollout(args: argparse.Namespace) -> int:
     from policies.gate import blocking_violations
 
     return rollout_main(args.args, policy_gate=blocking_violations)
+
+
+def _rehearse(args: argparse.Namespace) -> int:
+    from llm_serving_cli.rehearsal.run import main as rehearse_main
+
+    return rehearse_main(args.args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--python-model", type=Path,
                    help="model.py, or a directory with model.py and its helper modules (python backend)")
     p.add_argument("--config-pbtxt", type=Path, help="config.pbtxt with explicit I/O (python backend)")
+    p.add_argument("--ensemble-config", type=Path,
+                   help='the ensemble\'s config.pbtxt (platform "ensemble", explicit I/O; ensemble backend)')
+    p.add_argument("--step", type=_step, action="append", metavar="MODEL_ID=VERSION",
+                   help="a step model of the ensemble, by id and version, one per step (ensemble backend)")
     p.add_argument("--out", type=Path, required=True, help="output directory, or a path ending in .tar.gz")
     p.set_defaults(func=cmd_package)
 
@@ -213,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False, prefix_chars="\0")
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_rollout)
+
+    p = sub.add_parser("rehearse", help="what `make rehearse` runs: a stack's model pods on this machine as their "
+                                        "rendered Deployments say (root; docs/rehearsal.md)",
+                       add_help=False, prefix_chars="\0")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_rehearse)
     return parser
 
 

@@ -79,7 +79,7 @@ def model(model_id: str = "llama", versions: Iterable[tuple[str, str]] = (("v1",
         "gpu": {"nodeGroup": "gpu", "count": 1},
         "strategy": strategy,
         "versions": [
-            {"version": v, "package": f"s3://models-prod/{model_id}/{v}.tar.gz", "ioFingerprint": fp}
+            {"version": v, "package": f"s3://models-prod/models/model-cache/{model_id}/{v}/", "ioFingerprint": fp}
             for v, fp in versions
         ],
         "loadTimeSeconds": 900,
@@ -129,8 +129,14 @@ def deployment_inputs(model_id: str, version: str, replicas: int = 2, env: str =
                     "containers": [{
                         "name": "server",
                         "image": f"123456789012.dkr.ecr.us-east-1.amazonaws.com/llm-serving@{DIGEST}",
-                        "args": ["--model-package", f"/models/{model_id}/{version}"],
-                        "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
+                        "env": [{"name": "HF_HUB_OFFLINE", "value": "1"},
+                                {"name": "LLM_SERVING_PACKAGE",
+                                 "value": f"/mnt/model-cache/models/model-cache/{model_id}/{version}"},
+                                {"name": "LLM_SERVING_MODEL_ID", "value": model_id},
+                                {"name": "LLM_SERVING_MODEL_VERSION", "value": version},
+                                {"name": "LLM_SERVING_IO_FINGERPRINT", "value": FINGERPRINT_A},
+                                {"name": "LLM_SERVING_MODEL_CACHE", "value": "/mnt/model-cache"},
+                                {"name": "PROMETHEUS_MULTIPROC_DIR", "value": "/var/run/llm-serving/prometheus"}],
                         "ports": [{"containerPort": p} for p in (8000.0, 8001.0, 8002.0, 9000.0)],
                         "resources": {"limits": {"nvidia.com/gpu": "1", "memory": "64Gi"},
                                       "requests": {"nvidia.com/gpu": "1", "cpu": "8", "memory": "64Gi"}},
@@ -141,7 +147,7 @@ def deployment_inputs(model_id: str, version: str, replicas: int = 2, env: str =
                                            "periodSeconds": 5.0},
                         "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": 8000.0},
                                           "periodSeconds": 10.0},
-                        "volumeMounts": [{"name": "model-cache", "mountPath": "/models", "readOnly": True}],
+                        "volumeMounts": [{"name": "model-cache", "mountPath": "/mnt/model-cache", "readOnly": True}],
                     }],
                     "volumes": [{"name": "model-cache",
                                  "persistentVolumeClaim": {"claimName": "model-cache", "readOnly": True}}],
@@ -270,7 +276,7 @@ def compliant_stack(stack_name: str = "prod-us-east-1") -> SyntheticStack:
     stack.add("aws:ecr/repository:Repository", "serving-repo", {
         "imageTagMutability": "IMMUTABLE", "imageScanningConfiguration": {"scanOnPush": True}, "tags": tags()})
     stack.add("docker-build:index:Image", "serving-image", {
-        "context": {"location": "serving_image"}, "push": True,
+        "context": {"location": "."}, "dockerfile": {"location": "serving_image/Dockerfile"}, "push": True,
         "buildArgs": {"TRITON_IMAGE_TAG": "25.10-vllm-python-py3"},
         "tags": ["123456789012.dkr.ecr.us-east-1.amazonaws.com/llm-serving:latest"],
     }, depends_on=["serving-repo"])

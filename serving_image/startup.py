@@ -26,18 +26,18 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
+from llm_serving import pod_contract as pc
 from llm_serving.manifest import Backend
 from llm_serving.package import VerifiedPackage, open_package
 
 log = logging.getLogger("llm_serving.startup")
 
-OPENAI_PORT = 9000
+OPENAI_PORT = pc.PORTS[pc.OPENAI_PORT_NAME]
 PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.logits_processors")
 _PROTECTED_TOP_LEVEL = ("vllm", "torch", "tritonserver")
 ENGINE_WATCH_INTERVAL_S = 0.5
@@ -61,10 +61,10 @@ class StartupConfig:
     workdir: Path  # unpacked tarballs and installed plugins go here
     host: str = "0.0.0.0"
     openai_port: int = OPENAI_PORT
-    kserve_http_port: int = 8000
-    kserve_grpc_port: int = 8001
-    metrics_port: int = 8002
-    frontend_metrics_port: int = 8004
+    kserve_http_port: int = pc.PORTS[pc.KSERVE_HTTP_PORT_NAME]
+    kserve_grpc_port: int = pc.PORTS[pc.KSERVE_GRPC_PORT_NAME]
+    metrics_port: int = pc.PORTS[pc.METRICS_PORT_NAME]
+    frontend_metrics_port: int = pc.INTERNAL_METRICS_PORT
     multiproc_dir: Path | None = None  # default: $PROMETHEUS_MULTIPROC_DIR, else <workdir>/prometheus
     engine_overrides: dict = field(default_factory=dict)  # local runs only (e.g. a smaller KV cache in tests)
     # Packages the same Triton serves beside `package` (standalone mode only): e.g. the LLM that a Python-backend
@@ -73,6 +73,52 @@ class StartupConfig:
     # After SIGTERM, readiness is false and new requests get 503 for this long before the listeners close, so the
     # load balancer stops sending traffic first (Kubernetes removes endpoints asynchronously). SIGINT skips it.
     drain_delay_s: float = field(default_factory=lambda: float(os.environ.get("LLM_SERVING_DRAIN_DELAY_S", "5")))
+    # What the Deployment says the package is (docs/architecture.md §3.10b; None outside a pod): step 1 refuses a
+    # package whose manifest differs, naming both values.
+    expected: PodExpectation | None = None
+
+
+@dataclass(frozen=True)
+class PodExpectation:
+    """The pod contract's view of the package, from the Deployment's env (`from_env`)."""
+
+    model_id: str | None = None
+    version: str | None = None
+    io_fingerprint: str | None = None
+    model_cache: Path | None = None  # set: the package is read in place, a directory below it
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> PodExpectation | None:
+        env = os.environ if env is None else env
+        values = {k: env.get(k) or None for k in (pc.ENV_MODEL_ID, pc.ENV_MODEL_VERSION, pc.ENV_IO_FINGERPRINT,
+                                                  pc.ENV_MODEL_CACHE)}
+        if not any(values.values()):
+            return None
+        cache = values[pc.ENV_MODEL_CACHE]
+        return cls(values[pc.ENV_MODEL_ID], values[pc.ENV_MODEL_VERSION], values[pc.ENV_IO_FINGERPRINT],
+                   Path(cache) if cache else None)
+
+    def check_location(self, package: Path) -> None:
+        """Before anything is read: in a pod the package is the published directory on the model cache."""
+        if self.model_cache is None:
+            return
+        if not package.is_dir():
+            raise RuntimeError(f"{pc.ENV_PACKAGE}={package} is not a directory: in a pod the package is read in place "
+                               f"from the model cache ({pc.ENV_MODEL_CACHE}={self.model_cache}); a tarball is only "
+                               "a publishing format")
+        if not package.resolve().is_relative_to(self.model_cache.resolve()):
+            raise RuntimeError(f"{pc.ENV_PACKAGE}={package} is not below the model cache "
+                               f"{pc.ENV_MODEL_CACHE}={self.model_cache}")
+
+    def check_manifest(self, package: VerifiedPackage) -> None:
+        ident = package.manifest.model
+        for env, what, expected, actual in (
+                (pc.ENV_MODEL_ID, "model.id", self.model_id, ident.id),
+                (pc.ENV_MODEL_VERSION, "model.version", self.version, ident.version),
+                (pc.ENV_IO_FINGERPRINT, "model.io_fingerprint", self.io_fingerprint, ident.io_fingerprint)):
+            if expected is not None and expected != actual:
+                raise RuntimeError(f"the Deployment's {env}={expected} differs from the published manifest's "
+                                   f"{what} {actual} ({package.root}); refusing to serve it")
 
 
 @dataclass
@@ -120,7 +166,11 @@ async def _run_step(number: int, timings: list[StepTiming], fn: Callable[[], Awa
 
 
 def _unpack(config: StartupConfig) -> tuple[str, list[VerifiedPackage]]:
+    if config.expected is not None:
+        config.expected.check_location(Path(config.package))
     packages = [open_package(path, config.workdir / "packages") for path in (config.package, *config.companions)]
+    if config.expected is not None:
+        config.expected.check_manifest(packages[0])
     details = [f"{p.manifest.model.id} {p.manifest.model.version}, backend {p.manifest.model.backend}, "
                f"{len(p.manifest.files)} files verified" for p in packages]
     return "; ".join(details), packages
@@ -198,6 +248,7 @@ async def _start_engine(packages: list[VerifiedPackage], config: StartupConfig):
     manifest = package.manifest
     from serving_image.triton.runtime import (
         check_pins,
+        embedded_triton_selected,
         is_standalone,
         runtime,
         start_standalone_triton,
@@ -221,13 +272,19 @@ async def _start_engine(packages: list[VerifiedPackage], config: StartupConfig):
                            "mode only")
     if manifest.model.backend is not Backend.VLLM:
         # Python-backend models run in Triton's Python backend, which this project serves in the standalone mode.
-        raise RuntimeError("a python-backend package is served by Triton in the standalone serving mode; package it "
-                           "with --serving-mode standalone")
+        raise RuntimeError(f"a {manifest.model.backend}-backend package is served by Triton in the standalone serving "
+                           "mode; package it with --serving-mode standalone")
     engine_cfg = manifest.engine
     args = {**engine_cfg.args, **config.engine_overrides}
-    if runtime() == "triton":
-        engine = await start_triton_engine(package, config.workdir, int(args.get("max_model_len", 4096)))
-        return f"{pins}; Triton in-process ready: {engine.info.name} {engine.info.version}", engine
+    if embedded_triton_selected():
+        if set(engine_cfg.tasks) - {"generate"}:
+            raise RuntimeError(f"tasks {'+'.join(engine_cfg.tasks)}: Triton embedded in the OpenAI front-end serves "
+                               "generation only (embeddings and scoring through Triton: not yet)")
+        engine = await start_triton_engine(package, config.workdir, int(args.get("max_model_len", 4096)),
+                                           config.engine_overrides)
+        where = "image" if runtime() == "triton" else "local"
+        return (f"{pins}; Triton {engine.triton.server_version} ({where}) embedded in this process, ready: "
+                f"{engine.info.name} {engine.info.version}"), engine
     from serving_image.engine.vllm_local import VllmLocalEngine
 
     engine = await VllmLocalEngine.start(
@@ -254,15 +311,9 @@ def _vllm_version() -> str:
 
 def _uvicorn_server(app, host: str, port: int):
     """uvicorn's server without its own signal handling: the procedure owns SIGINT/SIGTERM (drain first)."""
-    import uvicorn
+    from serving_image.http_server import uvicorn_server
 
-    class Server(uvicorn.Server):
-        def capture_signals(self):
-            return nullcontext()
-
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=30, lifespan="off")
-    return Server(config)
+    return uvicorn_server(app, host, port)
 
 
 async def _open_ports(started: Started, config: StartupConfig) -> str:
@@ -284,8 +335,16 @@ async def _open_ports(started: Started, config: StartupConfig) -> str:
                 f":{config.kserve_grpc_port}, metrics :{proxy.port} (Triton's :{config.frontend_metrics_port}); "
                 "no OpenAI front-end")
 
-    metrics = FrontendMetrics()
-    frontend_metrics = serve_frontend_metrics(metrics, port=config.frontend_metrics_port)
+    embedded = getattr(started.engine, "triton", None)  # Triton in this process (EmbeddedTritonEngine)
+    if embedded is not None:
+        # Triton counts every request itself (nv_*, the OpenAI front-end's too): its C API's metrics are the upstream
+        from serving_image.metrics.frontend import serve_exposition
+
+        metrics = None
+        frontend_metrics = serve_exposition(embedded.metrics_text, port=config.frontend_metrics_port)
+    else:
+        metrics = FrontendMetrics()
+        frontend_metrics = serve_frontend_metrics(metrics, port=config.frontend_metrics_port)
     started.servers.append(frontend_metrics)
     proxy = start_proxy(ProxyConfig(multiproc_dir=config.multiproc_dir, upstream_url=frontend_metrics.url,
                                     host=config.host, port=config.metrics_port))
@@ -294,7 +353,8 @@ async def _open_ports(started: Started, config: StartupConfig) -> str:
 
     # `openai` mode: the OpenAI front-end and this project's KServe v2 front-ends over the same engine.
     kserve = await start_kserve(started.engine, metrics, host=config.host, grpc_port=config.kserve_grpc_port,
-                                http_port=config.kserve_http_port, is_draining=lambda: started.draining)
+                                http_port=config.kserve_http_port, is_draining=lambda: started.draining,
+                                triton=embedded)
     started.grpc_servers.append(kserve.grpc_server)
     started.uvicorn_servers.append(kserve.http_server)
     started.tasks.append(kserve.http_task)
@@ -313,9 +373,19 @@ async def _open_ports(started: Started, config: StartupConfig) -> str:
             f"(front-end metrics :{frontend_metrics.port})")
 
 
+def _make_cache_dirs() -> None:
+    """The pod contract's caches (HOME, vLLM, torch compile, Triton, Hugging Face) live on a writable volume whose
+    directories start empty: create those the environment names."""
+    for name in pc.CACHE_ENV:
+        value = os.environ.get(name)
+        if value:
+            Path(value).mkdir(parents=True, exist_ok=True)
+
+
 async def start(config: StartupConfig) -> Started:
     timings: list[StepTiming] = []
     config.workdir.mkdir(parents=True, exist_ok=True)
+    _make_cache_dirs()
     _resolve_multiproc_dir(config)
     packages = await _run_step(1, timings, lambda: _unpack(config))
     await _run_step(2, timings, lambda: _install_plugins(packages, config))
@@ -417,27 +487,45 @@ def run(config: StartupConfig, on_ready: Callable[[Started], None] | None = None
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serving startup procedure (docs/architecture.md §3.7)")
-    parser.add_argument("package", type=Path, nargs="?", default=os.environ.get("MODEL_PACKAGE"),
-                        help="package directory on the model cache, or a .tar.gz (default: $MODEL_PACKAGE)")
+    parser.add_argument("package", type=Path, nargs="?", default=os.environ.get(pc.ENV_PACKAGE),
+                        help=f"package directory on the model cache, or a .tar.gz outside a pod "
+                             f"(default: ${pc.ENV_PACKAGE}, what the Deployment sets)")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary directory")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--openai-port", type=int, default=OPENAI_PORT)
-    parser.add_argument("--kserve-http-port", type=int, default=8000)
-    parser.add_argument("--kserve-grpc-port", type=int, default=8001)
-    parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument("--frontend-metrics-port", type=int, default=8004)
+    parser.add_argument("--kserve-http-port", type=int, default=pc.PORTS[pc.KSERVE_HTTP_PORT_NAME])
+    parser.add_argument("--kserve-grpc-port", type=int, default=pc.PORTS[pc.KSERVE_GRPC_PORT_NAME])
+    parser.add_argument("--metrics-port", type=int, default=pc.PORTS[pc.METRICS_PORT_NAME])
+    parser.add_argument("--frontend-metrics-port", type=int, default=pc.INTERNAL_METRICS_PORT)
     parser.add_argument("--with-package", type=Path, action="append", default=[], dest="companions",
                         help="a package the same Triton serves beside the main one (standalone mode; repeatable): "
                              "e.g. the LLM a Python-backend model calls through BLS")
     args = parser.parse_args(argv)
     if args.package is None:
-        parser.error("give the package path or set MODEL_PACKAGE")
+        parser.error(f"give the package path or set {pc.ENV_PACKAGE}")
+    _reexec_for_embedded_triton(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="llm-serving-"))
     config = StartupConfig(package=args.package, workdir=workdir, host=args.host, openai_port=args.openai_port,
                            kserve_http_port=args.kserve_http_port, kserve_grpc_port=args.kserve_grpc_port,
                            metrics_port=args.metrics_port, frontend_metrics_port=args.frontend_metrics_port,
-                           companions=list(args.companions))
+                           companions=list(args.companions), expected=PodExpectation.from_env())
     sys.exit(run(config))
+
+
+def _reexec_for_embedded_triton(argv: list[str] | None) -> None:
+    """Triton embedded in this process needs libtritonserver's dependency folder on the loader's path from the
+    start: re-execute once with it (same pid). When that cannot be arranged (no library, a bad setting), step 4
+    reports it after the pin check, naming what is missing."""
+    from serving_image.triton.runtime import embedded_triton_selected
+
+    try:
+        if not embedded_triton_selected():
+            return
+        from serving_image.triton.embedded import reexec_with_loader_path
+
+        reexec_with_loader_path(["-m", "serving_image.startup", *(sys.argv[1:] if argv is None else argv)])
+    except Exception as exc:  # reported by step 4, in its order (the vLLM pin first)
+        print(f"llm_serving.startup: not re-executing for the embedded Triton: {exc}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from infra.config import REPO_ROOT, ConfigError
 from infra.rollout.engine import Faults
 from infra.rollout.gate import GateThresholds, PrometheusClient
 from infra.rollout.planner import DEFAULT_STEPS, PlanError, check_steps
+from llm_serving.pod_contract import PodContractError, package_uri
 
 try:  # ruamel.yaml and the Pulumi SDKs are in .venv-infra only; `llm-serving` is installed in both venvs
     from infra.rollout.orchestrate import Options, Report, Rollout, RolloutError, prometheus_gate
@@ -63,8 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stacks", required=True,
                         help="comma-separated stacks in rollout order; the first is the first wave")
     parser.add_argument("--version", help="start: the version to roll out")
-    parser.add_argument("--package", help="start: its package URI (default: from a stack that already lists it)")
-    parser.add_argument("--io-fingerprint", help="start: its I/O schema fingerprint (with --package)")
+    parser.add_argument("--package", help="start: its package URI (default: from a stack that already lists it, "
+                                          "else where `llm-serving publish` puts it in the stacks' home bucket)")
+    parser.add_argument("--io-fingerprint", help="start: its I/O schema fingerprint (checked against the published "
+                                                 "manifest before any stack changes, when the store is reachable)")
     parser.add_argument("--steps", type=_steps, default=DEFAULT_STEPS, help="red-black weights, e.g. 10,25,50,100")
     parser.add_argument("--surge", type=int, default=1, help="replicas a red-black update may add (default 1)")
     parser.add_argument("--first-wave", type=int, default=1, help="stacks in the first wave (default 1)")
@@ -79,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bake", type=float, default=0.0, help="seconds to wait before each gate")
     parser.add_argument("--idle-window", default="7d", help="versioned: no request in this range means idle")
     parser.add_argument("--runner", choices=["automation", "mock"], default="automation")
+    parser.add_argument("--store-endpoint", default=None,
+                        help="an S3-compatible endpoint holding the stacks' buckets (e.g. the rehearsal's): `start` "
+                             "checks the package's replicas and I/O fingerprint there with any runner (the "
+                             "automation runner always checks, against S3)")
     parser.add_argument("--project", type=Path, default=REPO_ROOT, help="the Pulumi project directory")
     parser.add_argument("--config-dir", type=Path,
                         help="mock runner: the stack config files to edit (default: the project's stackConfigDir)")
@@ -113,13 +120,32 @@ def _runner(args: argparse.Namespace, policy_gate: PolicyGate | None):
                       policy_gate=policy_gate)
 
 
+def _replica_check(args: argparse.Namespace):
+    """Where `start` checks the package (replicas, the published manifest's I/O fingerprint) before editing a stack."""
+    if args.store_endpoint:
+        import boto3
+
+        return s3_replica_check(lambda region: boto3.client("s3", region_name=region,
+                                                            endpoint_url=args.store_endpoint))
+    return s3_replica_check() if args.runner == "automation" else None
+
+
 def _version(args: argparse.Namespace, runner, stacks: list[str]) -> dict[str, str]:
     if not args.version:
         raise RolloutError("start needs --version")
-    if args.package or args.io_fingerprint:
-        if not (args.package and args.io_fingerprint):
-            raise RolloutError("--package and --io-fingerprint go together")
-        return version_entry(args.version, args.package, args.io_fingerprint)
+    if args.package and not args.io_fingerprint:
+        raise RolloutError("--package needs --io-fingerprint")
+    if args.io_fingerprint:
+        if args.package:
+            return version_entry(args.version, args.package, args.io_fingerprint)
+        # The key `llm-serving publish` writes (llm_serving.pod_contract), in the home region's bucket.
+        typed = StackFile.load(runner.config_path(stacks[0])).typed()
+        try:
+            package = package_uri(typed.bucket_name(typed.home_region), typed.model_storage.model_prefix, args.model,
+                                  args.version)
+        except PodContractError as err:
+            raise RolloutError(f"--version {args.version}: {err}") from None
+        return version_entry(args.version, package, args.io_fingerprint)
     # Packages are published once (home region) and named alike in every stack: reuse another stack's entry.
     config_dir = runner.config_path(stacks[0]).parent
     for path in sorted(config_dir.glob("Pulumi.*.yaml")):
@@ -170,8 +196,9 @@ def main(argv: list[str] | None = None, *, policy_gate: PolicyGate | None = None
         rollout = Rollout(runner, args.model, stacks, options,
                           gate=None if args.no_gate else prometheus_gate(clients, thresholds), prometheus=clients,
                           on_event=lambda msg: console.print(f"[cyan]>[/] {msg}", highlight=False),
-                          # Against the real buckets for a real rollout; the mock runner's stacks have no buckets.
-                          replicas=s3_replica_check() if args.runner == "automation" else None)
+                          # Against the real buckets for a real rollout, or any reachable store given; the mock
+                          # runner's stacks have no buckets otherwise.
+                          replicas=_replica_check(args))
         if args.action == "status":
             rows = rollout.status()
             if args.json:

@@ -240,7 +240,7 @@ class Rollout:
 
         if self.replicas is not None:
             configs = {stack: self._typed(stack) for stack in self.stacks}
-            missing = missing_replicas(configs, version["package"], self.replicas)
+            missing = missing_replicas(configs, version["package"], self.replicas, version.get("ioFingerprint"))
             if missing:
                 raise RolloutError(f"{version['package']} cannot be rolled out yet (nothing was changed):\n  "
                                    + "\n  ".join(missing))

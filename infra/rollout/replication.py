@@ -5,23 +5,44 @@ region's bucket (`<bucketPrefix>-<env>-<region>`, infra/storage.py) asynchronous
 its home URI; its FSx cache imports the region's own bucket. A rollout that writes the version into a region's stack
 before the replica exists starts pods whose package is missing from the cache: `llm-serving rollout start` asks the
 store first, for every stack, and changes nothing while any region lacks it.
+
+A stack names the unpacked package on the model cache (`.../model-cache/<id>/<version>/`, llm_serving.pod_contract);
+the check reads its manifest (`package.toml`), which is also where the published I/O fingerprint is: a stack whose
+`ioFingerprint` differs from the published manifest's is refused with both values named (docs/architecture.md
+§3.10b), before any stack file changes.
 """
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Callable
 from typing import Any
 
 from infra.config import StackConfig
+from llm_serving.pod_contract import manifest_key
 
-# (the stack's typed config, the package's home URI) -> why the package is not usable there yet, or None.
-ReplicaCheck = Callable[[StackConfig, str], "str | None"]
+# (the stack's typed config, the package's home URI, the stack's I/O fingerprint or None) -> why the package is not
+# usable there yet, or None.
+ReplicaCheck = Callable[[StackConfig, str, "str | None"], "str | None"]
 
 
 def regional_location(cfg: StackConfig, package: str) -> tuple[str, str]:
-    """(bucket, key) where `package` (an s3:// URI in the home bucket) lives in this stack's region."""
+    """(bucket, key of the package's manifest) where `package` (an s3:// URI of a published package directory in
+    the home bucket) lives in this stack's region."""
     key = package.removeprefix("s3://").split("/", 1)[1]
-    return cfg.bucket_name(), key
+    return cfg.bucket_name(), manifest_key(key)
+
+
+def fingerprint_mismatch(package: str, manifest_text: str, io_fingerprint: str) -> str | None:
+    """Why the stack's `ioFingerprint` cannot name this package (both values), or None when they agree."""
+    try:
+        published = tomllib.loads(manifest_text)["model"]["io_fingerprint"]
+    except (tomllib.TOMLDecodeError, KeyError, TypeError) as err:
+        return f"{package}: its package.toml has no readable model.io_fingerprint ({type(err).__name__}: {err})"
+    if published != io_fingerprint:
+        return (f"{package}: the stack's ioFingerprint {io_fingerprint} differs from the published manifest's "
+                f"model.io_fingerprint {published}")
+    return None
 
 
 def s3_replica_check(client_for: Callable[[str], Any] | None = None) -> ReplicaCheck:
@@ -38,7 +59,7 @@ def s3_replica_check(client_for: Callable[[str], Any] | None = None) -> ReplicaC
                 clients[region] = boto3.client("s3", region_name=region)
         return clients[region]
 
-    def check(cfg: StackConfig, package: str) -> str | None:
+    def check(cfg: StackConfig, package: str, io_fingerprint: str | None = None) -> str | None:
         from botocore.exceptions import ClientError
 
         bucket, key = regional_location(cfg, package)
@@ -55,16 +76,20 @@ def s3_replica_check(client_for: Callable[[str], Any] | None = None) -> ReplicaC
         if not cfg.is_home_region and head.get("ReplicationStatus") not in (None, "REPLICA", "COMPLETED"):
             return (f"{package} is still replicating to {cfg.region} (s3://{bucket}/{key}: ReplicationStatus "
                     f"{head.get('ReplicationStatus')})")
+        if io_fingerprint is not None:
+            body = client(cfg.region).get_object(Bucket=bucket, Key=key)["Body"].read()
+            return fingerprint_mismatch(package, body.decode("utf-8", "replace"), io_fingerprint)
         return None
 
     return check
 
 
-def missing_replicas(configs: dict[str, StackConfig], package: str, check: ReplicaCheck) -> list[str]:
-    """One line per stack where `package` cannot be used yet."""
+def missing_replicas(configs: dict[str, StackConfig], package: str, check: ReplicaCheck,
+                     io_fingerprint: str | None = None) -> list[str]:
+    """One line per stack where `package` cannot be used yet (or does not carry `io_fingerprint`)."""
     out = []
     for stack, cfg in configs.items():
-        why = check(cfg, package)
+        why = check(cfg, package, io_fingerprint)
         if why:
             out.append(f"{stack}: {why}")
     return out

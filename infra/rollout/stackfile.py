@@ -195,4 +195,6 @@ class StackFile:
 
 
 def version_entry(version: str, package: str, io_fingerprint: str) -> dict[str, str]:
+    """A `versions[]` entry. `package` is the published package directory (llm_serving.pod_contract.package_uri);
+    the stack's schema refuses any other key for (model, version)."""
     return {"version": version, "package": package, "ioFingerprint": io_fingerprint}

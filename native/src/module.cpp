@@ -5,10 +5,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
+#include <string>
 #include <thread>
 
 #include "constraint_batch.hpp"
+#include "mask_launch.hpp"
 
 namespace py = pybind11;
 using cons::Token;
@@ -175,6 +178,18 @@ class Engine {
     return static_cast<int>(rows.size());
   }
 
+  // The host half of a step whose mask is applied elsewhere (the GPU): fill the constrained rows below `limit`
+  // (GIL released) and return them, as an array the GPU apply takes as is (no Python list on the way).
+  py::array_t<int32_t> fill_constrained(int32_t limit, int threads) {
+    std::vector<int32_t> rows = constrained_rows(limit);
+    for (int32_t r : rows) histories_[static_cast<size_t>(r)].masked = true;
+    {
+      py::gil_scoped_release release;
+      batch_.fill(rows.data(), static_cast<int64_t>(rows.size()), threads);
+    }
+    return py::array_t<int32_t>(static_cast<py::ssize_t>(rows.size()), rows.data());
+  }
+
   double write_bandwidth(py::array_t<float, py::array::c_style> buf, bool stream, int threads, int repeats) {
     float* p = buf.mutable_data();
     const int64_t n = buf.size();
@@ -227,11 +242,75 @@ class Engine {
 
 }  // namespace
 
+// The GPU apply's host-side logic (mask_launch.hpp), for the tests on machines without nvcc or a GPU.
+py::dict gpu_plan(int64_t n, int32_t ncols, int32_t sm_count) {
+  const lsm::Plan p = lsm::plan(n, ncols, sm_count);
+  py::dict d;
+  d["block_threads"] = p.block_threads;
+  d["chunk_cols"] = p.chunk_cols;
+  d["chunks_per_row"] = p.chunks_per_row;
+  d["grid_blocks"] = p.grid_blocks;
+  d["mask_words"] = p.mask_words;
+  d["header_bytes"] = p.header_bytes;
+  d["staging_bytes"] = p.staging_bytes;
+  return d;
+}
+
+using I32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+std::string gpu_validate(int64_t nrows, int32_t ncols, int64_t row_stride, int32_t dtype, int32_t words,
+                         int32_t mask_capacity, I32Array logit_rows, I32Array mask_rows) {
+  if (logit_rows.size() != mask_rows.size()) return "logit_rows/mask_rows: lengths differ";
+  return lsm::validate({nrows, ncols, row_stride, dtype, words, mask_capacity, logit_rows.size(), logit_rows.data(),
+                        mask_rows.data()});
+}
+
+py::bytes gpu_pack(py::array_t<uint32_t, py::array::c_style> bitmask, I32Array logit_rows, I32Array mask_rows,
+                   int32_t ncols, int32_t sm_count) {
+  if (bitmask.ndim() != 2) throw py::value_error("bitmask: 2-D expected");
+  const auto words = static_cast<int32_t>(bitmask.shape(1));
+  const std::string why = gpu_validate(logit_rows.size() ? *std::max_element(logit_rows.data(), logit_rows.data() +
+                                                                              logit_rows.size()) + 1 : 0,
+                                       ncols, ncols, 0, words, static_cast<int32_t>(bitmask.shape(0)), logit_rows,
+                                       mask_rows);
+  if (!why.empty()) throw py::value_error(why);
+  const lsm::Plan p = lsm::plan(logit_rows.size(), ncols, sm_count);
+  std::string out(static_cast<size_t>(p.staging_bytes), '\0');
+  lsm::pack(p, bitmask.data(), words, logit_rows.data(), mask_rows.data(), logit_rows.size(), out.data());
+  return py::bytes(out);
+}
+
+int64_t gpu_emulate(uintptr_t logits, int64_t nrows, int32_t ncols, int64_t row_stride, int32_t dtype,
+                    py::array_t<uint32_t, py::array::c_style> bitmask, I32Array logit_rows, I32Array mask_rows,
+                    int32_t sm_count) {
+  if (bitmask.ndim() != 2) throw py::value_error("bitmask: 2-D expected");
+  const auto words = static_cast<int32_t>(bitmask.shape(1));
+  const std::string why = gpu_validate(nrows, ncols, row_stride, dtype, words, static_cast<int32_t>(bitmask.shape(0)),
+                                       logit_rows, mask_rows);
+  if (!why.empty()) throw py::value_error(why);
+  const int64_t n = logit_rows.size();
+  const lsm::Plan p = lsm::plan(n, ncols, sm_count);
+  std::vector<uint64_t> staging(static_cast<size_t>((p.staging_bytes + 7) / 8));
+  lsm::pack(p, bitmask.data(), words, logit_rows.data(), mask_rows.data(), n, staging.data());
+  return lsm::emulate(p, reinterpret_cast<void*>(logits), row_stride, dtype, ncols, staging.data(), n);
+}
+
 PYBIND11_MODULE(_native, m) {
   m.doc() = "llm-serving native constraint engine";
   m.attr("ABI_VERSION") = 2;
   m.def("hardware_threads", []() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); },
         "Number of hardware threads the engine's thread pool may use.");
+
+  m.def("gpu_plan", &gpu_plan, py::arg("n"), py::arg("ncols"), py::arg("sm_count"),
+        "The GPU apply's launch plan (native/include/mask_launch.hpp).");
+  m.def("gpu_validate", &gpu_validate, py::arg("nrows"), py::arg("ncols"), py::arg("row_stride"), py::arg("dtype"),
+        py::arg("words"), py::arg("mask_capacity"), py::arg("logit_rows"), py::arg("mask_rows"),
+        "'' when the GPU apply would accept these arguments, else why not.");
+  m.def("gpu_pack", &gpu_pack, py::arg("bitmask"), py::arg("logit_rows"), py::arg("mask_rows"), py::arg("ncols"),
+        py::arg("sm_count"), "The staging buffer the GPU apply would copy to the device.");
+  m.def("gpu_emulate", &gpu_emulate, py::arg("logits"), py::arg("nrows"), py::arg("ncols"), py::arg("row_stride"),
+        py::arg("dtype"), py::arg("bitmask"), py::arg("logit_rows"), py::arg("mask_rows"), py::arg("sm_count"),
+        "The GPU kernel emulated on host memory (raw pointer to the logits); returns the rows rescued.");
 
   py::class_<cons::Machine, std::shared_ptr<cons::Machine>>(m, "Machine", "A compiled constraint (immutable).")
       .def_property_readonly("kind", [](const cons::Machine& mm) {
@@ -293,6 +372,8 @@ PYBIND11_MODULE(_native, m) {
            py::arg("dtype"), py::arg("logit_rows"), py::arg("mask_rows"), py::arg("threads") = 0)
       .def("fill_apply", &Engine::fill_apply, py::arg("ptr"), py::arg("nrows"), py::arg("ncols"),
            py::arg("row_stride"), py::arg("dtype"), py::arg("threads") = 0)
+      .def("fill_constrained", &Engine::fill_constrained, py::arg("limit") = -1, py::arg("threads") = 0,
+           "Fill the constrained rows below `limit`; returns them (int32 array).")
       .def("write_bandwidth", &Engine::write_bandwidth, py::arg("buffer"), py::arg("stream"), py::arg("threads") = 0,
            py::arg("repeats") = 5, "Best bytes/s writing -inf over `buffer` (float32) with the apply's store loop.")
       .def("allowed", &Engine::allowed, py::arg("row"))

@@ -23,6 +23,8 @@ from pulumi_policy import (
     StackValidationPolicy,
 )
 
+from llm_serving import pod_contract as pc
+
 from .._props import annotations, as_list, as_number, duration_seconds, get, iter_mappings, k8s_namespace, labels
 from ..compat import DEFAULT_PATH as DEFAULT_COMPAT
 from ..compat import CompatError, Pins, load_pins
@@ -47,6 +49,7 @@ DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
 DOCKER_IMAGE = "docker-build:index:Image"
 FSX_CSI_DRIVER = "fsx.csi.aws.com"
 SERVING_CONTEXT = "serving_image"
+SERVING_DOCKERFILE = f"{SERVING_CONTEXT}/Dockerfile"
 PULUMI_DEFAULT_TIMEOUT_S = 600.0  # the Kubernetes provider's await timeout when customTimeouts are unset
 # What a container must not do at start: fetch weights from S3 or a model hub.
 DOWNLOAD_MARKERS = (
@@ -60,8 +63,8 @@ DOWNLOAD_MARKERS = (
     "aws s3 sync",
     "s5cmd",
 )
-# §3.2's readiness endpoints (KServe v2 and the OpenAI front-end).
-READY_PATHS = ("/v2/health/ready", "/health/ready")
+# §3.2's readiness endpoints (KServe v2, which the pod contract's probes ask, and the OpenAI front-end).
+READY_PATHS = (pc.READY_PATH, "/health/ready")
 _MODEL_READY = re.compile(r"^/v2/models/[^/]+(/versions/[^/]+)?/ready$")
 HUB_TOKEN_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACEHUB_API_TOKEN")
 
@@ -140,8 +143,9 @@ def _image_pin_items(image: PolicyResource) -> list[tuple[str, Any]]:
 
 
 def _built_from_serving_context(image: PolicyResource) -> bool:
-    location = str(get(image.props, "context", "location") or "").rstrip("/")
-    return location == SERVING_CONTEXT or location.endswith("/" + SERVING_CONTEXT)
+    """Built from the serving image's Dockerfile (its context is the repository root, issue 16)."""
+    location = str(get(image.props, "dockerfile", "location") or "").rstrip("/")
+    return location == SERVING_DOCKERFILE or location.endswith("/" + SERVING_DOCKERFILE)
 
 
 def _validate_pins(args: StackValidationArgs, report: ReportViolation) -> None:
@@ -277,7 +281,7 @@ def _validate_probes(args: ResourceValidationArgs, report: ReportViolation) -> N
         live_path = get(container, "livenessProbe", "httpGet", "path")
         if live_path is not None and _is_ready_endpoint(str(live_path)):
             report(f"Deployment {args.name!r} container {_cname(container)!r}: the livenessProbe asks the readiness "
-                   f"endpoint {live_path!r}; a busy or draining server would be restarted: use /v2/health/live",
+                   f"endpoint {live_path!r}; a busy or draining server would be restarted: use {pc.LIVE_PATH}",
                    None)
         budget = _startup_budget(container)
         if budget is not None and load_time is not None and budget < load_time:
@@ -407,6 +411,49 @@ def _validate_no_download(args: ResourceValidationArgs, report: ReportViolation)
                        f"{env.get('value')!r}: it must be 1", None)
 
 
+# -- the pod contract ----------------------------------------------------------------------------------------------
+
+
+def _under(path: str, mount: str) -> bool:
+    return path == mount or path.startswith(mount.rstrip("/") + "/")
+
+
+def _validate_pod_contract(args: StackValidationArgs, report: ReportViolation) -> None:
+    """A Deployment that runs the serving image built in this stack gives it what its startup reads
+    (llm_serving.pod_contract, docs/architecture.md §3.10b). What other rules hold (the model cache mount and its
+    read-only flag, downloads, probes) is left to them."""
+    index = StackIndex(args.resources)
+    images = [i for i in index.of_type(DOCKER_IMAGE) if _built_from_serving_context(i)]
+    for dep in index.of_type(DEPLOYMENT):
+        if not is_serving_workload(dep.props) or not any(index.depends_on(dep, i) for i in images):
+            continue
+        for container in serving_containers(dep.props):
+            where = f"Deployment {dep.name!r} container {_cname(container)!r}"
+            env = {e.get("name"): e.get("value") for e in iter_mappings(container.get("env"))}
+            missing = [n for n in pc.STARTUP_ENV if n not in env]
+            if missing:
+                report(f"{where} does not set {', '.join(missing)}: the image's startup procedure reads them "
+                       f"(llm_serving/pod_contract.py)", dep.urn)
+            package = env.get(pc.ENV_PACKAGE)
+            if isinstance(package, str) and (not _under(package, pc.MODEL_CACHE_MOUNT) or package.endswith(".tar.gz")):
+                report(f"{where}: {pc.ENV_PACKAGE}={package!r} is not a package directory below the model cache "
+                       f"{pc.MODEL_CACHE_MOUNT}: pods read the published package in place", dep.urn)
+            metrics_dir = env.get(pc.ENV_MULTIPROC_DIR)
+            if isinstance(metrics_dir, str) and metrics_dir != pc.MULTIPROC_DIR:
+                report(f"{where}: {pc.ENV_MULTIPROC_DIR}={metrics_dir!r}, but the image and its metrics proxy use "
+                       f"{pc.MULTIPROC_DIR!r}", dep.urn)
+            if not is_true(get(container, "securityContext", "readOnlyRootFilesystem")):
+                continue
+            volumes = {v.get("name"): v for v in iter_mappings(pod_spec(dep.props).get("volumes"))}
+            writable = [m.get("mountPath") for m in iter_mappings(container.get("volumeMounts"))
+                        if not is_true(m.get("readOnly")) and "emptyDir" in (volumes.get(m.get("name")) or {})]
+            written = [v for n, v in env.items() if n in (pc.ENV_MULTIPROC_DIR, *pc.CACHE_ENV) and isinstance(v, str)]
+            for path in written:
+                if not any(_under(path, str(m)) for m in writable):
+                    report(f"{where}: {path} is written at start but lies on the read-only root file system (no "
+                           f"writable emptyDir mounted there)", dep.urn)
+
+
 # -- identity ------------------------------------------------------------------------------------------------------
 
 
@@ -518,6 +565,14 @@ serving_model_cache = StackValidationPolicy(
     validate=_validate_model_cache,
     enforcement_level=EnforcementLevel.MANDATORY,
 )
+serving_pod_contract = StackValidationPolicy(
+    name="serving-pod-contract",
+    description="Deployments of the serving image give it what its startup reads (llm_serving/pod_contract.py): the "
+                "package directory on the model cache, the model's identity and I/O fingerprint, the metrics "
+                "directory, and writable volumes for everything it writes.",
+    validate=_validate_pod_contract,
+    enforcement_level=EnforcementLevel.MANDATORY,
+)
 serving_no_download = ResourceValidationPolicy(
     name="serving-no-download-at-start",
     description="Model servers never download weights from S3 or a model hub at start.",
@@ -562,6 +617,7 @@ POLICIES = [
     serving_probes,
     serving_update_timeout,
     serving_model_cache,
+    serving_pod_contract,
     serving_no_download,
     serving_non_root,
     serving_hardening,

@@ -2,15 +2,17 @@
 
 The core (`serving_image.constraints._native`, C++ built by the package build) owns the per-row states, the bitmask
 (int32 words, one row per batch row, bit t%32 of word t//32, 1 = allowed: xgrammar's layout) and a thread pool.
-On the CPU the bitmask is applied in place by the core (float32, bfloat16) with the GIL released; on any other
-device through torch operations.
+On the CPU the bitmask is applied in place by the core (float32, bfloat16) with the GIL released. On a CUDA
+device by the fused kernel (`gpu.py`, native/src/mask_kernel.cu: one asynchronous copy from pinned memory, one
+kernel); where the kernel is unavailable, and on any other device, through torch operations (`apply_bitmask_torch`),
+which the log reports for CUDA (`gpu.applier_for`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from serving_image.constraints import _native
+from serving_image.constraints import _native, gpu
 from serving_image.constraints.spec import AllowedTokensSpec, ChoiceSequenceSpec, ConstraintSpec, TokenDfaSpec
 
 if TYPE_CHECKING:
@@ -48,11 +50,11 @@ def _cpu_dtype_name(logits: torch.Tensor) -> str | None:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(logits.dtype)
 
 
-def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, logit_rows: list[int], mask_rows: list[int]):
+def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, logit_rows, mask_rows):
     """Any device, any float dtype: unpack the rows' bits and set the masked logits to -inf (torch operations)."""
     import torch
 
-    if not logit_rows:
+    if len(logit_rows) == 0:
         return
     vocab = logits.shape[1]
     words = bitmask[mask_rows].to(logits.device, non_blocking=True)  # [n, words] int32
@@ -78,6 +80,8 @@ class ConstraintBatch:
     def __init__(self, vocab_size: int, capacity: int, threads: int = 0):
         self.core = _native.Engine(vocab_size, max(1, capacity), threads)
         self.vocab_size = vocab_size
+        self.kernel_steps = 0  # steps masked by the GPU kernel
+        self.torch_steps = 0  # steps masked by torch operations (a non-CPU device without the kernel)
 
     # ----- rows
     def ensure_capacity(self, rows: int) -> None:
@@ -123,10 +127,9 @@ class ConstraintBatch:
         if name is not None:
             return self.core.fill_apply(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), name,
                                         threads)
-        rows = self.core.constrained_rows(logits.shape[0])
-        if rows:
-            self.core.fill(rows, threads)
-            apply_bitmask_torch(logits, self.bitmask(), rows, rows)
+        rows = self.core.fill_constrained(logits.shape[0], threads)  # int32 array, straight to the device apply
+        if len(rows):
+            self._apply_device(logits, rows, rows)
         return len(rows)
 
     def fill_apply_rows(self, logits: torch.Tensor, logit_rows: list[int], mask_rows: list[int],
@@ -140,4 +143,15 @@ class ConstraintBatch:
             self.core.apply(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), name,
                             logit_rows, mask_rows, threads)
         else:
-            apply_bitmask_torch(logits, self.bitmask(), logit_rows, mask_rows)
+            self._apply_device(logits, logit_rows, mask_rows)
+
+    def _apply_device(self, logits: torch.Tensor, logit_rows, mask_rows) -> None:
+        """Logits off the CPU: the GPU kernel on CUDA when it is available, else torch operations."""
+        if logits.device.type == "cuda" and gpu.kernel_accepts(logits):
+            applier = gpu.applier_for(logits.device)  # None: unavailable, and the log says so (once)
+            if applier is not None:
+                applier.apply(logits, self.core.bitmask(), logit_rows, mask_rows)
+                self.kernel_steps += 1
+                return
+        self.torch_steps += 1
+        apply_bitmask_torch(logits, self.bitmask(), logit_rows, mask_rows)

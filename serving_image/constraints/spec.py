@@ -120,6 +120,21 @@ class _Checker:
             )
         return t
 
+    def tokens_fast(self, values: list[Any], *, eos_ok: bool) -> tuple[int, ...] | None:
+        """The whole array at once when every element is a plain int that `token` would accept (a large
+        allowed_tokens set costs a few set and min/max passes, not a field path per token); None otherwise, and the
+        caller walks it element by element for the exact error."""
+        if not values or not all(type(t) is int for t in values):
+            return None
+        if self.count + len(values) > MAX_TOKEN_IDS or min(values) < 0:
+            return None
+        if self.vocab_size is not None and max(values) >= self.vocab_size:
+            return None
+        if not eos_ok and self.eos is not None and self.eos in set(values):
+            return None
+        self.count += len(values)
+        return tuple(values)
+
     def state(self, value: Any, field: str) -> int:
         s = self.integer(value, field)
         if s < 0 or s > MAX_STATE_ID:
@@ -243,6 +258,9 @@ def _choice_sequence(spec: Mapping[str, Any], c: _Checker) -> ChoiceSequenceSpec
 
 
 def _allowed_tokens(spec: Mapping[str, Any], c: _Checker) -> AllowedTokensSpec:
+    fast = c.tokens_fast(c.array(spec["tokens"], f"{ROOT}.tokens", nonempty=True), eos_ok=True)
+    if fast is not None:
+        return AllowedTokensSpec(tokens=fast)
     tokens = tuple(
         c.token(t, f"{ROOT}.tokens[{i}]", eos_ok=True)  # eos is always allowed anyway
         for i, t in enumerate(c.array(spec["tokens"], f"{ROOT}.tokens", nonempty=True))

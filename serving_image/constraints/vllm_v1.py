@@ -17,6 +17,7 @@ place), never of how many times `apply` ran:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -45,9 +46,28 @@ THREADS_ENV = "LLM_SERVING_CONSTRAINT_THREADS"
 STATS_ENV = "LLM_SERVING_CONSTRAINT_STATS_DIR"
 
 
-def constraint_of(params: SamplingParams) -> object | None:
+def constraint_of(params: SamplingParams, *, strict: bool = False) -> object | None:
+    """The request's spec: extra_args["constraint"], an object or its JSON text. The text form costs vLLM almost
+    nothing per request (it deep-copies and msgpack-encodes SamplingParams on the way to the engine core: about
+    4 ms for an allowed_tokens list of 8k ids as an object, 0.04 ms as text; bench/constraints_e2e.py measures it).
+    Text that is not JSON raises ConstraintError when `strict` (admission); in the worker it is returned as is, and
+    the compilation ends that request (`compile_for_request`) instead of the engine."""
     extra = params.extra_args
-    return None if not extra else extra.get(CONSTRAINT_KEY)
+    spec = None if not extra else extra.get(CONSTRAINT_KEY)
+    if isinstance(spec, str):
+        try:
+            return _parse_spec_text(spec)
+        except ValueError as exc:
+            if strict:
+                raise ConstraintError(CONSTRAINT_KEY, f"is a string but not JSON: {exc}") from exc
+    return spec
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_spec_text(text: str) -> object:
+    # Cached: admission and the worker parse the same text, and a preempted request is added again. The parsed
+    # object is only read (validate_constraint builds a new typed spec).
+    return json.loads(text)
 
 
 def model_eos(vllm_config: VllmConfig) -> int | None:
@@ -80,7 +100,7 @@ class ConstraintLogitsProcessorV1(LogitsProcessor):
         # Runs at admission in the front-end process, before vLLM knows the vocabulary or eos for this request:
         # everything else is checked here, the ranges again in the worker (the platform's front-ends check them
         # too, with the served model's vocabulary, before a request reaches vLLM).
-        spec = constraint_of(sampling_params)
+        spec = constraint_of(sampling_params, strict=True)
         if spec is not None:
             validate_constraint(spec, vocab_size=None, eos_token_id=None)
 
@@ -109,7 +129,9 @@ class ConstraintLogitsProcessorV1(LogitsProcessor):
             "max_rows": self.max_rows,
             "stalls": self.batch.core.stalls,  # masked, then no new token: a sample the engine discarded
             "rebuilds": self.batch.core.rebuilds,  # histories that shrank or changed, replayed
-            "rescued": self.batch.core.rescued,  # rows whose allowed tokens another processor had all masked
+            "rescued": self.batch.core.rescued,  # rows whose allowed tokens another processor had all masked (CPU)
+            "kernel_steps": self.batch.kernel_steps,  # steps masked by the GPU kernel
+            "torch_steps": self.batch.torch_steps,  # steps masked by torch operations (GPU without the kernel)
         }
 
     def _write_stats(self) -> None:

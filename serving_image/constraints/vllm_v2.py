@@ -41,7 +41,7 @@ class ConstraintLogitsProcessorV2(LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        spec = constraint_of(sampling_params)
+        spec = constraint_of(sampling_params, strict=True)
         if spec is not None:
             validate_constraint(spec, vocab_size=None, eos_token_id=None)
 

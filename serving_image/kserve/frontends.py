@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 from serving_image.engine.base import Engine
@@ -41,26 +40,34 @@ class RunningKServe:
 
 
 def _uvicorn_server(app, host: str, port: int):
-    import uvicorn
+    from serving_image.http_server import uvicorn_server
 
-    class Server(uvicorn.Server):
-        def capture_signals(self):  # the startup procedure owns SIGINT/SIGTERM
-            return nullcontext()
-
-    return Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                 timeout_graceful_shutdown=GRACE_S, lifespan="off"))
+    return uvicorn_server(app, host, port, grace_s=GRACE_S)
 
 
 async def start_kserve(engine: Engine, metrics: FrontendMetrics | None, *, host: str, grpc_port: int,
                        http_port: int, is_draining: Callable[[], bool] = lambda: False,
-                       structured_key: str | None = None) -> RunningKServe:
+                       structured_key: str | None = None, triton=None) -> RunningKServe:
+    """`triton` (an EmbeddedTriton, serving_image/triton/embedded.py): both front-ends answer from that in-process
+    Triton directly (serving_image/kserve/triton_grpc.py, triton_http.py) instead of the engine interface."""
     if structured_key is None:
         from serving_image.triton.pins import load_pins
 
         structured_key = load_pins().pinned.structured_outputs_key
     service = KServeModelService(engine, metrics, structured_key, is_draining)
-    grpc_server, bound = await start_grpc_server(service, host, grpc_port)
-    http_server = _uvicorn_server(create_kserve_app(service), host, http_port)
+    if triton is not None:
+        from serving_image.kserve.triton_grpc import start_triton_grpc
+
+        grpc_server, bound = await start_triton_grpc(triton, host, grpc_port, is_draining)
+    else:
+        grpc_server, bound = await start_grpc_server(service, host, grpc_port)
+    if triton is not None:
+        from serving_image.kserve.triton_http import create_triton_http_app
+
+        http_app = create_triton_http_app(triton, is_draining)
+    else:
+        http_app = create_kserve_app(service)
+    http_server = _uvicorn_server(http_app, host, http_port)
     task = asyncio.create_task(http_server.serve(), name="kserve-http")
     while not http_server.started:
         if task.done():

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Literal, get_args
@@ -287,18 +287,29 @@ def serve_frontend_metrics(
     (§3.2 lists those). Not prometheus_client's server: its writer would rename Triton's counters (`exposition.py`).
     """
     registry = metrics.registry
+    return serve_exposition(lambda: write_text(from_client_metrics(registry.collect())), port=port, host=host)
+
+
+def serve_exposition(body: Callable[[], bytes], port: int = FRONTEND_METRICS_PORT,
+                     host: str = "127.0.0.1") -> FrontendMetricsServer:
+    """Serve what `body()` returns (Prometheus text 0.0.4) on http://host:port/metrics from a daemon thread: the
+    front-ends' metrics, or embedded Triton's own (its C API's metrics text, serving_image/triton/embedded.py)."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             if self.path.split("?", 1)[0] != "/metrics":
                 self.send_error(404, "try /metrics")
                 return
-            body = write_text(from_client_metrics(registry.collect()))
+            try:
+                content = body()
+            except Exception as exc:  # the proxy counts a failed upstream; it must not hang on a broken handler
+                self.send_error(503, f"metrics unavailable: {exc}")
+                return
             self.send_response(200)
             self.send_header("Content-Type", CONTENT_TYPE_TEXT)
-            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Length", str(len(content)))
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(content)
 
         def log_message(self, format: str, *args: object) -> None:
             pass  # scraped every few seconds

@@ -49,6 +49,14 @@ class LocalTriton:
     distribution_version: str  # nvidia-pytriton's version
     server_version: str  # the Triton server version this wheel bundles (compat.toml [local.triton])
 
+    def stub_python(self) -> tuple[Path, dict[str, str]]:
+        """An interpreter with the stub's packages (numpy < 2, the demo ranker's xgboost and scipy): this venv's
+        python with the Python backend's directory on PYTHONPATH (e.g. examples/ranker/train.py runs so)."""
+        python = self.home / "bin" / "python"
+        if not python.exists():
+            raise TritonNotInstalledError(f"{python} is missing: {HOW_TO_INSTALL}")
+        return python, {"PYTHONPATH": str(self.python_backend), "PYTHONNOUSERSITE": "1"}
+
     def backend_directory(self, target: Path) -> Path:
         """A `--backend-directory` for this server: `python` (NVIDIA's Python backend) and every python-based backend
         this project ships (`vllm`, the stand-in), as links, so edits to the stand-in need no reinstall."""
@@ -109,6 +117,7 @@ def locate(home: Path | None = None) -> LocalTriton:
         f"the Python {pin.python_backend_stub} backend stub (the Makefile copies it from python_backend_stubs/)":
             python_backend / "triton_python_backend_stub",
         "the stub's numpy (< 2, installed into the Python backend's directory)": python_backend / "numpy",
+        "the demo ranker's xgboost (installed into the Python backend's directory)": python_backend / "xgboost",
     }
     for what, path in required.items():
         if not path.exists():

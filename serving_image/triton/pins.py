@@ -38,6 +38,8 @@ class LocalTriton:
     release: str
     python_backend_stub: str
     stub_numpy: str
+    stub_xgboost: str  # the demo ranker's (examples/ranker), installed beside the stub's numpy
+    stub_scipy: str
     relied_on: tuple[str, ...]  # "<name>: <behaviour>", each checked by a test (test_kserve_startup.py)
     differences: tuple[str, ...]
 
@@ -109,7 +111,7 @@ def load_pins(path: Path | None = None) -> Pins:
         local_triton = LocalTriton(
             **{key: _need(table, key, where, source) for key in ("distribution", "distribution_version",
                                                                  "server_version", "release", "python_backend_stub",
-                                                                 "stub_numpy")},
+                                                                 "stub_numpy", "stub_xgboost", "stub_scipy")},
             relied_on=tuple(table.get("relied_on", ())),
             differences=tuple(table.get("differences", ())),
         )

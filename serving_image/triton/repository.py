@@ -13,6 +13,9 @@
 - python backend: the package's own `config.pbtxt` (explicit I/O, required by the manifest checks) with its name
   set to the model id and `backend: "python"`, and the package's `model.py`. The weights directory is passed as the
   `weights_dir` parameter.
+- ensemble: the package's `config.pbtxt` (`platform: "ensemble"`, explicit I/O, `ensemble_scheduling`) with its
+  name set to the model id and an empty version directory. Its steps call other packages' models, which must be
+  served by the same server with the versions the manifest names (`resolve_ensembles`, before anything starts).
 
 The text is produced by protobuf's text format from Triton's own `ModelConfig` message (tritonclient ships it), so
 the result is a config Triton parses. Golden files in tests/serving/golden/ pin the exact output.
@@ -81,7 +84,10 @@ def _format(message, indent: int) -> list[str]:
         if is_map:
             for key in sorted(value):
                 entry = field.message_type._concrete_class(key=key)
-                entry.value.CopyFrom(value[key])
+                if field.message_type.fields_by_name["value"].message_type is not None:
+                    entry.value.CopyFrom(value[key])
+                else:  # a map of scalars (an ensemble step's input_map / output_map)
+                    entry.value = value[key]
                 lines += [f"{pad}{name} {{", *_format(entry, indent + 1), f"{pad}}}"]
         elif field.is_repeated and field.message_type is not None:
             lines.append(f"{pad}{name} [")
@@ -156,6 +162,51 @@ def python_model_config(manifest: Manifest, config_pbtxt: str, package_root: Pur
     return config
 
 
+def ensemble_model_config(manifest: Manifest, config_pbtxt: str) -> mc.ModelConfig:
+    config = mc.ModelConfig()
+    try:
+        text_format.Parse(config_pbtxt, config)
+    except text_format.ParseError as exc:
+        raise RepositoryError(f"{manifest.model.id}: the ensemble's config.pbtxt is not a valid Triton model config: "
+                              f"{exc}") from exc
+    if config.platform not in ("", "ensemble") or config.backend:
+        raise RepositoryError(f"{manifest.model.id}: an ensemble package's config.pbtxt has platform \"ensemble\" "
+                              f"and no backend (got platform {config.platform!r}, backend {config.backend!r})")
+    assert manifest.ensemble is not None
+    called = [step.model_name for step in config.ensemble_scheduling.step]
+    named = [step.id for step in manifest.ensemble.steps]
+    if not called or set(called) != set(named):
+        raise RepositoryError(f"{manifest.model.id}: the ensemble's steps call {', '.join(called) or 'nothing'}, its "
+                              f"manifest names {', '.join(named)}")
+    config.name = manifest.model.id
+    config.platform = "ensemble"
+    return config
+
+
+def resolve_ensembles(manifests: list[Manifest]) -> dict[str, list[str]]:
+    """Check that every ensemble's step models are served beside it, with the versions its manifest names
+    (Triton ensembles only call models of their own server). Returns each ensemble's steps as "id version"."""
+    served = {m.model.id: m.model.version for m in manifests}
+    resolved: dict[str, list[str]] = {}
+    for manifest in manifests:
+        if manifest.model.backend is not Backend.ENSEMBLE:
+            continue
+        assert manifest.ensemble is not None
+        where = f"ensemble {manifest.model.id} {manifest.model.version}"
+        listing = ", ".join(f"{k} {v}" for k, v in sorted(served.items()))
+        for step in manifest.ensemble.steps:
+            if step.id not in served:
+                raise RepositoryError(f"{where}: step model {step.id} {step.version} is not served on this server "
+                                      f"(served: {listing}); serve its package beside the ensemble (--with-package)")
+            if served[step.id] != step.version:
+                raise RepositoryError(f"{where}: step model {step.id} is served at version {served[step.id]}, the "
+                                      f"ensemble names version {step.version}")
+            if step.id == manifest.model.id:
+                raise RepositoryError(f"{where}: an ensemble cannot be its own step")
+        resolved[manifest.model.id] = [f"{s.id} {s.version}" for s in manifest.ensemble.steps]
+    return resolved
+
+
 def generate_repository(manifest: Manifest, package_dir: Path, repository: Path, release: TritonRelease,
                         package_root: PurePosixPath | None = None) -> Path:
     """Write the model's directory under `repository` and return it.
@@ -172,6 +223,9 @@ def generate_repository(manifest: Manifest, package_dir: Path, repository: Path,
         config = vllm_model_config(manifest.model.id)
         engine_json = vllm_engine_json(manifest, root, release)
         (model_dir / VERSION_DIR / "model.json").write_text(json.dumps(engine_json, indent=2, sort_keys=True) + "\n")
+    elif manifest.model.backend is Backend.ENSEMBLE:
+        assert manifest.ensemble is not None
+        config = ensemble_model_config(manifest, (package_dir / manifest.ensemble.config_pbtxt).read_text())
     else:
         assert manifest.python is not None
         config = python_model_config(manifest, (package_dir / manifest.python.config_pbtxt).read_text(), root)

@@ -2,11 +2,12 @@
 
 - In the image (`LLM_SERVING_RUNTIME=triton`, set by serving_image/Dockerfile) the vLLM is the Triton release's;
   it must equal compat.toml's pin. The package's Triton model repository is generated, and Triton runs in this
-  process (`tritonserver` Python API) behind the engine interface (`openai` mode), or as tritonserver with its own
-  KServe front-ends (`standalone` mode).
+  process (the C API through serving_image/triton/capi, serving_image/triton/embedded.py) behind the engine
+  interface (`openai` mode), or as tritonserver with its own KServe front-ends (`standalone` mode).
 - Everywhere else (`local`, the default) the engine is vLLM's CPU build, which must equal the local pin: in this
-  process behind the project's front-ends (`openai` mode), or behind the local tritonserver (`standalone` mode,
-  serving_image/triton/local_install.py) through the stand-in `vllm` backend.
+  process behind the project's front-ends (`openai` mode; with `LLM_SERVING_OPENAI_ENGINE=triton`, the local
+  libtritonserver embedded in this process instead, as in the image), or behind the local tritonserver
+  (`standalone` mode, serving_image/triton/local_install.py), in both cases through the stand-in `vllm` backend.
 
 A vLLM that differs from its pin stops startup with both versions named: packages cannot bring their own vLLM
 (the package checks refuse them) and the image's cannot drift from what was tested.
@@ -23,6 +24,8 @@ from serving_image.triton.pins import Pins, check_vllm, load_pins
 
 RUNTIME_ENV = "LLM_SERVING_RUNTIME"
 RUNTIMES = ("local", "triton")
+OPENAI_ENGINE_ENV = "LLM_SERVING_OPENAI_ENGINE"
+OPENAI_ENGINES = ("vllm", "triton")
 
 
 def runtime() -> str:
@@ -58,16 +61,9 @@ async def start_standalone_triton(packages: list[VerifiedPackage], workdir: Path
     """Generate the packages' Triton repository (the first package is the main one; the others are served beside
     it) and run tritonserver on it: the image's (NVIDIA's backends), or the local one (nvidia-pytriton's server with
     this project's stand-in `vllm` backend). Returns a StandaloneTriton."""
-    import json
-    import sys
-
-    from llm_serving.manifest import Backend, ServingMode
-    from serving_image.triton.backends.vllm.engine_wire import ENGINE_PYTHON_ENV
-    from serving_image.triton.repository import generate_repository
+    from llm_serving.manifest import ServingMode
     from serving_image.triton.standalone import start_standalone
 
-    repository = workdir / "model-repository"
-    max_model_len = 0
     ids = [p.manifest.model.id for p in packages]
     if len(set(ids)) != len(ids):
         raise RuntimeError(f"two packages serve the same model id: {', '.join(ids)}")
@@ -76,39 +72,85 @@ async def start_standalone_triton(packages: list[VerifiedPackage], workdir: Path
         if manifest.serving_mode is not ServingMode.STANDALONE:
             raise RuntimeError(f"{manifest.model.id} {manifest.model.version} is packaged for the "
                                f"{manifest.serving_mode} serving mode; Triton serves standalone packages together")
-        model_dir = generate_repository(manifest, package.root, repository, load_pins().pinned)
-        if manifest.model.backend is Backend.VLLM:
-            model_json = model_dir / "1" / "model.json"
-            engine = {**json.loads(model_json.read_text()), **(engine_overrides or {})}  # overrides: local runs only
-            model_json.write_text(json.dumps(engine, indent=2, sort_keys=True) + "\n")
-            if package is packages[0]:
-                max_model_len = int(engine.get("max_model_len", 0))
-    if runtime() == "triton":
-        binary, backends, env = "tritonserver", None, {}
-    else:
-        from serving_image.triton.local_install import locate
+    from serving_image.triton.repository import resolve_ensembles
 
-        local = locate()
-        binary, backends = local.binary, local.backend_directory(workdir / "triton-backends")
-        # the stand-in backend's engine process runs in this venv (unless the environment names another interpreter)
-        env = {ENGINE_PYTHON_ENV: os.environ.get(ENGINE_PYTHON_ENV) or sys.executable}
+    resolve_ensembles([p.manifest for p in packages])  # every ensemble's steps served here, at their versions
+    repository = workdir / "model-repository"
+    max_model_len = _write_repository(packages, repository, engine_overrides)
+    binary, backends, env = _backends(workdir)
     main = packages[0].manifest.model
     return await start_standalone(repository=repository, models=ids, version=main.version, http_port=http_port,
                                   grpc_port=grpc_port, metrics_port=metrics_port, binary=binary,
                                   backend_directory=backends, host=host, env=env, max_model_len=max_model_len)
 
 
-async def start_triton_engine(package: VerifiedPackage, workdir: Path, max_model_len: int):
-    """`openai` mode in the image: generate the package's Triton repository and start Triton in this process."""
-    from serving_image.engine.triton_inprocess import TritonInProcessEngine
+def embedded_triton_selected() -> bool:
+    """Whether the `openai` mode serves through Triton embedded in this process: always in the image; locally when
+    `LLM_SERVING_OPENAI_ENGINE=triton` (until the whole OpenAI test-suite passes against it, the local default stays
+    vLLM in the process; docs/kserve.md, "Embedded Triton")."""
+    if runtime() == "triton":
+        return True
+    value = os.environ.get(OPENAI_ENGINE_ENV, "vllm")
+    if value not in OPENAI_ENGINES:
+        raise ValueError(f"{OPENAI_ENGINE_ENV}={value!r}: expected one of {', '.join(OPENAI_ENGINES)}")
+    return value == "triton"
+
+
+def _write_repository(packages: list[VerifiedPackage], repository: Path, engine_overrides: dict | None) -> int:
+    """Generate the packages' Triton model repository; engine overrides (local runs only) go into model.json.
+    Returns the main package's max_model_len (0 when model.json does not say)."""
+    import json
+
+    from llm_serving.manifest import Backend
     from serving_image.triton.repository import generate_repository
 
-    pins = load_pins()
+    max_model_len = 0
+    for package in packages:
+        manifest = package.manifest
+        model_dir = generate_repository(manifest, package.root, repository, load_pins().pinned)
+        if manifest.model.backend is Backend.VLLM:
+            model_json = model_dir / "1" / "model.json"
+            engine = {**json.loads(model_json.read_text()), **(engine_overrides or {})}
+            model_json.write_text(json.dumps(engine, indent=2, sort_keys=True) + "\n")
+            if package is packages[0]:
+                max_model_len = int(engine.get("max_model_len", 0))
+    return max_model_len
+
+
+def _backends(workdir: Path) -> tuple[str | Path, Path | None, dict[str, str]]:
+    """The tritonserver binary, the backend directory and the environment the backends need: the image's own, or
+    the local Triton with the stand-in vllm backend (whose engine process runs in this interpreter's venv)."""
+    import sys
+
+    from serving_image.triton.backends.vllm.engine_wire import ENGINE_PYTHON_ENV
+
+    if runtime() == "triton":
+        return "tritonserver", None, {}
+    from serving_image.triton.local_install import locate
+
+    local = locate()
+    env = {ENGINE_PYTHON_ENV: os.environ.get(ENGINE_PYTHON_ENV) or sys.executable}
+    return local.binary, local.backend_directory(workdir / "triton-backends"), env
+
+
+async def start_triton_engine(package: VerifiedPackage, workdir: Path, max_model_len: int,
+                              engine_overrides: dict | None = None):
+    """`openai` mode over Triton: generate the package's Triton repository, start Triton in this process through
+    the C API (serving_image/triton/embedded.py) and return the engine adapter over it."""
+    from serving_image.engine.triton_adapter import EmbeddedTritonEngine
+    from serving_image.triton.embedded import start_embedded
+
     manifest = package.manifest
     repository = workdir / "model-repository"
-    generate_repository(manifest, package.root, repository, pins.pinned)
-    tokenizer = package.root / (manifest.engine.tokenizer or manifest.engine.model)
-    return await TritonInProcessEngine.start(repository=repository, model_name=manifest.model.id,
-                                             version=manifest.model.version, tokenizer_path=tokenizer,
-                                             max_model_len=max_model_len,
-                                             structured_key=pins.pinned.structured_outputs_key)
+    max_model_len = _write_repository([package], repository, engine_overrides) or max_model_len
+    _, backends, env = _backends(workdir)
+    triton = await start_embedded(repository=repository, models=manifest.model.id, backend_directory=backends,
+                                  env=env)
+    try:
+        tokenizer = package.root / (manifest.engine.tokenizer or manifest.engine.model)
+        return EmbeddedTritonEngine.over(triton, model_name=manifest.model.id, version=manifest.model.version,
+                                         tokenizer_path=tokenizer, max_model_len=max_model_len,
+                                         structured_key=load_pins().pinned.structured_outputs_key)
+    except BaseException:
+        await triton.stop()
+        raise

@@ -46,6 +46,7 @@ READY_TIMEOUT_S = 1800  # loading a large model from the model cache can take ma
 # Past this delay the load is declared stuck and Triton is started again, once, loudly.
 LOAD_AFTER_ENGINE_READY_S = 120
 ENGINE_READY_MARK = "[vllm] engine ready for "  # what the stand-in backend logs when its engine is up
+LOADED_MARK = "successfully loaded '"  # what Triton logs when a model has loaded
 STUCK_LOAD_RESTARTS = 1
 WATCH_INTERVAL_S = 1.0
 STOP_TIMEOUT_S = 90  # Triton's own exit timeout is 30 s, then each model's finalize (its engine's shutdown)
@@ -139,11 +140,11 @@ class StuckLoadError(RuntimeError):
 
 
 class _LogForwarder:
-    """Copies tritonserver's output to this process's stdout, as if it wrote there itself, and notes when the
-    stand-in backend's engines report ready."""
+    """Copies tritonserver's output to this process's stdout, as if it wrote there itself, and notes when each model
+    settled: loaded, or (the stand-in vllm backend) its engine reported ready."""
 
     def __init__(self, stream) -> None:
-        self.engines_ready_at: dict[str, float] = {}
+        self.settled_at: dict[str, float] = {}
         self._stream = stream
         self._thread = threading.Thread(target=self._run, name="tritonserver-log", daemon=True)
         self._thread.start()
@@ -158,12 +159,16 @@ class _LogForwarder:
                 sys.stdout.write(line.decode("utf-8", "replace"))
             text = line.decode("utf-8", "replace")
             if ENGINE_READY_MARK in text:
-                model = text.split(ENGINE_READY_MARK, 1)[1].split(":", 1)[0].strip()
-                self.engines_ready_at.setdefault(model, time.monotonic())
+                self._settled(text.split(ENGINE_READY_MARK, 1)[1].split(":", 1)[0].strip())
+            elif LOADED_MARK in text:
+                self._settled(text.split(LOADED_MARK, 1)[1].split("'", 1)[0])
 
-    def all_engines_ready_since(self, models: Sequence[str]) -> float | None:
-        """When the last of `models` reported its engine ready, or None while one has not."""
-        times = [self.engines_ready_at.get(m) for m in models]
+    def _settled(self, model: str) -> None:
+        self.settled_at.setdefault(model, time.monotonic())
+
+    def all_settled_since(self, models: Sequence[str]) -> float | None:
+        """When the last of `models` settled, or None while one has not (a model still loading)."""
+        times = [self.settled_at.get(m) for m in models]
         return None if None in times else max(times)
 
 
@@ -247,8 +252,10 @@ async def _start_once(command: list[str], models: tuple[str, ...], version: str,
                     problem = "not ready yet"
                 except Exception as exc:  # listening, not answering yet
                     problem = str(exc)
-            engines_ready = output.all_engines_ready_since(models)
-            if client is None and engines_ready is not None and time.monotonic() - engines_ready > stuck_after_s:
+            # Every model loaded or with its engine ready, and still no port: the launch hang (with companions,
+            # the other models load beside the LLM, and are settled once loaded).
+            settled = output.all_settled_since(models)
+            if client is None and settled is not None and time.monotonic() - settled > stuck_after_s:
                 raise StuckLoadError(f"tritonserver has not finished loading {', '.join(models)} {stuck_after_s:.0f}s "
                                      "after the engine reported ready (the Python backend's launch hang of "
                                      "tritonserver 2.51)")

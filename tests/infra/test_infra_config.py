@@ -65,9 +65,19 @@ def mutate(path: str, value, values: dict | None = None) -> dict:
     ("models[0].gpu.count", 16, "llm-serving:models[0].gpu.count: 16 GPUs do not fit on one node of 'h100'"),
     ("models[0].versions[0].ioFingerprint", "md5:abc",
      "llm-serving:models[0].versions[0].ioFingerprint: String should match pattern"),
-    ("models[0].versions[0].package", "s3://someone-elses-bucket/models/x.tar.gz",
-     "llm-serving:models[0].versions[0].package: 's3://someone-elses-bucket/models/x.tar.gz' must be under "
+    ("models[0].versions[0].package", "s3://someone-elses-bucket/models/x/",
+     "llm-serving:models[0].versions[0].package: 's3://someone-elses-bucket/models/x/' must be under "
      "s3://acme-llm-prod-us-east-1/models/"),
+    # issue 16: a tarball is a publishing format; the stack names the unpacked package on the model cache
+    ("models[0].versions[0].package", "s3://acme-llm-prod-us-east-1/models/chat-large/2.3.0.tar.gz",
+     "llm-serving:models[0].versions[0].package: String should match pattern"),
+    # ... at the key `llm-serving publish` derives from (id, version)
+    ("models[0].versions[0].package", "s3://acme-llm-prod-us-east-1/models/chat-large/2.3.0/",
+     "llm-serving:models[0].versions[0].package: 's3://acme-llm-prod-us-east-1/models/chat-large/2.3.0/' is not "
+     "where `llm-serving publish --store s3://acme-llm-prod-us-east-1/models` puts a package of chat-large; expected "
+     "'s3://acme-llm-prod-us-east-1/models/model-cache/chat-large/2.3.0/' for chat-large 2.3.0"),
+    ("models[0].versions[0].package", "s3://acme-llm-prod-us-east-1/models/model-cache/embed-base/1.2/",
+     "is not where `llm-serving publish --store s3://acme-llm-prod-us-east-1/models` puts a package of chat-large"),
     ("models[1].id", "chat-large", "llm-serving:models: duplicate model ids ['chat-large']"),
     ("models[0].tier", "gold", "llm-serving:models[0].tier: unknown key"),
     ("environment", "staging", "llm-serving:environment: Input should be 'dev' or 'prod' (got 'staging')"),

@@ -187,7 +187,7 @@ def test_ecr_is_immutable_scanned_and_every_deployment_runs_the_built_digest(sta
     ref = run.outputs["servingImage"]
     if cfg.is_home_region:
         image = only(run, "docker-build:index:Image").inputs
-        assert image["context"] == {"location": "../serving_image"}  # from infra/, the CLI's working directory
+        assert image["context"] == {"location": ".."}  # the repository root, from infra/ (the CLI's working dir)
         assert image["dockerfile"] == {"location": "../serving_image/Dockerfile"}
         assert image["push"] is True
         assert "@sha256:" in ref and ref.startswith(image["tags"][0].rsplit(":", 1)[0])

@@ -22,15 +22,25 @@ def test_image_paths_are_relative_to_the_main_directory():
     (image,) = run.of_type("docker-build:index:Image")
     main = Project.load().main
     context, dockerfile = image.inputs["context"]["location"], image.inputs["dockerfile"]["location"]
-    # Computed from the working directory the run had: only infra/ gives these.
-    assert (context, dockerfile) == ("../serving_image", "../serving_image/Dockerfile")
-    assert (main / context).resolve() == REPO_ROOT / "serving_image"
+    # Computed from the working directory the run had: only infra/ gives these. The context is the repository root,
+    # which the Dockerfile's COPY instructions expect (issue 16).
+    assert (context, dockerfile) == ("..", "../serving_image/Dockerfile")
+    assert (main / context).resolve() == REPO_ROOT
+
+
+def test_image_paths_are_the_same_from_any_working_directory(monkeypatch, tmp_path):
+    from infra.registry import CONTEXT, DOCKERFILE, from_workdir
+
+    for cwd in (REPO_ROOT, REPO_ROOT / "infra", tmp_path):
+        monkeypatch.chdir(cwd)
+        assert (Path.cwd() / from_workdir(CONTEXT)).resolve() == REPO_ROOT
+        assert (Path.cwd() / from_workdir(DOCKERFILE)).resolve() == REPO_ROOT / "serving_image" / "Dockerfile"
 
 
 def _image_args(context: str) -> pulumi.runtime.MockResourceArgs:
     return pulumi.runtime.MockResourceArgs(
         typ="docker-build:index:Image", name="serving-image", inputs={
-            "context": {"location": context}, "dockerfile": {"location": f"{context}/Dockerfile"},
+            "context": {"location": context}, "dockerfile": {"location": f"{context}/serving_image/Dockerfile"},
             "tags": ["123456789012.dkr.ecr.us-east-1.amazonaws.com/llm-serving:x"]},
         provider="", resource_id="", custom=True)
 
@@ -38,9 +48,9 @@ def _image_args(context: str) -> pulumi.runtime.MockResourceArgs:
 def test_a_repository_root_path_fails_from_the_main_directory(monkeypatch):
     monkeypatch.chdir(Project.load().main)
     mocks = PlatformMocks(region="us-east-1")
-    with pytest.raises(FileNotFoundError, match="docker-build context .*serving_image does not exist"):
-        mocks.new_resource(_image_args("serving_image"))  # what the program passed before: root-relative
-    _, state = mocks.new_resource(_image_args("../serving_image"))
+    with pytest.raises(FileNotFoundError, match="docker-build context .*nowhere does not exist"):
+        mocks.new_resource(_image_args("nowhere"))  # a path that only the repository root would resolve
+    _, state = mocks.new_resource(_image_args(".."))
     assert state["digest"].startswith("sha256:")
     assert Path.cwd() == REPO_ROOT / "infra"
 

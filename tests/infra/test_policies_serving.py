@@ -310,3 +310,37 @@ def test_disruption_budget_advice(compat):
     stack = compliant_stack()
     stack.remove("llama-v1-pdb")
     _check(stack, compat, "serving-disruption-budget", "has no PodDisruptionBudget")
+
+
+# -- the pod contract (issue 16) -----------------------------------------------------------------------------------
+
+
+def test_the_deployment_must_set_what_the_startup_reads(compat):
+    stack = compliant_stack()
+    container(stack)["env"] = [e for e in container(stack)["env"] if e["name"] != "LLM_SERVING_PACKAGE"]
+    _check(stack, compat, "serving-pod-contract",
+           "does not set LLM_SERVING_PACKAGE: the image's startup procedure reads them")
+
+
+@pytest.mark.parametrize("package", ["/mnt/model-cache/models/llama/v1.tar.gz", "/models/llama/v1"])
+def test_the_package_is_a_directory_below_the_model_cache(package, compat):
+    stack = compliant_stack()
+    next(e for e in container(stack)["env"] if e["name"] == "LLM_SERVING_PACKAGE")["value"] = package
+    _check(stack, compat, "serving-pod-contract", f"LLM_SERVING_PACKAGE={package!r} is not a package directory")
+
+
+def test_the_metrics_directory_is_the_images(compat):
+    stack = compliant_stack()
+    next(e for e in container(stack)["env"] if e["name"] == "PROMETHEUS_MULTIPROC_DIR")["value"] = \
+        "/var/run/llm-serving/metrics"
+    _check(stack, compat, "serving-pod-contract", "but the image and its metrics proxy use")
+
+
+def test_what_the_pod_writes_needs_a_writable_volume_under_a_read_only_root(compat):
+    stack = compliant_stack()
+    container(stack)["securityContext"]["readOnlyRootFilesystem"] = True
+    _check(stack, compat, "serving-pod-contract",
+           "/var/run/llm-serving/prometheus is written at start but lies on the read-only root file system")
+    pod(stack)["volumes"].append({"name": "run", "emptyDir": {}})
+    container(stack)["volumeMounts"].append({"name": "run", "mountPath": "/var/run/llm-serving"})
+    assert stack.evaluate(compat) == []

@@ -39,7 +39,7 @@ FP = VLLM_IO_FINGERPRINT  # the LLM versions in stacks/ (llm_serving/tensor_cont
 
 
 def _version(v: str) -> dict:
-    return {"version": v, "package": f"s3://acme-llm-prod-us-east-1/models/chat-large/{v}.tar.gz",
+    return {"version": v, "package": f"s3://acme-llm-prod-us-east-1/models/model-cache/chat-large/{v}/",
             "ioFingerprint": FP}
 
 
@@ -171,6 +171,7 @@ def test_versioned_idle_removal_never_removes_the_newest_or_a_version_with_reque
             names = [f"{i + 3}.0.0" for i in range(n_versions)]
             for i, name in enumerate(names):
                 entry["versions"].append({**base, "version": name,
+                                          "package": base["package"].replace("/3.0.0/", f"/{name}/"),
                                           "ioFingerprint": "sha256:" + f"{i:x}" * 64})
             sf.save()
             runner = GraphRunner(config_dir, Path(tmp) / "state")

@@ -13,7 +13,7 @@ from infra.rollout.runner import GraphRunner
 from tests.infra.conftest import config_of
 from tests.infra.rollout_support import copy_stacks
 
-PACKAGE = "s3://acme-llm-prod-us-east-1/models/chat-large/2.5.0.tar.gz"
+PACKAGE = "s3://acme-llm-prod-us-east-1/models/model-cache/chat-large/2.5.0/"
 STACKS = ["prod-us-east-1", "prod-us-west-2"]
 
 
@@ -31,22 +31,30 @@ def s3(monkeypatch):
         yield lambda region: boto3.client("s3", region_name=region)
 
 
-def _put(s3, stack: str) -> None:
+FINGERPRINT = "sha256:" + "1" * 64
+
+
+def _put(s3, stack: str, fingerprint: str = FINGERPRINT) -> None:
+    """What `llm-serving publish` leaves on the bucket for a package: its manifest inside the package directory."""
     cfg = config_of(stack)
     bucket, key = regional_location(cfg, PACKAGE)
-    s3(cfg.region).put_object(Bucket=bucket, Key=key, Body=b"package")
+    manifest = (f'manifest_version = 1\n[model]\nid = "chat-large"\nversion = "2.5.0"\nbackend = "vllm"\n'
+                f'io_fingerprint = "{fingerprint}"\n')
+    s3(cfg.region).put_object(Bucket=bucket, Key=key, Body=manifest.encode())
 
 
 def test_the_replica_is_looked_up_in_each_regions_own_bucket(s3):
     check = s3_replica_check(s3)
     home, west = config_of("prod-us-east-1"), config_of("prod-us-west-2")
-    assert regional_location(west, PACKAGE) == ("acme-llm-prod-us-west-2", "models/chat-large/2.5.0.tar.gz")
+    assert regional_location(west, PACKAGE) == ("acme-llm-prod-us-west-2",
+                                                "models/model-cache/chat-large/2.5.0/package.toml")
     assert "is not published" in check(home, PACKAGE)
     _put(s3, "prod-us-east-1")
     assert check(home, PACKAGE) is None
     why = check(west, PACKAGE)
     assert why.startswith(f"{PACKAGE} has not replicated to us-west-2 yet: "
-                          "s3://acme-llm-prod-us-west-2/models/chat-large/2.5.0.tar.gz does not exist")
+                          "s3://acme-llm-prod-us-west-2/models/model-cache/chat-large/2.5.0/package.toml does not "
+                          "exist")
     _put(s3, "prod-us-west-2")
     assert check(west, PACKAGE) is None
 
@@ -57,9 +65,64 @@ def test_start_refuses_before_touching_any_stack(s3, tmp_path):
     runner = GraphRunner(config_dir, tmp_path / "state")
     rollout = Rollout(runner, "chat-large", STACKS, Options(), replicas=s3_replica_check(s3))
     _put(s3, "prod-us-east-1")
-    version = {"version": "2.5.0", "package": PACKAGE,
-               "ioFingerprint": config_of("prod-us-east-1").models[0].versions[0].io_fingerprint}
+    version = {"version": "2.5.0", "package": PACKAGE, "ioFingerprint": FINGERPRINT}
     with pytest.raises(RolloutError, match=r"cannot be rolled out yet \(nothing was changed\):\n  prod-us-west-2: "
                                            r".* has not replicated to us-west-2 yet"):
         rollout.start(version)
     assert {p.name: p.read_text() for p in config_dir.iterdir()} == before
+
+
+def test_start_refuses_a_fingerprint_that_differs_from_the_published_manifest(s3, tmp_path):
+    """Issue 16: the stack's ioFingerprint is compared with the published manifest before any stack changes."""
+    config_dir = copy_stacks(tmp_path / "stacks")
+    before = {p.name: p.read_text() for p in config_dir.iterdir()}
+    rollout = Rollout(GraphRunner(config_dir, tmp_path / "state"), "chat-large", STACKS, Options(),
+                      replicas=s3_replica_check(s3))
+    for stack in STACKS:
+        _put(s3, stack)
+    typed = "sha256:" + "2" * 64
+    with pytest.raises(RolloutError) as err:
+        rollout.start({"version": "2.5.0", "package": PACKAGE, "ioFingerprint": typed})
+    assert f"the stack's ioFingerprint {typed} differs from the published manifest's model.io_fingerprint " \
+           f"{FINGERPRINT}" in str(err.value)
+    assert {p.name: p.read_text() for p in config_dir.iterdir()} == before
+
+
+def test_the_command_checks_the_fingerprint_at_a_reachable_store(tmp_path, capsys, monkeypatch):
+    """`llm-serving rollout start --store-endpoint URL` (any runner): the published manifest's fingerprint is compared
+    before any stack file changes, naming both values."""
+    from moto.server import ThreadedMotoServer
+
+    from llm_serving_cli.main import main as llm_serving_main
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(key, "testing")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        cfg = config_of("prod-eu-west-1")
+        manifest = (f'manifest_version = 1\n[model]\nid = "chat-large"\nversion = "2.5.0"\nbackend = "vllm"\n'
+                    f'io_fingerprint = "{FINGERPRINT}"\n')
+        for region in ("us-east-1", "eu-west-1"):
+            client = boto3.client("s3", region_name=region, endpoint_url=endpoint)
+            bucket = cfg.bucket_name(region)
+            kwargs = {} if region == "us-east-1" else {"CreateBucketConfiguration": {"LocationConstraint": region}}
+            client.create_bucket(Bucket=bucket, **kwargs)
+            client.put_object(Bucket=bucket, Key=regional_location(config_of("prod-eu-west-1"), PACKAGE)[1],
+                              Body=manifest.encode())
+        config_dir = copy_stacks(tmp_path / "stacks")
+        before = {p.name: p.read_text() for p in config_dir.iterdir()}
+        typed = "sha256:" + "3" * 64
+        with pytest.raises(SystemExit) as exited:
+            llm_serving_main(["rollout", "start", "chat-large", "--stacks", "prod-eu-west-1", "--version", "2.5.0",
+                              "--io-fingerprint", typed, "--runner", "mock", "--config-dir", str(config_dir),
+                              "--state-dir", str(tmp_path / "state"), "--no-gate", "--store-endpoint", endpoint])
+        assert exited.value.code != 0
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"the stack's ioFingerprint {typed} differs from the published manifest's model.io_fingerprint " \
+               f"{FINGERPRINT}" in err
+        assert {p.name: p.read_text() for p in config_dir.iterdir()} == before
+    finally:
+        server.stop()

@@ -157,7 +157,7 @@ def test_a_mandatory_policy_blocks_the_update_before_anything_changes(tmp_path, 
     before = path.read_text()
     with pytest.raises(SystemExit) as exited:
         llm_serving_main(["rollout", "start", MODEL, "--stacks", "prod-eu-west-1", "--version", "3.0.0", "--package",
-                          "s3://acme-llm-prod-us-east-1/models/chat-large/3.0.0.tar.gz", "--io-fingerprint",
+                          "s3://acme-llm-prod-us-east-1/models/model-cache/chat-large/3.0.0/", "--io-fingerprint",
                           "sha256:" + "ab" * 32, "--runner", "mock", "--config-dir", str(config_dir), "--state-dir",
                           str(state_dir), "--no-gate", "--json"])
     assert exited.value.code == 1

@@ -16,7 +16,7 @@ from llm_serving.tensor_contract import VLLM_IO_FINGERPRINT
 from tests.infra.rollout_support import REPO, copy_stacks
 
 FP = VLLM_IO_FINGERPRINT  # the LLM versions in stacks/ (llm_serving/tensor_contract.py computes it)
-V240 = version_entry("2.4.0", "s3://acme-llm-prod-us-east-1/models/chat-large/2.4.0.tar.gz", FP)
+V240 = version_entry("2.4.0", "s3://acme-llm-prod-us-east-1/models/model-cache/chat-large/2.4.0/", FP)
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def test_start_keeps_comments_and_order_and_touches_only_the_model(stacks):
     diff = list(difflib.ndiff(original, edited))
     added = [line[2:] for line in diff if line.startswith("+ ")]
     assert added == ["        - version: 2.4.0",
-                     "          package: s3://acme-llm-prod-us-east-1/models/chat-large/2.4.0.tar.gz",
+                     "          package: s3://acme-llm-prod-us-east-1/models/model-cache/chat-large/2.4.0/",
                      f"          ioFingerprint: {FP}", "      candidate: 2.4.0", "      weight: 10"]
     assert [line for line in diff if line.startswith("- ")] == []
     assert edited.index("      candidate: 2.4.0") == edited.index("      active: 2.3.0") + 1

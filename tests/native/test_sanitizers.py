@@ -103,3 +103,22 @@ def test_sanitized_core_rejects_malformed_machines(driver: Path):
         run = subprocess.run([str(driver)], input=bad, capture_output=True, text=True, timeout=60, env=_driver_env())
         assert run.returncode != 0
         assert "AddressSanitizer" not in run.stderr and "runtime error" not in run.stderr, run.stderr
+
+
+def test_sanitized_gpu_launch_logic_matches_a_naive_reference(tmp_path):
+    """The GPU apply's host side (validation, launch plan, packing, the kernel's emulation: mask_launch.cpp) under
+    ASan/UBSan, against a naive reference over random shapes, dtypes and row mappings (native/tests/
+    mask_launch_driver.cpp); no nvcc or GPU needed."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    assert cxx, "a C++ compiler is needed (the package build needs one too)"
+    out = tmp_path / "mask_launch_driver"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+                    "-fno-sanitize-recover=all", "-Wall", "-Wextra", "-Werror", f"-I{NATIVE / 'include'}",
+                    str(NATIVE / "src" / "mask_launch.cpp"), str(NATIVE / "tests" / "mask_launch_driver.cpp"),
+                    "-o", str(out)], check=True, timeout=300)
+    for seed in (1, 2):
+        run = subprocess.run([str(out), "150", str(seed)], capture_output=True, text=True, timeout=300,
+                             env=_driver_env())
+        assert run.returncode == 0, run.stderr[-4000:]
+        assert "runtime error" not in run.stderr, run.stderr[-4000:]
+        assert run.stdout.strip() == "ok 150"

@@ -158,3 +158,28 @@ def test_usable_by_import_path_in_both_runners():
         ConstraintLogitsProcessorV2]
     path = "serving_image.constraints.vllm_processor:ConstraintLogitsProcessor"
     assert _load_logitsprocs_by_fqcns([path]) == _load_v2_logitsprocs_by_fqcns([path]) == [ConstraintLogitsProcessor]
+
+
+def test_a_spec_given_as_json_text_is_the_same_constraint(proc, vllm_config):
+    """extra_args["constraint"] may hold the spec's JSON text, which vLLM copies and serialises per request far
+    more cheaply than a large object (bench/constraints_e2e.py measures both)."""
+    import json
+
+    vocab = vllm_config.model_config.get_vocab_size()
+    ConstraintLogitsProcessor.validate_params(params(json.dumps(CHOICES)))
+    out = [5]
+    proc.update_state(update(2, added=[(0, params(json.dumps(CHOICES)), [1], out), (1, params(CHOICES), [1], [5])]))
+    assert finite(proc, 2, vocab) == [expected(CHOICES, out)] * 2 == [[9, 11]] * 2
+
+
+def test_json_text_that_is_not_a_spec_is_refused_at_admission_and_ends_the_request_in_the_worker(
+        proc, vllm_config, caplog):
+    vocab = vllm_config.model_config.get_vocab_size()
+    with pytest.raises(ValueError, match=r"^constraint: is a string but not JSON"):
+        ConstraintLogitsProcessor.validate_params(params("{not json"))
+    with pytest.raises(ValueError, match=r"constraint\.tokens\[1\]: must be an integer"):
+        ConstraintLogitsProcessor.validate_params(params('{"kind": "allowed_tokens", "tokens": [5, "x"]}'))
+    # a caller that skipped admission: the worker ends that request (only eos), the engine lives on
+    proc.update_state(update(1, added=[(0, params("{not json"), [1], [])]))
+    assert finite(proc, 1, vocab)[0] == [1]
+    assert "constraint rejected in the worker" in caplog.text

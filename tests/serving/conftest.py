@@ -2,9 +2,11 @@
 
 `triton_standalone`: one real `tritonserver` (the local 2.51 from nvidia-pytriton) started by the startup procedure
 on a `standalone` demo-tiny package (the stand-in vllm backend and its engine process), with the example
-Python-backend package (examples/ticket_triage) served beside it, as the BLS example needs. One per session: the
-KServe tests (test_kserve_startup.py) and the example's tests (test_triton_example.py) share it, so the suite starts
-one Triton and one engine for all of them.
+Python-backend package (examples/ticket_triage) served beside it, as the BLS example needs, and the demo ranker's
+packages (examples/ranker: the XGBoost ranker, the pipeline's two Python steps and the pipeline, an ensemble; built by
+llm_serving_cli.demo_packages, as `make up MODE=standalone` builds them). One per session: the KServe tests
+(test_kserve_startup.py), the example's tests (test_triton_example.py) and the model-kind tests
+(test_triton_model_kinds.py) share it, so the suite starts one Triton and one engine for all of them.
 """
 
 from __future__ import annotations
@@ -29,7 +31,15 @@ def build_example_package(out: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def triton_standalone(demo_model_dir, tmp_path_factory):
+def ranker_packages(tmp_path_factory) -> list[Path]:
+    """The ranker (trained now, deterministically), its pipeline's steps and the pipeline (the ensemble, last)."""
+    from llm_serving_cli.demo_packages import build_ranker_packages
+
+    return build_ranker_packages(tmp_path_factory.mktemp("ranker"), version="1.0.0")
+
+
+@pytest.fixture(scope="session")
+def triton_standalone(demo_model_dir, tmp_path_factory, ranker_packages):
     from llm_serving.manifest import ServingMode
     from llm_serving.package import PackageSpec, build_package
     from serving_image.local_server import start_standalone_server
@@ -38,7 +48,7 @@ def triton_standalone(demo_model_dir, tmp_path_factory):
     llm = build_package(PackageSpec(demo_model_dir, "demo-tiny", "1.0.0", engine_args=TRITON_ENGINE_ARGS,
                                     serving_mode=ServingMode.STANDALONE), root / "demo-tiny")
     example = build_example_package(root / "ticket-triage")
-    server = start_standalone_server(llm, root / "work", companions=(example,))
+    server = start_standalone_server(llm, root / "work", companions=(example, *ranker_packages))
     try:
         yield server
     finally:

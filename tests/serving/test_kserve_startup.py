@@ -481,6 +481,15 @@ RELIED_ON_TESTS = {
     "metrics-names": (__file__, "test_metrics_proxy_serves_triton_counts_and_every_vllm_family"),
     "python-backend-api": ("tests/serving/test_triton_example.py", "test_example_streams_its_llm_call_then_the_record"),
     "config-endpoint": (__file__, "test_model_config_matches_golden"),
+    "c-api-inference": ("tests/serving/test_triton_capi.py", "test_streaming_request_with_bytes_and_typed_inputs"),
+    "c-api-cancel": ("tests/serving/test_triton_capi.py", "test_cancelling_a_request_in_a_held_engine"),
+    "c-api-metrics": ("tests/serving/test_triton_capi.py", "test_prometheus_metrics_text_counts_requests"),
+    "c-api-coexistence": ("tests/serving/test_triton_capi.py",
+                          "test_coexists_with_grpcio_protobuf_and_torch_in_one_process"),
+    "python-backend-batching": ("tests/serving/test_triton_model_kinds.py",
+                                "test_ranker_answers_http_clients_and_batches_requests_together"),
+    "ensemble": ("tests/serving/test_triton_model_kinds.py",
+                 "test_ensemble_step_errors_reach_the_caller_naming_the_input"),
 }
 
 

@@ -58,7 +58,9 @@ def test_dockerfile_pins_equal_compat_toml():
     assert args["VLLM_VERSION"] == pins.pinned.vllm_version == public_version(pins.vllm_build)
     assert args["TRITON_IMAGE"] == pins.image == f"nvcr.io/nvidia/tritonserver:{pins.pinned.release}-vllm-python-py3"
     froms = re.findall(r"^FROM (\S+)", text, re.M)
-    assert froms == ["${TRITON_IMAGE}", "${TRITON_IMAGE}"], "both stages build on the pinned Triton image"
+    # the GPU kernel's stage builds on the CUDA toolkit image; the build and final stages on the pinned Triton image
+    assert froms == ["${CUDA_DEVEL_IMAGE}", "${TRITON_IMAGE}", "${TRITON_IMAGE}"]
+    assert re.match(r"nvcr\.io/nvidia/cuda:13\.\d+\.\d+-devel-", args["CUDA_DEVEL_IMAGE"])
     # the policy pack reads the same file and must see the same three pins
     policy = policy_pins()
     assert (policy.triton_release, policy.vllm_version, policy.vllm_backend_branch) == \
@@ -70,7 +72,7 @@ def test_dockerfile_shape():
     text = DOCKERFILE.read_text()
     final = text.split("\nFROM ${TRITON_IMAGE}\n", 1)[1]
     assert re.search(r"^USER 10001$", final, re.M), "the final stage runs as a non-root user"
-    assert 'ENTRYPOINT ["python3", "-m", "serving_image.startup"' in final
+    assert 'ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh", "python3", "-m", "serving_image.startup"' in final
     assert "PIP_CONSTRAINT=/etc/llm-serving/constraints.txt" in final
     assert "--write-constraints" in text and "serving_image.triton.probe --runtime triton" in final
     assert "serving_image.constraints._native" in final and "serving_image.metrics.proxy" in final
@@ -120,50 +122,72 @@ def test_bad_compat_file_is_named(tmp_path):
         load_pins(broken)
 
 
-# -- the in-process adapter's conversions (the tritonserver module exists only inside the Triton image) ---------
+# -- the Triton adapter's pure pieces (engine/triton_adapter.py; the embedded path runs in test_openai_embedded.py) ---
 
 
-class _StringTensor:
-    """Stands in for tritonserver.Tensor of BYTES (only inside the Triton image): the API reads them with
-    to_string_array(), which returns decoded strings."""
-
-    def __init__(self, values: list[str]):
-        self._values = values
-
-    def to_string_array(self):
-        return np.array(self._values, dtype=np.object_)
-
-
-def test_inprocess_inputs_and_outputs():
+def test_triton_adapter_tensors_and_outputs():
     from serving_image.engine.base import EngineRequest, SamplingSpec
-    from serving_image.engine.triton_inprocess import inprocess_inputs, inprocess_outputs
+    from serving_image.engine.triton_adapter import flat_outputs, tensor_arrays
+    from serving_image.triton.capi.inference import Input
 
-    inputs = inprocess_inputs(request_tensors(EngineRequest("r", "Hello", SamplingSpec(max_tokens=4)),
-                                              load_pins().pinned.structured_outputs_key))
-    assert inputs["text_input"].dtype == np.object_ and inputs["text_input"].tolist() == [b"Hello"]
-    assert inputs["stream"].dtype == np.bool_ and inputs["stream"].tolist() == [True]
-    assert inputs["exclude_input_in_output"].tolist() == [True]
-    assert {"return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"} <= set(inputs)
-    # numeric outputs go through DLPack: numpy arrays implement it, as tritonserver.Tensor does
-    outputs = inprocess_outputs({"text_output": _StringTensor(["Hi"]), "finish_reason": _StringTensor(["length"]),
-                                 "num_input_tokens": np.array([3], dtype=np.uint32),
-                                 "num_output_tokens": np.array([4], dtype=np.uint32)})
-    assert outputs == {"text_output": ["Hi"], "finish_reason": ["length"], "num_input_tokens": [3],
-                       "num_output_tokens": [4]}
+    arrays = tensor_arrays(request_tensors(EngineRequest("r", "Hello", SamplingSpec(max_tokens=4)),
+                                           load_pins().pinned.structured_outputs_key))
+    assert arrays["text_input"].dtype == np.object_ and arrays["text_input"].tolist() == [b"Hello"]
+    assert arrays["stream"].dtype == np.bool_ and arrays["stream"].tolist() == [True]
+    assert arrays["exclude_input_in_output"].tolist() == [True]
+    assert {"return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"} <= set(arrays)
+    # what the C API gets: BYTES length-prefixed, BOOL one byte per element
+    text = Input.from_numpy("text_input", arrays["text_input"])
+    assert (text.datatype, text.shape, text.data) == ("BYTES", (1,), b"\x05\x00\x00\x00Hello")
+    flag = Input.from_numpy("stream", arrays["stream"])
+    assert (flag.datatype, flag.shape, flag.data) == ("BOOL", (1,), b"\x01")
+    outputs = flat_outputs({"text_output": np.array([b"Hi"], dtype=np.object_),
+                            "finish_reason": np.array([b"length"], dtype=np.object_),
+                            "num_input_tokens": np.array([3], dtype=np.uint32),
+                            "num_output_tokens": np.array([4], dtype=np.uint32)})
     delta = OutputReader("r", 1).read(outputs, final=True)
     assert delta.finished and delta.prompt_tokens == 3 and delta.choices[0].text == "Hi"
     assert len(delta.choices[0].token_ids) == 4
 
 
-def test_inprocess_engine_needs_the_triton_image():
-    """Starting it here fails on the missing tritonserver module, not on anything of ours."""
-    import asyncio
+@pytest.mark.parametrize(("code", "message", "kind", "param"), [
+    ("INVALID_ARG", "Error generating stream: sampling_parameters.max_tokens must be an integer", "input",
+     "max_tokens"),
+    ("INVALID_ARG", "sampling_parameters.structured_outputs: not a JSON object", "input", "response_format"),
+    ("INVALID_ARG", "sampling_parameters.extra_args.constraint.edges[3][1]: unknown token", "input", "constraint"),
+    ("INVALID_ARG", "input 'text_input' is empty", "input", "prompt"),
+    ("UNSUPPORTED", "HTTP end point doesn't support models with decoupled transaction policy", "input", None),
+    ("UNAVAILABLE", "Error generating stream: the engine died", "unavailable", None),
+    ("INTERNAL", "Error generating stream: boom", "unavailable", None),
+    ("NOT_FOUND", "Request for unknown model: 'demo-tiny' is not found", "unavailable", None),
+    ("CANCELLED", "Request was cancelled", "unavailable", None),
+])
+def test_triton_errors_map_to_engine_errors(code, message, kind, param):
+    """invalid argument -> 400 naming the field; unavailable, internal, a model gone -> 503 (docs/kserve.md)."""
+    from serving_image.engine.base import EngineInputError, EngineUnavailableError
+    from serving_image.engine.triton_adapter import engine_error
 
-    from serving_image.engine.triton_inprocess import TritonInProcessEngine
+    error = engine_error(code, message)
+    assert isinstance(error, EngineInputError if kind == "input" else EngineUnavailableError)
+    assert "Error generating stream" not in str(error)
+    if kind == "input":
+        assert error.param == param
 
-    with pytest.raises(ModuleNotFoundError, match="tritonserver"):
-        asyncio.run(TritonInProcessEngine.start(repository=Path("/nonexistent"), model_name="m", version="1",
-                                                tokenizer_path=Path("/nonexistent"), max_model_len=16))
+
+def test_embedded_triton_is_an_explicit_local_option(monkeypatch):
+    from serving_image.triton.runtime import OPENAI_ENGINE_ENV, RUNTIME_ENV, embedded_triton_selected
+
+    monkeypatch.delenv(RUNTIME_ENV, raising=False)
+    monkeypatch.delenv(OPENAI_ENGINE_ENV, raising=False)
+    assert not embedded_triton_selected()  # locally the default stays vLLM in the process
+    monkeypatch.setenv(OPENAI_ENGINE_ENV, "triton")
+    assert embedded_triton_selected()
+    monkeypatch.setenv(OPENAI_ENGINE_ENV, "tensorrt")
+    with pytest.raises(ValueError, match=OPENAI_ENGINE_ENV):
+        embedded_triton_selected()
+    monkeypatch.setenv(OPENAI_ENGINE_ENV, "vllm")
+    monkeypatch.setenv(RUNTIME_ENV, "triton")
+    assert embedded_triton_selected()  # the image always embeds Triton
 
 
 # -- standalone mode: the command line (the image's tritonserver and the local one take the same) -----------------
@@ -196,7 +220,8 @@ def test_standalone_start_reports_a_tritonserver_that_exits(tmp_path):
 
 def test_standalone_start_restarts_a_load_stuck_after_the_engine_was_ready(tmp_path):
     """tritonserver 2.51's Python backend can hang for good after the stand-in's engine reported ready (the launcher
-    waits for a stub that has answered). A fake tritonserver that logs the engine ready and never opens its ports:
+    waits for a stub that has answered). A fake tritonserver that logs the engine ready and a companion model loaded,
+    and never opens its ports:
     step 4 starts it again once, then fails naming the hang, and leaves no process behind (not even the child that
     the fake started, as a stub would be)."""
     import asyncio
@@ -213,10 +238,11 @@ def test_standalone_start_restarts_a_load_stuck_after_the_engine_was_ready(tmp_p
                     "sleep 3600 &\n"
                     "echo $! >> " + str(tmp_path / "children") + "\n"
                     "echo 'I1201 model.py:245] \"[vllm] engine ready for m: {}\"'\n"
+                    "echo 'I1201 model_lifecycle.cc:839] \"successfully loaded '\\''ranker'\\''\"'\n"
                     "wait\n")
     fake.chmod(0o755)
-    with pytest.raises(StuckLoadError, match="has not finished loading m 0s after the engine reported ready"):
-        asyncio.run(start_standalone(repository=tmp_path, models="m", version="1", http_port=1,
+    with pytest.raises(StuckLoadError, match="has not finished loading m, ranker 0s after the engine reported ready"):
+        asyncio.run(start_standalone(repository=tmp_path, models=("m", "ranker"), version="1", http_port=1,
                                      grpc_port=free_grpc_port(), metrics_port=1, binary=fake, stuck_after_s=0))
     assert starts.read_text().splitlines() == ["started", "started"]
     for pid in map(int, (tmp_path / "children").read_text().split()):
@@ -231,17 +257,21 @@ def free_grpc_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_image_runtime_generates_the_repository_before_starting_triton(demo_model_dir, tmp_path):
+def test_image_runtime_generates_the_repository_before_starting_triton(demo_model_dir, tmp_path, monkeypatch):
     """Step 4 in the image: the package's repository is generated under the workdir, then Triton is started on it
-    (which, here, stops at the missing tritonserver module)."""
+    in this process (which, here, stops at the image's missing libtritonserver, named)."""
     import asyncio
 
     from llm_serving.package import PackageSpec, build_package, open_package
-    from serving_image.triton.runtime import start_triton_engine
+    from serving_image.triton.capi import TritonLibraryError, library
+    from serving_image.triton.runtime import RUNTIME_ENV, start_triton_engine
 
+    monkeypatch.setenv(RUNTIME_ENV, "triton")
+    monkeypatch.delenv(library.LIBRARY_ENV, raising=False)
+    monkeypatch.setattr(library, "_loaded", None)  # another test of this session may have loaded the local one
     package = open_package(build_package(PackageSpec(demo_model_dir, "demo-tiny", "1.0.0",
                                                      engine_args={"max_model_len": 512}), tmp_path / "pkg"))
-    with pytest.raises(ModuleNotFoundError, match="tritonserver"):
+    with pytest.raises(TritonLibraryError, match="/opt/tritonserver/lib/libtritonserver.so"):
         asyncio.run(start_triton_engine(package, tmp_path / "work", 512))
     model_dir = tmp_path / "work" / "model-repository" / "demo-tiny"
     engine = json.loads((model_dir / "1" / "model.json").read_text())

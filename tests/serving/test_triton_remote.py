@@ -46,7 +46,7 @@ def _client(app) -> openai.AsyncOpenAI:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def paths(demo_model_dir):
-    from serving_image.engine.triton_remote import TritonRemoteEngine
+    from serving_image.engine.triton_adapter import RemoteTritonEngine
     from serving_image.engine.vllm_local import VllmLocalEngine
     from serving_image.kserve.frontends import start_kserve
     from serving_image.openai_api.app import create_app
@@ -54,7 +54,7 @@ async def paths(demo_model_dir):
     engine = await VllmLocalEngine.start(name=MODEL, version="1.0.0", model_path=demo_model_dir,
                                          tokenizer_path=demo_model_dir, args=dict(ENGINE_ARGS))
     kserve = await start_kserve(engine, None, host="127.0.0.1", grpc_port=free_port(), http_port=free_port())
-    remote = await TritonRemoteEngine.connect(url=f"127.0.0.1:{kserve.grpc_port}", model_name=MODEL,
+    remote = await RemoteTritonEngine.connect(url=f"127.0.0.1:{kserve.grpc_port}", model_name=MODEL,
                                               version="1.0.0", tokenizer_path=demo_model_dir,
                                               max_model_len=engine.info.max_model_len)
     direct_client, remote_client = _client(create_app(engine)), _client(create_app(remote))

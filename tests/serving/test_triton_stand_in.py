@@ -113,6 +113,8 @@ def test_makefile_installs_the_pinned_triton():
     assert re.search(rf"^TRITON_WHEEL := {re.escape(pin.distribution)}=={re.escape(pin.distribution_version)}$",
                      makefile, re.M)
     assert re.search(rf"^STUB_NUMPY := numpy=={re.escape(pin.stub_numpy)}$", makefile, re.M)
+    assert re.search(rf"^STUB_XGBOOST := xgboost=={re.escape(pin.stub_xgboost)}$", makefile, re.M)
+    assert re.search(rf"^STUB_SCIPY := scipy=={re.escape(pin.stub_scipy)}$", makefile, re.M)
     assert f"python_backend_stubs/{pin.python_backend_stub}/" in makefile
 
 

@@ -1,0 +1,113 @@
+"""What a Dockerfile's final stage says about the image's runtime: its ENV, USER, WORKDIR, EXPOSE and ENTRYPOINT.
+
+Read by the tests that hold serving_image/Dockerfile to the pod contract (llm_serving/pod_contract.py) and by the
+rehearsal, which runs the image's ENTRYPOINT over the image's own ENV. Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class DockerfileError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ImageFacts:
+    env: dict[str, str] = field(default_factory=dict)
+    user: str | None = None
+    workdir: str | None = None
+    exposed: tuple[int, ...] = ()
+    entrypoint: tuple[str, ...] = ()
+    cmd: tuple[str, ...] = ()
+    run: tuple[str, ...] = ()  # the final stage's RUN commands, as written
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(KEYWORD, rest) of every instruction, continuation lines joined, comments and parser directives dropped."""
+    out: list[tuple[str, str]] = []
+    current = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.startswith("#"):
+            continue
+        if not line and not current:
+            continue
+        if line.endswith("\\"):
+            current += line[:-1].strip() + " "
+            continue
+        full = (current + line).strip()
+        current = ""
+        if full:
+            keyword, _, rest = full.partition(" ")
+            out.append((keyword.upper(), rest.strip()))
+    if current.strip():
+        keyword, _, rest = current.strip().partition(" ")
+        out.append((keyword.upper(), rest.strip()))
+    return out
+
+
+def _exec_form(rest: str, keyword: str) -> tuple[str, ...]:
+    if not rest.startswith("["):
+        raise DockerfileError(f"{keyword} {rest!r}: only the exec (JSON) form is supported (a shell form would run "
+                              "under /bin/sh -c and not receive signals)")
+    try:
+        words = json.loads(rest)
+    except json.JSONDecodeError as err:
+        raise DockerfileError(f"{keyword} {rest!r}: not a JSON array ({err})") from None
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise DockerfileError(f"{keyword} {rest!r}: expected a JSON array of strings")
+    return tuple(words)
+
+
+def _env(rest: str, known: dict[str, str]) -> dict[str, str]:
+    words = shlex.split(rest)
+    if words and "=" not in words[0]:  # legacy `ENV KEY value`
+        return {words[0]: " ".join(words[1:])}
+    out = {}
+    for word in words:
+        key, sep, value = word.partition("=")
+        if not sep:
+            raise DockerfileError(f"ENV {rest!r}: {word!r} is not KEY=VALUE")
+        for name, val in {**known, **out}.items():  # ${VAR} of an earlier ENV
+            value = value.replace("${" + name + "}", val).replace("$" + name, val)
+        out[key] = value
+    return out
+
+
+def final_stage(text: str) -> ImageFacts:
+    """The facts of the last stage (after its last FROM)."""
+    items = instructions(text)
+    starts = [i for i, (k, _) in enumerate(items) if k == "FROM"]
+    if not starts:
+        raise DockerfileError("no FROM instruction")
+    env: dict[str, str] = {}
+    user = workdir = None
+    exposed: list[int] = []
+    entrypoint: tuple[str, ...] = ()
+    cmd: tuple[str, ...] = ()
+    run: list[str] = []
+    for keyword, rest in items[starts[-1] + 1:]:
+        if keyword == "ENV":
+            env.update(_env(rest, env))
+        elif keyword == "USER":
+            user = rest
+        elif keyword == "WORKDIR":
+            workdir = rest
+        elif keyword == "EXPOSE":
+            exposed += [int(p.split("/")[0]) for p in rest.split()]
+        elif keyword == "ENTRYPOINT":
+            entrypoint = _exec_form(rest, keyword)
+        elif keyword == "CMD":
+            cmd = _exec_form(rest, keyword)
+        elif keyword == "RUN":
+            run.append(rest)
+    return ImageFacts(env, user, workdir, tuple(exposed), entrypoint, cmd, tuple(run))
+
+
+def read(path: Path) -> ImageFacts:
+    return final_stage(Path(path).read_text())

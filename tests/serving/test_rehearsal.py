@@ -1,0 +1,360 @@
+"""The rehearsal's pieces (llm_serving_cli/rehearsal/, `make rehearse`), each small and fast: nothing here needs
+root, a namespace or a vLLM engine. The whole rehearsal runs in `make rehearse` (docs/rehearsal.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import boto3
+import pytest
+
+from llm_serving import dockerfile
+from llm_serving import pod_contract as pc
+from llm_serving_cli.rehearsal import kubelet, observe, podspec, render, storage, substitutions
+from llm_serving_cli.rehearsal.kubelet import PodRunner, ProbeState, backoff_s
+from llm_serving_cli.rehearsal.launcher import _hidden_ancestor
+from llm_serving_cli.rehearsal.podspec import PodPlan, Probe
+from llm_serving_cli.rehearsal.services import Endpoint, ServiceProxy
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGE = dockerfile.read(REPO / "serving_image" / "Dockerfile")
+
+
+@pytest.fixture(scope="module")
+def dev() -> render.Rendered:
+    """The dev stack as Pulumi would create it (the program under the mock runtime, in .venv-infra)."""
+    return render.render("dev-us-east-1")
+
+
+def _plans(rendered: render.Rendered, tmp_path: Path) -> list[PodPlan]:
+    def scratch(pod: str, volume: str) -> Path:
+        return tmp_path / pod / volume
+
+    plans = []
+    for dep in rendered.model_deployments():
+        plans += podspec.pod_plans(dep, IMAGE, {"model-cache": str(tmp_path / "fsx")}, scratch, tmp_path / "bin",
+                                   tmp_path / "nvidia_entrypoint.sh")
+    return plans
+
+
+# -- from the rendered Deployment to the pod's process ---------------------------------------------------------
+
+
+def test_the_pod_runs_the_images_entrypoint_with_exactly_the_rendered_env(dev, tmp_path):
+    (plan,) = _plans(dev, tmp_path)
+    (dep,) = dev.model_deployments()
+    container = dep["inputs"]["spec"]["template"]["spec"]["containers"][0]
+    rendered = {e["name"]: e["value"] for e in container["env"]}
+    assert plan.argv == list(IMAGE.entrypoint) and plan.argv[0] == pc.NVIDIA_ENTRYPOINT
+    assert plan.rendered_env == rendered
+    for name, value in rendered.items():  # the rendered env, unchanged, over everything else
+        assert plan.env[name] == value
+    # a substitution replaces an image value, never a rendered one
+    assert not set(substitutions.IMAGE_ENV_OVERRIDES) & set(rendered)
+    assert plan.env[pc.ENV_RUNTIME] == "local" and IMAGE.env[pc.ENV_RUNTIME] == "triton"
+    assert plan.env["PATH"].startswith(str(tmp_path / "bin"))
+    for name, value in IMAGE.env.items():
+        if name not in rendered and name not in substitutions.IMAGE_ENV_OVERRIDES:
+            assert plan.env[name] == value
+    assert (plan.uid, plan.gid, plan.groups) == (pc.RUN_AS_UID, pc.RUN_AS_UID, [pc.RUN_AS_UID])
+    assert plan.read_only_root and plan.no_new_privs
+    assert plan.workdir == IMAGE.workdir
+
+
+def test_the_pods_volumes_are_bound_at_their_mount_paths(dev, tmp_path):
+    (plan,) = _plans(dev, tmp_path)
+    mounts = {m.target: m for m in plan.mounts}
+    cache = mounts[pc.MODEL_CACHE_MOUNT]
+    assert (cache.kind, cache.source, cache.read_only) == ("bind", str(tmp_path / "fsx"), True)
+    assert mounts[pc.SHM_MOUNT].kind == "tmpfs" and mounts[pc.SHM_MOUNT].size == "16g"
+    for target in (pc.SCRATCH_MOUNT, pc.RUN_MOUNT, pc.CACHE_MOUNT):
+        assert mounts[target].kind == "bind" and not mounts[target].read_only
+        assert mounts[target].source == str(tmp_path / plan.name / mounts[target].volume)
+    assert mounts[pc.NVIDIA_ENTRYPOINT].source == str(tmp_path / "nvidia_entrypoint.sh")
+    # the package the env names lies below the model cache's mount: the pod reads it in place from "FSx"
+    assert plan.env[pc.ENV_PACKAGE].startswith(pc.MODEL_CACHE_MOUNT + "/")
+
+
+def test_probes_and_termination_are_the_rendered_ones(dev, tmp_path):
+    (plan,) = _plans(dev, tmp_path)
+    startup = plan.probes["startup"]
+    assert (startup.path, startup.port, startup.period_s, startup.failure_threshold) == (
+        pc.READY_PATH, pc.PORTS[pc.KSERVE_HTTP_PORT_NAME], 10, 30)  # loadTimeSeconds 300 / period 10
+    assert plan.probes["liveness"].path == pc.LIVE_PATH
+    assert podspec.startup_budget_s(startup) == 300
+    assert (plan.prestop_sleep_s, plan.grace_period_s) == (15, 120)
+
+
+def test_placement_is_reported_against_the_node_group(dev, tmp_path):
+    (plan,) = _plans(dev, tmp_path)
+    groups = [{"name": "gpu-l4", **g["inputs"], "taints": [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]}
+              for g in dev.of_type(render.NODE_GROUP) if "gpu" in g["name"]]
+    line = podspec.placement_report(plan, groups)
+    assert "would land on gpu-l4 (g6.2xlarge, g6.4xlarge)" in line
+    assert "1 GPU(s) requested, none can be granted on this machine" in line
+    assert "no node group" in podspec.placement_report(plan, [{"name": "system", "labels": {}}])
+
+
+def _deployment(**container) -> dict:
+    return {"inputs": {"metadata": {"name": "m", "namespace": "ns"}, "spec": {"replicas": 2, "template": {
+        "metadata": {"labels": {"a": "b"}},
+        "spec": {"securityContext": {"runAsUser": 5}, "containers": [{"name": "c", **container}],
+                 "volumes": [{"name": "hostpath", "hostPath": {"path": "/"}}]}}}}}
+
+
+@pytest.mark.parametrize(("container", "message"), [
+    ({"env": [{"name": "X", "valueFrom": {"secretKeyRef": {}}}]}, "env 'X' comes from ['valueFrom']"),
+    ({"volumeMounts": [{"name": "nope", "mountPath": "/x"}]}, "volumeMount 'nope' names no volume"),
+    ({"volumeMounts": [{"name": "hostpath", "mountPath": "/x"}]}, "volume 'hostpath' is of a kind"),
+    ({"readinessProbe": {"exec": {"command": ["true"]}}}, "only httpGet probes are rehearsed"),
+    ({"readinessProbe": {"httpGet": {"path": "/", "port": "web"}}}, "port 'web' is neither a number nor one of"),
+])
+def test_what_the_rehearsal_cannot_run_is_named(container, message, tmp_path):
+    with pytest.raises(podspec.PodSpecError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        podspec.pod_plans(_deployment(**container), IMAGE, {}, lambda p, v: tmp_path, tmp_path, tmp_path)
+
+
+def test_one_plan_per_replica(tmp_path):
+    plans = podspec.pod_plans(_deployment(), IMAGE, {}, lambda p, v: tmp_path, tmp_path, tmp_path)
+    assert [p.name for p in plans] == ["m-0", "m-1"] and plans[0].uid == 5
+
+
+def test_substitutions_are_listed_in_one_module():
+    listed = substitutions.substitutions(Path(sys.executable))
+    text = "\n".join(f"{s.what} {s.here}" for s in listed)
+    for needle in (pc.NVIDIA_ENTRYPOINT, pc.ENV_RUNTIME, "PATH", "GPU", "FSx", "moto"):
+        assert needle in text
+
+
+def test_a_hidden_ancestor_is_found(tmp_path):
+    """The topmost directory others cannot traverse: what the launcher covers with a traversable tmpfs."""
+    import os
+    import stat
+
+    hidden = tmp_path / "root"
+    (hidden / "tree").mkdir(parents=True)
+    hidden.chmod(0o700)
+    chain = [*list(reversed((hidden / "tree").parents))[1:], hidden / "tree"]
+    expected = next(p for p in chain if not os.stat(p).st_mode & stat.S_IXOTH)
+    assert _hidden_ancestor(hidden / "tree") == expected
+    assert expected in (hidden, *hidden.parents)
+
+
+# -- kubelet ---------------------------------------------------------------------------------------------------
+
+
+def test_back_off_doubles_from_ten_seconds_up_to_five_minutes():
+    assert [backoff_s(n) for n in range(8)] == [0, 10, 20, 40, 80, 160, 300, 300]
+
+
+def test_probe_thresholds():
+    probe = Probe("readiness", "/", 1, 1, failure_threshold=3, timeout_s=1, success_threshold=2)
+    state = ProbeState(probe)
+    assert [state.record(ok) for ok in (True, True, True, False, False, False, False, True, True)] == [
+        None, "pass", None, None, None, "fail", None, None, "pass"]
+    live = ProbeState(Probe("liveness", "/", 1, 1, failure_threshold=2, timeout_s=1), passing=True)
+    assert [live.record(ok) for ok in (False, True, False, False)] == [None, None, None, "fail"]
+
+
+_SERVER = textwrap.dedent('''
+    import http.server, signal, sys, time
+    delay, mode = float(sys.argv[2]), sys.argv[3]
+    started = time.monotonic()
+    if mode == "crash":
+        sys.exit(3)
+    if mode == "ignore-term":
+        signal.signal(signal.SIGTERM, lambda *a: print("SIGTERM ignored", flush=True))
+    else:
+        signal.signal(signal.SIGTERM, lambda *a: (print("SIGTERM: bye", flush=True), sys.exit(0)))
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            ok = time.monotonic() - started > delay
+            self.send_response(200 if ok else 503)
+            self.end_headers()
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+''')
+
+
+def _plan(port: int, mode: str, delay: float = 0.5, grace: float = 2, prestop: float = 0.3) -> PodPlan:
+    probe = dict(port=port, period_s=0.1, timeout_s=2)
+    return PodPlan(
+        name=f"pod-{mode}", deployment="d", namespace="ns", labels={"app": "x"},
+        argv=[sys.executable, "-c", _SERVER, str(port), str(delay), mode], env={}, rendered_env={}, mounts=[],
+        uid=0, gid=0, groups=[], read_only_root=False, no_new_privs=False, workdir="/", ports={"http": port},
+        probes={"startup": Probe("startup", "/", failure_threshold=600, **probe),  # 60 s: a loaded machine
+                "readiness": Probe("readiness", "/", failure_threshold=2, **probe),
+                "liveness": Probe("liveness", "/", failure_threshold=50, **probe)},
+        grace_period_s=grace, prestop_sleep_s=prestop)
+
+
+def _launch(plan: PodPlan, log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen(plan.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _until(predicate, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_pod_is_ready_only_by_its_probes_and_terminates_with_sigterm(tmp_path):
+    runner = PodRunner(_plan(_free_port(), "ok", delay=0.6), "127.0.0.1", _launch, tmp_path)
+    task = asyncio.create_task(runner.run())
+    await _until(lambda: runner.status.phase in ("Running", "Ready"))
+    assert not runner.status.ready or runner.status.ready_after_s >= 0.6
+    await _until(lambda: runner.status.ready)
+    assert runner.status.ready_after_s >= 0.6 and runner.status.restarts == 0
+    await runner.stop()
+    task.cancel()
+    events = " | ".join(runner.status.events)
+    assert "preStop: sleep" in events and "SIGTERM" in events and "SIGKILL" not in events
+    assert runner.process.returncode == 0 and runner.status.phase == "Terminated"
+
+
+async def test_a_crashing_container_is_restarted_with_back_off_and_reported(tmp_path):
+    waits = []
+    runner = PodRunner(_plan(_free_port(), "crash"), "127.0.0.1", _launch, tmp_path,
+                       backoff=lambda n: waits.append(n) or (0.05 * n))
+    task = asyncio.create_task(runner.run())
+    await _until(lambda: runner.status.restarts >= 3)
+    await runner.stop(fast=True)
+    task.cancel()
+    assert waits[:4] == [0, 1, 2, 3] and not runner.status.ready
+    assert runner.status.last_cause == "exited with status 3"
+
+
+async def test_a_container_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
+    runner = PodRunner(_plan(_free_port(), "ignore-term", delay=0, grace=1.0, prestop=0.2), "127.0.0.1", _launch,
+                       tmp_path)
+    task = asyncio.create_task(runner.run())
+    await _until(lambda: runner.status.ready)
+    started = time.monotonic()
+    await runner.stop()
+    task.cancel()
+    assert time.monotonic() - started >= 1.0  # the grace period counts the preStop hook
+    assert "SIGKILL after the 1s grace period" in " | ".join(runner.status.events)
+    assert runner.process.returncode == -9
+
+
+async def test_a_probe_against_nothing_fails_with_the_cause():
+    ok, detail = await kubelet.http_probe("127.0.0.1", Probe("readiness", "/", _free_port(), 1, 1, 0.5))
+    assert not ok and detail.startswith("connect 127.0.0.1:")
+
+
+# -- Services --------------------------------------------------------------------------------------------------
+
+
+async def test_a_service_forwards_to_ready_endpoints_only(tmp_path):
+    port = _free_port()
+    server = await asyncio.start_server(lambda r, w: (w.write(b"pong"), w.close()), "127.0.0.1", port)
+    ready: list[Endpoint] = []
+    proxy = ServiceProxy("svc", "127.0.0.1", [{"name": "http", "port": _free_port(), "targetPort": "http"}],
+                         lambda: ready)
+    await proxy.start()
+    listen = proxy.ports[0]["port"]
+    reader, writer = await asyncio.open_connection("127.0.0.1", listen)
+    assert await reader.read() == b"" and proxy.refused == 1  # no Ready pod: no endpoint
+    writer.close()
+    ready.append(Endpoint("p", "127.0.0.1", {"http": port}))
+    reader, writer = await asyncio.open_connection("127.0.0.1", listen)
+    assert await reader.read() == b"pong" and proxy.connections == 1
+    writer.close()
+    await proxy.close()
+    server.close()
+
+
+# -- observability ---------------------------------------------------------------------------------------------
+
+
+def test_the_podmonitor_becomes_the_operators_scrape_job(dev, tmp_path):
+    (pm,) = dev.of_type(render.POD_MONITOR)
+    (job,) = observe.scrape_config(pm["inputs"], tmp_path / "targets.json")
+    keeps = [r for r in job["relabel_configs"] if r["action"] == "keep"]
+    assert {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "action": "keep",
+            "regex": pc.METRICS_PORT_NAME} in keeps
+    assert any(r["source_labels"][0] == "__meta_kubernetes_pod_label_app_kubernetes_io_component" for r in keeps)
+    rendered = pm["inputs"]["spec"]["podMetricsEndpoints"][0]["relabelings"]
+    assert job["relabel_configs"][-len(rendered):] == [observe.relabeling(r) for r in rendered]
+    assert job["metrics_path"] == pc.METRICS_PATH
+    prom = observe.Prometheus(tmp_path / "prom", 9090)
+    config = prom.write_config([job], observe.rule_file([r["inputs"] for r in
+                                                         dev.of_type(render.PROMETHEUS_RULE)]))
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool (Debian's prometheus package) is installed by make serving-env"
+    result = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_pod_targets_carry_kubernetes_discovery_labels():
+    (metrics, openai) = observe.pod_targets("p-0", "ns", "10.0.0.2", {"app.kubernetes.io/name": "m"},
+                                            {"metrics": 8002, "openai": 9000}, ready=True)
+    assert metrics["targets"] == ["10.0.0.2:8002"]
+    assert metrics["labels"]["__meta_kubernetes_pod_label_app_kubernetes_io_name"] == "m"
+    assert metrics["labels"]["__meta_kubernetes_pod_container_port_name"] == "metrics"
+    with pytest.raises(ValueError, match="relabeling key 'bogus'"):
+        observe.relabeling({"bogus": 1})
+
+
+def test_keda_replicas():
+    assert observe.keda_replicas(None, 8, 1, 4) == 1
+    assert observe.keda_replicas(17, 8, 1, 4) == 3
+    assert observe.keda_replicas(1000, 8, 1, 4) == 4
+
+
+# -- the store and FSx -----------------------------------------------------------------------------------------
+
+
+def test_fsx_presents_the_associations_objects_at_its_path(tmp_path):
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        store = storage.Store(f"http://{host}:{port}", server)
+        s3 = store.client()
+        s3.create_bucket(Bucket="models-b")
+        for key in ("models/model-cache/m/1/package.toml", "models/model-cache/m/1/weights/w.bin",
+                    "models/packages/m/1.tar.gz", "other/x"):
+            s3.put_object(Bucket="models-b", Key=key, Body=key.encode())
+        count = storage.fsx_import(store, "s3://models-b/models/", "/models", tmp_path / "fsx")
+        assert count == 3
+        assert (tmp_path / "fsx" / "models" / "model-cache" / "m" / "1" / "weights" / "w.bin").read_text() == \
+            "models/model-cache/m/1/weights/w.bin"
+        assert not (tmp_path / "fsx" / "other").exists()
+        assert oct((tmp_path / "fsx" / "models").stat().st_mode & 0o777) == "0o755"
+        with pytest.raises(storage.StorageError, match="is not an s3:// URI"):
+            storage.fsx_import(store, "/models", "/models", tmp_path / "x")
+        assert isinstance(boto3.__version__, str)
+    finally:
+        server.stop()
+
+
+def test_the_stacks_fingerprint_must_be_the_packages(tmp_path):
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (model / "model.safetensors").write_bytes(b"\0" * 64)
+    models = [{"id": "m", "versions": [{"version": "1", "ioFingerprint": "sha256:" + "0" * 64,
+                                        "package": "s3://b/models/model-cache/m/1/"}]}]
+    with pytest.raises(storage.StorageError, match="the stack declares ioFingerprint sha256:0+, a vLLM package"):
+        storage.package_versions(models, model, tmp_path / "out")
