@@ -68,12 +68,16 @@ def main(argv: list[str] | None = None) -> int:
     modules = [m for m in MODULES if not args.only or m in args.only]
     args.out.mkdir(parents=True, exist_ok=True)
     sections, failed = [], []
+    # The machine's load while the benchmarks ran: the measured reason to read a missed ratio as noise or not (a
+    # shared 2-core machine with other work on it misses targets that it meets when idle).
+    loads: list[float] = []
     started = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task("benchmarks", total=len(modules))
         for name in modules:
             progress.update(task, description=f"running {name}")
+            loads.append(os.getloadavg()[0])
             t0 = time.perf_counter()
             try:
                 # By name, from MODULES above (bench's own modules): import-linter still sees each one's imports.
@@ -102,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         f"in {time.perf_counter() - started:.0f} s.",
         "",
         f"Machine: {machine()}.",
+        "",
+        f"Load average (1 min) as each benchmark started, on {os.cpu_count()} CPUs: "
+        f"{', '.join(f'{x:.1f}' for x in loads + [os.getloadavg()[0]])} (the last at the end). A load above the "
+        "number of CPUs means other work shared the machine: absolute numbers and the ratios of runs that did not "
+        "take turns suffer most.",
         "",
         "Every number is measured in this run, side by side with its baseline on the same machine; ratios are the",
         "figures to compare across machines. Absolute numbers vary with the machine and its load.",
