@@ -19,7 +19,10 @@ PR_SET_NO_NEW_PRIVS = 38
 
 
 def _mount(*args: str) -> None:
-    subprocess.run(["mount", *args], check=True, capture_output=True, text=True)
+    result = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if result.returncode != 0:  # the pod's log must say why, not only the status
+        raise OSError(f"mount {' '.join(args)} failed (status {result.returncode}): "
+                      f"{(result.stderr or result.stdout).strip()}")
 
 
 def _hidden_ancestor(path: Path) -> Path | None:
@@ -52,14 +55,41 @@ def make_readable(paths: list[str], staging: Path) -> None:
         _mount("-o", "remount,bind,ro", str(path))
 
 
-def apply_mounts(mounts: list[dict]) -> None:
-    for m in mounts:
+def _under(path: str, target: str) -> bool:
+    return path == target or path.startswith(target.rstrip("/") + "/")
+
+
+def mount_order(mounts: list[dict], keep_visible: list[str]) -> list[tuple[dict, list[str]]]:
+    """The volumes in the order to mount them, each with the paths to keep visible inside it: those that hide no
+    other volume's source and no kept path first, the hiding ones last."""
+    sources = [m["source"] for m in mounts if m["kind"] != "tmpfs"]
+
+    def hides(m: dict) -> bool:
+        return any(_under(p, m["target"]) for p in [*sources, *keep_visible] if p != m.get("source"))
+
+    ordered = [m for m in mounts if not hides(m)] + [m for m in mounts if hides(m)]
+    return [(m, [p for p in keep_visible if _under(p, m["target"])]) for m in ordered]
+
+
+def apply_mounts(mounts: list[dict], keep_visible: list[str]) -> None:
+    """Mount the pod's volumes. A volume's mountPath may be an ancestor of a path the pod still needs from this
+    machine: the scratch volume at /tmp hides a checkout under /tmp (its packages, the interpreter's environment) and
+    the sources of the other volumes there. So the volumes that hide nothing are mounted first, and a hiding one
+    last, carrying the paths to keep at their place inside it (bound into its source first, mounted recursively)."""
+    for m, kept in mount_order(mounts, keep_visible):
         target = m["target"]
         if m["kind"] == "tmpfs":
+            if kept:
+                raise OSError(f"the tmpfs volume at {target} would hide {', '.join(kept)}, which the pod needs from "
+                              "this machine: run the rehearsal from a checkout elsewhere")
             options = "mode=1777" + (f",size={m['size']}" if m.get("size") else "")
             _mount("-t", "tmpfs", "-o", options, "tmpfs", target)
         else:
-            _mount("--bind", m["source"], target)
+            for path in kept:
+                inner = Path(m["source"]) / os.path.relpath(path, target)
+                inner.mkdir(parents=True, exist_ok=True)
+                _mount("--rbind", path, str(inner))
+            _mount("--rbind", m["source"], target)
         if m.get("read_only"):
             _mount("-o", "remount,bind,ro", target)
 
@@ -69,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     plan = json.loads(Path(argv[0]).read_text())
     _mount("--make-rprivate", "/")
     make_readable(plan["readable"], Path(plan["staging"]))
-    apply_mounts(plan["mounts"])
+    apply_mounts(plan["mounts"], plan["readable"])
     if plan["read_only_root"]:
         _mount("-o", "remount,bind,ro", "/")
     if plan["no_new_privs"]:

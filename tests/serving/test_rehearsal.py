@@ -19,7 +19,7 @@ from llm_serving import dockerfile
 from llm_serving import pod_contract as pc
 from llm_serving_cli.rehearsal import kubelet, observe, podspec, render, storage, substitutions
 from llm_serving_cli.rehearsal.kubelet import PodRunner, ProbeState, backoff_s
-from llm_serving_cli.rehearsal.launcher import _hidden_ancestor
+from llm_serving_cli.rehearsal.launcher import _hidden_ancestor, mount_order
 from llm_serving_cli.rehearsal.podspec import PodPlan, Probe
 from llm_serving_cli.rehearsal.services import Endpoint, ServiceProxy
 
@@ -358,3 +358,23 @@ def test_the_stacks_fingerprint_must_be_the_packages(tmp_path):
                                         "package": "s3://b/models/model-cache/m/1/"}]}]
     with pytest.raises(storage.StorageError, match="the stack declares ioFingerprint sha256:0+, a vLLM package"):
         storage.package_versions(models, model, tmp_path / "out")
+
+
+def test_a_volume_that_would_hide_the_checkout_is_mounted_last_and_carries_it():
+    """A checkout under /tmp (a fresh clone there, as CI makes): the scratch volume's mountPath /tmp would hide the
+    repository, the interpreter's environment and the other volumes' sources. It is mounted after every other volume,
+    with the checkout kept at its place inside it; a volume that hides nothing keeps its position."""
+    mounts = [
+        {"kind": "bind", "source": "/tmp/clone/.cache/pods/p/scratch", "target": "/tmp"},
+        {"kind": "bind", "source": "/tmp/clone/.cache/pods/p/run", "target": "/var/run/llm-serving"},
+        {"kind": "tmpfs", "source": None, "target": "/dev/shm"},
+        {"kind": "bind", "source": "/tmp/clone/.cache/fsx", "target": "/mnt/model-cache", "read_only": True},
+    ]
+    order = mount_order(mounts, ["/tmp/clone", "/root/.pyenv/versions/3.11.7"])
+    assert [m["target"] for m, _ in order] == ["/var/run/llm-serving", "/dev/shm", "/mnt/model-cache", "/tmp"]
+    assert [kept for _, kept in order] == [[], [], [], ["/tmp/clone"]]
+    # A checkout elsewhere: nothing is hidden, the declared order stays.
+    order = mount_order([{**m, "source": m["source"] and m["source"].replace("/tmp/clone", "/work/clone")}
+                         for m in mounts], ["/work/clone"])
+    assert [m["target"] for m, _ in order] == ["/tmp", "/var/run/llm-serving", "/dev/shm", "/mnt/model-cache"]
+    assert all(kept == [] for _, kept in order)
