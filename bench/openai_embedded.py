@@ -11,11 +11,10 @@ between the two). Targets: throughput ratio >= 0.95, p99 TTFT ratio <= 1.1; the 
 from __future__ import annotations
 
 import pathlib
-import statistics
 import tempfile
 
-from bench.openai_frontend import CPU_METRICS, INPUT_LEN, METRICS, NUM_PROMPTS, OUTPUT_LEN, ROUNDS, measure
-from bench.report import demo_model, main, ratio_plot, ratio_table, ratios, result
+from bench.openai_frontend import INPUT_LEN, NUM_PROMPTS, OUTPUT_LEN, ROUNDS, measure, summarise
+from bench.report import demo_model, main, ratio_plot, ratio_table, result
 
 EMBEDDED = {"LLM_SERVING_OPENAI_ENGINE": "triton"}
 
@@ -23,12 +22,7 @@ EMBEDDED = {"LLM_SERVING_OPENAI_ENGINE": "triton"}
 def run(out_dir: pathlib.Path, rounds: int = ROUNDS) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-openai-embedded-") as tmp:
         results = measure(demo_model(), pathlib.Path(tmp), extra_env=EMBEDDED, rounds=rounds)
-    shown = METRICS + CPU_METRICS
-    ours = {m: statistics.median(r[m] for r in results["llm-serving"]) for m in shown}
-    base = {m: statistics.median(r[m] for r in results["vllm"]) for m in shown}
-    ratio = ratios(ours, base)
-    verdict_tp = "met" if ratio["request_throughput"] >= 0.95 else "missed"
-    verdict_ttft = "met" if ratio["p99_ttft_ms"] <= 1.1 else "missed"
+    ours, base, ratio, verdict_tp, verdict_ttft = summarise(results)
     lines = [
         f"vLLM's serving benchmark, random dataset, {INPUT_LEN} in / {OUTPUT_LEN} out, {NUM_PROMPTS} prompts; the "
         f"OpenAI front-end over the embedded Triton and vLLM's own server alternate ({rounds} rounds each, medians "

@@ -11,7 +11,7 @@ ships. Behaves as Triton does for its vLLM model, a decoupled model (docs/kserve
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -24,6 +24,7 @@ from serving_image.kserve.service import (
     KServeModelService,
     ModelNotFound,
 )
+from serving_image.kserve.stream_fan_in import fan_in
 from serving_image.kserve.tensors import Tensor, TensorError, decode_grpc_input, to_grpc_output
 from serving_image.kserve.translate import GenerateCall, KServeInputError
 
@@ -120,22 +121,18 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, DECOUPLED_GRPC_MESSAGE)
 
     async def ModelStreamInfer(self, request_iterator, context):
-        queue: asyncio.Queue = asyncio.Queue()
-        tasks: set[asyncio.Task] = set()
-        done = object()
-
-        async def one(request: service_pb2.ModelInferRequest) -> None:
+        async def one(request: service_pb2.ModelInferRequest, emit) -> None:
             request_id = request.id
             try:
                 self.service.check_model(request.model_name, request.model_version)
                 tensors, parameters, outputs = decode_request(request)
                 call = self.service.parse(tensors, parameters, outputs, request_id)
             except ModelNotFound as exc:
-                await queue.put(_error(request_id, str(exc)))
+                await emit(_error(request_id, str(exc)))
                 return
             except KServeInputError as exc:
                 self.service.observe_rejected()
-                await queue.put(_error(request_id, str(exc)))
+                await emit(_error(request_id, str(exc)))
                 return
             empty_final = _parameter_value(request.parameters["triton_enable_empty_final_response"]) is True \
                 if "triton_enable_empty_final_response" in request.parameters else False
@@ -143,44 +140,24 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 async for result in results:
                     final = result.final and not empty_final
-                    await queue.put(service_pb2.ModelStreamInferResponse(infer_response=encode_response(
+                    await emit(service_pb2.ModelStreamInferResponse(infer_response=encode_response(
                         call, result.tensors, final, request.model_name, request_id)))
                 if empty_final:
                     response = service_pb2.ModelInferResponse(model_name=request.model_name,
                                                               model_version=TRITON_MODEL_VERSION, id=request_id)
                     response.parameters["triton_final_response"].bool_param = True
-                    await queue.put(service_pb2.ModelStreamInferResponse(infer_response=response))
+                    await emit(service_pb2.ModelStreamInferResponse(infer_response=response))
             except (KServeInputError, EngineUnavailableError) as exc:
-                await queue.put(_error(request_id, str(exc)))
+                await emit(_error(request_id, str(exc)))
             except Exception as exc:  # anything else still ends this request with an answer, never a silent hang
                 log.exception("request %s failed", request_id)
-                await queue.put(_error(request_id, f"internal error: {type(exc).__name__}: {exc}"))
+                await emit(_error(request_id, f"internal error: {type(exc).__name__}: {exc}"))
             finally:
                 await results.aclose()
 
-        async def reader() -> None:
-            try:
-                async for request in request_iterator:
-                    task = asyncio.create_task(one(request))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                while tasks:
-                    await asyncio.gather(*list(tasks), return_exceptions=True)
-            finally:
-                await queue.put(done)
-
-        read = asyncio.create_task(reader())
-        try:
-            while True:
-                item = await queue.get()
-                if item is done:
-                    break
-                yield item
-        finally:
-            read.cancel()
-            for task in list(tasks):
-                task.cancel()  # the client went away: each task's finally aborts its engine request
-            await asyncio.gather(read, *tasks, return_exceptions=True)
+        async with contextlib.aclosing(fan_in(request_iterator, one)) as responses:
+            async for response in responses:
+                yield response
 
 
 def _error(request_id: str, message: str) -> service_pb2.ModelStreamInferResponse:

@@ -16,7 +16,7 @@ model, its error messages, and every model of the repository (not only the LLM).
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 import struct
 from collections.abc import Callable
@@ -28,6 +28,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from serving_image.kserve.grpc_server import MAX_MESSAGE_BYTES
 from serving_image.kserve.service import DECOUPLED_GRPC_MESSAGE
+from serving_image.kserve.stream_fan_in import fan_in
 from serving_image.triton.capi import ErrorCode, TritonError
 from serving_image.triton.capi.inference import NUMPY_DTYPES, Input, infer
 
@@ -193,54 +194,30 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return answer or infer_response(request.model_name, request.model_version, request.id, {}, None)
 
     async def ModelStreamInfer(self, request_iterator, context):
-        queue: asyncio.Queue = asyncio.Queue()
-        tasks: set[asyncio.Task] = set()
-        done = object()
-
-        async def one(request: service_pb2.ModelInferRequest) -> None:
+        async def one(request: service_pb2.ModelInferRequest, emit) -> None:
             request_id = request.id
             empty_final = _parameter_value(request.parameters["triton_enable_empty_final_response"]) is True \
                 if "triton_enable_empty_final_response" in request.parameters else False
             try:
                 stream = self._send(request)
             except (TritonError, RequestError) as exc:
-                await queue.put(_error(request_id, str(exc)))
+                await emit(_error(request_id, str(exc)))
                 return
             try:
                 async for response in stream:
                     if response.error is not None:
-                        await queue.put(_error(request_id, response.error.message))
+                        await emit(_error(request_id, response.error.message))
                         continue
                     if response.outputs or response.final and empty_final:
-                        await queue.put(service_pb2.ModelStreamInferResponse(infer_response=infer_response(
+                        await emit(service_pb2.ModelStreamInferResponse(infer_response=infer_response(
                             request.model_name, request.model_version, request_id, response.outputs,
                             response.final)))
             finally:
                 stream.cancel()  # the stream went away before the request finished: Triton cancels it
 
-        async def reader() -> None:
-            try:
-                async for request in request_iterator:
-                    task = asyncio.create_task(one(request))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                while tasks:
-                    await asyncio.gather(*list(tasks), return_exceptions=True)
-            finally:
-                await queue.put(done)
-
-        read = asyncio.create_task(reader())
-        try:
-            while True:
-                item = await queue.get()
-                if item is done:
-                    break
-                yield item
-        finally:
-            read.cancel()
-            for task in list(tasks):
-                task.cancel()
-            await asyncio.gather(read, *tasks, return_exceptions=True)
+        async with contextlib.aclosing(fan_in(request_iterator, one)) as responses:
+            async for response in responses:
+                yield response
 
 
 def _error(request_id: str, message: str) -> service_pb2.ModelStreamInferResponse:
