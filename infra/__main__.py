@@ -69,7 +69,8 @@ models = {}
 for model in cfg.models:
     served = ModelServing(ctx, model).served
     models[model.id] = ModelOutputs(
-        strategy=served.strategy, region=cfg.region, versions=served.versions, active_version=served.active_version,
+        kind=served.kind, strategy=served.strategy, region=cfg.region, versions=served.versions,
+        active_version=served.active_version,
         route_weights=served.route_weights, replicas=served.replicas, endpoints=served.endpoints,
         version_endpoints=served.version_endpoints,
     ).model_dump(by_alias=True)

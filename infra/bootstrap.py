@@ -6,7 +6,7 @@ every CustomResourceDefinition exists before a custom resource of its kind ("no 
     Gateway API CRDs + Envoy Gateway's CRDs (gateway-crds-helm)  -> Envoy Gateway (gateway-helm) -> GatewayClass
     Prometheus Operator (kube-prometheus-stack, in the monitoring namespace) -> PodMonitor, PrometheusRule
     Karpenter's CRDs (karpenter-crd) -> Karpenter (controller, EKS Pod Identity) -> EC2NodeClass + NodePool per
-        GPU node group
+        GPU node group and per CPU node group
     cert-manager (+ its CRDs) -> ClusterIssuer (ACME DNS-01 on the stack's Route53 zone) -> Certificate for the
         model hostnames, the Gateway's TLS secret
     (infra/serving_platform.py: the Certificate in the serving namespace, the Gateway waits for it)
@@ -38,9 +38,10 @@ import pulumi_aws as aws
 import pulumi_kubernetes as k8s
 
 from infra.charts import CHARTS
-from infra.cluster import GPU_TAINT, block_devices, gpu_node_labels
+from infra.cluster import GPU_TAINT, block_devices, cpu_node_labels, gpu_node_labels
 from infra.config import StackConfig
 from infra.iam import policy_document, role_with_policy
+from infra.instances import INSTANCE_FACTS
 from infra.naming import platform_labels
 
 GATEWAY_NAMESPACE = "envoy-gateway-system"
@@ -87,6 +88,13 @@ def node_pool_gpu_limit(group) -> int:
     """The GPUs a NodePool may add on top of its node group's nodes (desiredSize, which nothing else moves): the
     group's maxSize stays the total cap."""
     return (group.scaling.max_size - group.scaling.desired_size) * group.gpus_per_node
+
+
+def node_pool_cpu_limit(group) -> int:
+    """The vCPUs a CPU group's NodePool may add on top of its node group's nodes: (maxSize - desiredSize) nodes of
+    its largest type, so the pool stays within the group's maxSize nodes."""
+    return (group.scaling.max_size - group.scaling.desired_size) * max(
+        INSTANCE_FACTS[t].vcpus for t in group.instance_types)
 
 
 def karpenter_block_devices(ami_type: str, disk_size_gib: int) -> list[dict]:
@@ -266,6 +274,43 @@ class ClusterBootstrap(pulumi.ComponentResource):
                     },
                     "limits": {"nvidia.com/gpu": str(node_pool_gpu_limit(group))},
                     # Only empty nodes go: consolidating busy ones would evict model servers mid-request.
+                    "disruption": {"consolidationPolicy": "WhenEmpty", "consolidateAfter": "10m"},
+                },
+                opts=self._k8s([crds, controller, node_class])))
+        for group in cfg.cluster.cpu_node_groups:
+            # The models without GPUs (infra.config cpuNodeGroups): the same pool shape without the GPU taint.
+            node_class = k8s.apiextensions.CustomResource(
+                f"{self._name}-nodeclass-cpu-{group.name}", api_version="karpenter.k8s.aws/v1", kind="EC2NodeClass",
+                metadata={"name": f"cpu-{group.name}", "labels": platform_labels("node-autoscaling")},
+                spec={
+                    "role": args.node_role_name,
+                    "amiSelectorTerms": [{"alias": ami_alias(group.ami_type)}],
+                    "subnetSelectorTerms": [{"id": s} for s in args.private_subnet_ids],
+                    "securityGroupSelectorTerms": [{"id": args.node_security_group_id}],
+                    "metadataOptions": {"httpEndpoint": "enabled", "httpTokens": "required",
+                                        "httpPutResponseHopLimit": 1},
+                    "blockDeviceMappings": karpenter_block_devices(group.ami_type, group.disk_size_gib),
+                    "tags": {**args.tags, "Name": f"{cfg.environment}-cpu-{group.name}"},
+                },
+                opts=self._k8s([crds, controller]))
+            pools.append(k8s.apiextensions.CustomResource(
+                f"{self._name}-nodepool-cpu-{group.name}", api_version="karpenter.sh/v1", kind="NodePool",
+                metadata={"name": f"cpu-{group.name}", "labels": platform_labels("node-autoscaling")},
+                spec={
+                    "template": {
+                        "metadata": {"labels": cpu_node_labels(group)},
+                        "spec": {
+                            "nodeClassRef": {"group": "karpenter.k8s.aws", "kind": "EC2NodeClass",
+                                             "name": f"cpu-{group.name}"},
+                            "requirements": [
+                                {"key": "node.kubernetes.io/instance-type", "operator": "In",
+                                 "values": list(group.instance_types)},
+                                {"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["on-demand"]},
+                            ],
+                            "expireAfter": "720h",
+                        },
+                    },
+                    "limits": {"cpu": str(node_pool_cpu_limit(group))},
                     "disruption": {"consolidationPolicy": "WhenEmpty", "consolidateAfter": "10m"},
                 },
                 opts=self._k8s([crds, controller, node_class])))

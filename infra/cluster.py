@@ -1,4 +1,4 @@
-"""EKS cluster, its system node group and GPU managed node groups, IRSA's OIDC provider and the Kubernetes provider.
+"""EKS cluster, its system, GPU and CPU managed node groups, IRSA's OIDC provider and the Kubernetes provider.
 
 Built from `aws.eks.*` resources inside this component rather than `pulumi_eks`: its components are implemented in
 another language and register as one opaque resource under the mock runtime, hiding the node groups from tests and
@@ -14,9 +14,9 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_kubernetes as k8s
 
-from infra.config import ClusterConfig, GpuNodeGroupConfig
+from infra.config import ClusterConfig, CpuNodeGroupConfig, GpuNodeGroupConfig
 from infra.iam import role_with_policy, service_trust
-from infra.naming import GPU_NODE_GROUP_LABEL, POOL_LABEL
+from infra.naming import CPU_NODE_GROUP_LABEL, GPU_NODE_GROUP_LABEL, POOL_LABEL
 
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}
 SYSTEM_AMI = "AL2023_x86_64_STANDARD"
@@ -55,6 +55,12 @@ def gpu_node_labels(group: GpuNodeGroupConfig) -> dict[str, str]:
         # The device plugin DaemonSet selects on this: only AMIs without NVIDIA's plugin get ours.
         "llm-serving/device-plugin": "program" if group.needs_device_plugin else "ami",
     }
+
+
+def cpu_node_labels(group: CpuNodeGroupConfig) -> dict[str, str]:
+    """A CPU node group's nodes: the models without GPUs select them by CPU_NODE_GROUP_LABEL (no taint: nothing
+    on them is scarce enough to keep other pods off)."""
+    return {**group.labels, POOL_LABEL: "cpu", CPU_NODE_GROUP_LABEL: group.name}
 
 
 def _kubeconfig(name: pulumi.Output[str], endpoint: pulumi.Output[str], ca: pulumi.Output[str],
@@ -175,6 +181,8 @@ class Cluster(pulumi.ComponentResource):
         self.node_groups = {"system": system}
         for group in cfg.gpu_node_groups:
             self.node_groups[group.name] = self._gpu_node_group(name, group, cluster, node_role, args)
+        for group in cfg.cpu_node_groups:
+            self.node_groups[group.name] = self._cpu_node_group(name, group, cluster, node_role, args)
         self.addons = {}
         for addon in ADDONS:
             settings = ADDON_CONFIGURATION.get(addon)
@@ -230,3 +238,30 @@ class Cluster(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self, ignore_changes=["scalingConfig.desiredSize"]),
         )
 
+
+    def _cpu_node_group(self, name: str, group: CpuNodeGroupConfig, cluster: aws.eks.Cluster,
+                        node_role: aws.iam.Role, args: ClusterArgs) -> aws.eks.NodeGroup:
+        """A managed node group for models without GPUs: like a GPU group (same role, launch template rules,
+        on-demand capacity, Karpenter above its desiredSize), without the GPU taint and the NVIDIA AMI."""
+        full = f"{name}-cpu-{group.name}"
+        template = aws.ec2.LaunchTemplate(full, update_default_version=True, tags=args.tags,
+                                          opts=pulumi.ResourceOptions(parent=self),
+                                          **launch_template_args(full, group.disk_size_gib, args.tags,
+                                                                 group.ami_type))
+        return aws.eks.NodeGroup(
+            full,
+            cluster_name=cluster.name,
+            node_group_name_prefix=f"cpu-{group.name}-",
+            node_role_arn=node_role.arn,
+            subnet_ids=args.private_subnet_ids,
+            ami_type=group.ami_type,
+            instance_types=group.instance_types,
+            capacity_type="ON_DEMAND",
+            scaling_config={"min_size": group.scaling.min_size, "max_size": group.scaling.max_size,
+                            "desired_size": group.scaling.desired_size},
+            launch_template={"id": template.id, "version": template.latest_version.apply(str)},
+            labels=cpu_node_labels(group),
+            update_config={"max_unavailable": 1},
+            tags={**args.tags, "k8s.io/cluster-autoscaler/node-template/label/" + CPU_NODE_GROUP_LABEL: group.name},
+            opts=pulumi.ResourceOptions(parent=self, ignore_changes=["scalingConfig.desiredSize"]),
+        )

@@ -17,7 +17,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from infra.instances import INSTANCE_FACTS, MIN_IMAGE_VOLUME_GIB
+from llm_serving.manifest import Backend
 from llm_serving.pod_contract import PodContractError, package_uri, parse_package_uri
+from llm_serving.tensor_contract import VLLM_IO_FINGERPRINT
 
 PROJECT = "llm-serving"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -168,6 +170,35 @@ class GpuNodeGroupConfig(_Camel):
         return self.ami_type in AMIS_WITHOUT_DEVICE_PLUGIN
 
 
+# AMIs for CPU node groups: EKS-optimised, without the NVIDIA driver (there is no GPU to drive).
+CpuAmiType = Literal["AL2023_x86_64_STANDARD", "AL2023_ARM_64_STANDARD", "BOTTLEROCKET_x86_64",
+                     "BOTTLEROCKET_ARM_64"]
+
+
+class CpuNodeGroupConfig(_Camel):
+    """A node group without GPUs for the models that need none (a non-LLM model such as the XGBoost ranker, an
+    ensemble of such models): a managed node group and a Karpenter NodePool like a GPU group's, without the GPU
+    taint, labelled `llm-serving/cpu-node-group: <name>`."""
+
+    name: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,18}[a-z0-9])?$")
+    instance_types: list[str] = Field(min_length=1)
+    ami_type: CpuAmiType = "AL2023_x86_64_STANDARD"
+    scaling: ScalingConfig
+    # The serving image (Triton with vLLM) is the same on every model node: the same room for two of its versions.
+    disk_size_gib: int = Field(default=200, ge=MIN_IMAGE_VOLUME_GIB, le=16384)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("instance_types")
+    @classmethod
+    def _cpu_instances(cls, v: list[str]) -> list[str]:
+        _known_instance_types(v)
+        gpus = [t for t in v if t.split(".")[0] in GPU_INSTANCE_FAMILIES or INSTANCE_FACTS[t].gpus]
+        if gpus:
+            raise ValueError(f"{gpus} have GPUs; a CPU node group lists instance types without GPUs (GPU types "
+                             f"belong in gpuNodeGroups)")
+        return v
+
+
 def _narrow_cidr(v: str, widest: int) -> str:
     import ipaddress
 
@@ -204,6 +235,7 @@ class ClusterConfig(_Camel):
     endpoint_public_access: bool = False
     system_node_group: SystemNodeGroupConfig = SystemNodeGroupConfig()
     gpu_node_groups: list[GpuNodeGroupConfig] = Field(min_length=1)
+    cpu_node_groups: list[CpuNodeGroupConfig] = Field(default_factory=list)
     # "auto": install NVIDIA's device plugin for the node groups whose AMI lacks it; "never": the operator runs it.
     device_plugin: Literal["auto", "never"] = "auto"
 
@@ -213,6 +245,13 @@ class ClusterConfig(_Camel):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"gpuNodeGroups: duplicate names {dupes}")
+        cpu = [g.name for g in self.cpu_node_groups]
+        dupes = sorted({n for n in cpu if cpu.count(n) > 1})
+        if dupes:
+            raise ValueError(f"cpuNodeGroups: duplicate names {dupes}")
+        both = sorted(set(names) & set(cpu))
+        if both:
+            raise ValueError(f"cpuNodeGroups: {both} also name GPU node groups; a node group name means one pool")
         return self
 
 
@@ -280,6 +319,13 @@ class ServingConfig(_Camel):
 # -- models ------------------------------------------------------------------------------------------------------
 
 
+class PackageRef(_Camel):
+    """A published package by (model id, version): `model-cache/<id>/<version>/` under the model prefix."""
+
+    id: str = Field(pattern=_ID_RE)
+    version: str = Field(pattern=_VERSION_RE)
+
+
 class ModelVersion(_Camel):
     version: str = Field(pattern=_VERSION_RE)
     # The published package directory on the model cache,
@@ -292,6 +338,19 @@ class ModelVersion(_Camel):
     # output of an earlier update). Without it the version runs the image this update builds. Pinning the active
     # version and adding a candidate with the same package is how a new serving image goes red-black (§4).
     image: str | None = Field(default=None, pattern=r"^sha256:[0-9a-f]{64}$")
+    # An ensemble's step models, served by the same Triton in the same pod (a Triton ensemble only calls models of
+    # its own server): each a published package by (id, version), as the ensemble's manifest names them
+    # ([ensemble] steps). Only for `kind: ensemble`.
+    steps: list[PackageRef] = Field(default_factory=list)
+
+    @field_validator("steps")
+    @classmethod
+    def _unique_steps(cls, v: list[PackageRef]) -> list[PackageRef]:
+        ids = [s.id for s in v]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"names the model(s) {dupes} twice; a server serves one version of each step model")
+        return v
 
 
 class GpuShape(_Camel):
@@ -304,10 +363,21 @@ class AutoscalingConfig(_Camel):
     target_queue_depth: int | None = Field(default=None, ge=1, le=1000)
 
 
+# A model's kind: its packages' `model.backend` (llm_serving.manifest.Backend; docs/architecture.md §3.4, "Model
+# kinds"): `vllm` (an LLM), `python` (a Python-backend model, e.g. the XGBoost ranker), `ensemble`.
+ModelKind = Literal["vllm", "python", "ensemble"]
+assert set(ModelKind.__args__) == {b.value for b in Backend}, "the stack's model kinds are the manifest's backends"
+
+
 class ModelConfig(_Camel):
     id: str = Field(pattern=_ID_RE)
+    kind: ModelKind
     replicas: int = Field(ge=1, le=500)
-    gpu: GpuShape
+    # GPUs per pod and their node group; without it the model runs on the CPU node group `nodeGroup`.
+    gpu: GpuShape | None = None
+    node_group: str | None = None
+    # A CPU model's pod gets 1/podsPerNode of what the smallest instance type of its node group leaves to pods.
+    pods_per_node: int | None = Field(default=None, ge=1, le=64)
     strategy: Literal["red-black", "versioned"]
     versions: list[ModelVersion] = Field(min_length=1)
     active: str | None = None
@@ -316,6 +386,45 @@ class ModelConfig(_Camel):
     # The startupProbe's budget: how long the engine may take to load the weights from the model cache.
     load_time_seconds: int = Field(default=600, ge=30, le=7200)
     autoscaling: AutoscalingConfig | None = None
+
+    @model_validator(mode="after")
+    def _placement_and_kind(self) -> ModelConfig:
+        if self.gpu is not None:
+            for key in ("node_group", "pods_per_node"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{_camel(key)}: a model with gpu names its node group in gpu.nodeGroup and is "
+                                     f"sized by gpu.count; {_camel(key)} is only for a model without gpu")
+        elif self.node_group is None:
+            raise ValueError("nodeGroup: a model without gpu names the CPU node group it runs on "
+                             "(cluster.cpuNodeGroups), or give gpu: {nodeGroup, count}")
+        if self.kind == "vllm" and self.gpu is None:
+            raise ValueError("gpu: a vllm model (an LLM) runs on GPUs (NVIDIA's vLLM backend); give gpu: "
+                             "{nodeGroup, count}")
+        for j, v in enumerate(self.versions):
+            if self.kind == "vllm" and v.io_fingerprint != VLLM_IO_FINGERPRINT:
+                raise ValueError(f"versions[{j}].ioFingerprint: {v.io_fingerprint} is not the vLLM tensor contract's "
+                                 f"({VLLM_IO_FINGERPRINT}), which every vllm package has "
+                                 f"(llm_serving/tensor_contract.py); a package of another kind is not kind: vllm")
+            if self.kind == "ensemble" and not v.steps:
+                raise ValueError(f"versions[{j}].steps: an ensemble's pod serves its step models too; list each by "
+                                 f"id and version (its manifest's [ensemble] steps)")
+            if self.kind != "ensemble" and v.steps:
+                raise ValueError(f"versions[{j}].steps: only an ensemble (kind: ensemble) serves step models; this "
+                                 f"model is kind: {self.kind}")
+            if any(s.id == self.id for s in v.steps):
+                raise ValueError(f"versions[{j}].steps: {self.id!r} is the ensemble itself; a step is another "
+                                 f"package")
+        return self
+
+    @property
+    def gpus(self) -> int:
+        """GPUs per pod: 0 for a model on a CPU node group."""
+        return self.gpu.count if self.gpu is not None else 0
+
+    @property
+    def placement(self) -> str:
+        """The name of the node group the model's pods run on (a GPU group, or a CPU group without gpu)."""
+        return self.gpu.node_group if self.gpu is not None else self.node_group  # type: ignore[return-value]
 
     @model_validator(mode="after")
     def _strategy_fields(self) -> ModelConfig:
@@ -400,11 +509,23 @@ class StackConfig(_Camel):
         if dupes:
             raise ValueError(f"models: duplicate model ids {dupes}")
         groups = {g.name: g for g in self.cluster.gpu_node_groups}
+        cpu_groups = {g.name: g for g in self.cluster.cpu_node_groups}
         for i, model in enumerate(self.models):
+            if model.gpu is None:
+                if model.node_group in groups:
+                    raise ValueError(f"models[{i}].nodeGroup: {model.node_group!r} is a GPU node group; a model "
+                                     f"without gpu runs on a CPU node group (cluster.cpuNodeGroups: "
+                                     f"{sorted(cpu_groups) or 'none'})")
+                if model.node_group not in cpu_groups:
+                    raise ValueError(f"models[{i}].nodeGroup: {model.node_group!r} is not a CPU node group; "
+                                     f"allowed: {sorted(cpu_groups) or 'none (add cluster.cpuNodeGroups)'}")
+                continue
             group = groups.get(model.gpu.node_group)
             if group is None:
-                raise ValueError(f"models[{i}].gpu.nodeGroup: {model.gpu.node_group!r} is not a GPU node group; "
-                                 f"allowed: {sorted(groups)}")
+                hint = " (a CPU node group; a model with gpu runs on a GPU node group)" if (
+                    model.gpu.node_group in cpu_groups) else ""
+                raise ValueError(f"models[{i}].gpu.nodeGroup: {model.gpu.node_group!r} is not a GPU node group"
+                                 f"{hint}; allowed: {sorted(groups)}")
             if model.gpu.count > group.gpus_per_node:
                 raise ValueError(f"models[{i}].gpu.count: {model.gpu.count} GPUs do not fit on one node of "
                                  f"{group.name!r} ({group.gpus_per_node} GPUs per node)")
@@ -431,6 +552,16 @@ class StackConfig(_Camel):
         if self.region in [r.region for r in self.model_storage.replica_regions]:
             raise ValueError(f"modelStorage.replicaRegions: {self.region} is this stack's own region")
         return self
+
+    def node_group(self, model: ModelConfig) -> GpuNodeGroupConfig | CpuNodeGroupConfig:
+        """The node group a (validated) model runs on."""
+        groups = self.cluster.gpu_node_groups if model.gpu is not None else self.cluster.cpu_node_groups
+        return next(g for g in groups if g.name == model.placement)
+
+    def step_package_uri(self, step: PackageRef) -> str:
+        """Where an ensemble's step package is published (the home region's bucket, `llm-serving publish`'s key)."""
+        return package_uri(self.bucket_name(self.home_region), self.model_storage.model_prefix, step.id,
+                           step.version)
 
     @property
     def is_home_region(self) -> bool:

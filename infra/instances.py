@@ -43,11 +43,14 @@ class Allocatable:
 # vCPUs, memory (GiB), GPUs, GPU memory (GiB per GPU): AWS's instance type pages (EC2 accelerated computing and
 # general purpose). Changing or adding a row is a reviewed change; tests check every shipped type is here.
 INSTANCE_FACTS: dict[str, InstanceFacts] = {
-    # CPU: system node groups.
+    # CPU: system node groups, and CPU node groups for models without GPUs (compute optimised c7i).
     "m7i.large": InstanceFacts(2, 8),
     "m7i.xlarge": InstanceFacts(4, 16),
     "m7i.2xlarge": InstanceFacts(8, 32),
     "m7i.4xlarge": InstanceFacts(16, 64),
+    "c7i.xlarge": InstanceFacts(4, 8),
+    "c7i.2xlarge": InstanceFacts(8, 16),
+    "c7i.4xlarge": InstanceFacts(16, 32),
     # NVIDIA A10G (24 GB).
     "g5.xlarge": InstanceFacts(4, 16, 1, 24, "A10G"),
     "g5.2xlarge": InstanceFacts(8, 32, 1, 24, "A10G"),
@@ -129,11 +132,11 @@ class PodShare:
         """The container's `resources`: CPU and memory requests, memory limited to the request (a model server
         that grows past its share would take the memory of the node's other GPUs' pods), no CPU limit (CFS
         throttling stalls the engine's scheduler loop; requests already reserve the cores)."""
-        gpu = str(self.gpus)
-        return {
-            "requests": {"cpu": f"{self.cpu_millis}m", "memory": f"{self.memory_mib}Mi", "nvidia.com/gpu": gpu},
-            "limits": {"memory": f"{self.memory_mib}Mi", "nvidia.com/gpu": gpu},
-        }
+        requests = {"cpu": f"{self.cpu_millis}m", "memory": f"{self.memory_mib}Mi"}
+        limits = {"memory": f"{self.memory_mib}Mi"}
+        if self.gpus:  # a model without GPUs neither requests nor limits nvidia.com/gpu (policy serving-cpu-model)
+            requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(self.gpus)
+        return {"requests": requests, "limits": limits}
 
 
 def pod_share(instance_types: list[str], gpus_per_node: int, gpus: int) -> PodShare:
@@ -146,6 +149,17 @@ def pod_share(instance_types: list[str], gpus_per_node: int, gpus: int) -> PodSh
     cpu = min(a.cpu_millis for a in slices) * gpus // gpus_per_node
     memory = min(a.memory_mib for a in slices) * gpus // gpus_per_node
     return PodShare(cpu_millis=cpu // 100 * 100, memory_mib=memory // 256 * 256, gpus=gpus)
+
+
+def cpu_pod_share(instance_types: list[str], pods_per_node: int) -> PodShare:
+    """A pod of a model without GPUs: 1/pods_per_node of the smallest allocatable among its CPU pool's types, so
+    that every type the pool may launch holds `pods_per_node` such pods. Rounded as pod_share rounds."""
+    if not instance_types:
+        raise ValueError("a pool without instance types cannot be sized")
+    slices = [allocatable(t) for t in instance_types]
+    cpu = min(a.cpu_millis for a in slices) // pods_per_node
+    memory = min(a.memory_mib for a in slices) // pods_per_node
+    return PodShare(cpu_millis=cpu // 100 * 100, memory_mib=memory // 256 * 256, gpus=0)
 
 
 _QUANTITY_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9,

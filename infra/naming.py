@@ -8,6 +8,7 @@ MANAGED_BY = "pulumi"
 PART_OF = "llm-serving"
 COMPONENT = "model-server"
 GPU_NODE_GROUP_LABEL = "llm-serving/gpu-node-group"
+CPU_NODE_GROUP_LABEL = "llm-serving/cpu-node-group"  # the node groups for models without GPUs
 POOL_LABEL = "llm-serving/pool"
 
 

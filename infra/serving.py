@@ -11,8 +11,9 @@ so if the candidate never becomes ready the update fails before any route change
 unhealthy version. The replicas and weights come from `infra.rollout.planner`. Versioned models get one
 Deployment/Service/route set per version, each with its own hostname.
 
-Autoscaling: KEDA ScaledObjects with a Prometheus trigger on `vllm:num_requests_waiting` (scraped from the merged
-metrics on port 8002). Chosen over an HPA with an external metric because KEDA queries PromQL directly: no
+Autoscaling: KEDA ScaledObjects with a Prometheus trigger on the queue (scraped from the merged metrics on port 8002):
+`vllm:num_requests_waiting` for an LLM, Triton's `nv_inference_pending_request_count` for the other kinds, which have
+no vLLM engine. Chosen over an HPA with an external metric because KEDA queries PromQL directly: no
 prometheus-adapter rule set to keep in sync with the metric names, and the query (a sum over one version's pods)
 lives next to the Deployment it scales. The planner's replicas are the ScaledObject's floor, so autoscaling can add
 capacity under load but can never undo a red-black split.
@@ -28,8 +29,16 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.config import ModelConfig, StackConfig, TritonPin
-from infra.instances import pod_share
-from infra.naming import GPU_NODE_GROUP_LABEL, cost_labels, instance_name, model_labels, selector_labels, version_slug
+from infra.instances import cpu_pod_share, pod_share
+from infra.naming import (
+    CPU_NODE_GROUP_LABEL,
+    GPU_NODE_GROUP_LABEL,
+    cost_labels,
+    instance_name,
+    model_labels,
+    selector_labels,
+    version_slug,
+)
 from infra.rollout.planner import VersionShare, plan_red_black
 from llm_serving import pod_contract as pc
 
@@ -86,10 +95,12 @@ def package_version(stack: StackConfig, package: str) -> str:
     return pc.parse_package_uri(package, stack.model_storage.model_prefix)[2]
 
 
-def container_env(model_id: str, version: str, io_fingerprint: str) -> list[dict]:
+def container_env(model_id: str, version: str, io_fingerprint: str,
+                  companions: tuple[tuple[str, str], ...] = ()) -> list[dict]:
     """The model container's environment for the package of (model id, package version): what the startup reads
     (pc.STARTUP_ENV), and the image's ENV that the pod must not leave to the image's defaults (pc.POD_ENV: the
-    metrics directory, offline hubs, the caches on the writable cache volume)."""
+    metrics directory, offline hubs, the caches on the writable cache volume). `companions`: the (id, version) of
+    the other packages the pod serves on the same Triton (an ensemble's steps), in pc.ENV_COMPANION_PACKAGES."""
     env = {
         pc.ENV_MODEL_ID: model_id,
         pc.ENV_MODEL_VERSION: version,
@@ -98,12 +109,18 @@ def container_env(model_id: str, version: str, io_fingerprint: str) -> list[dict
         pc.ENV_MODEL_CACHE: pc.MODEL_CACHE_MOUNT,
         **pc.POD_ENV,
     }
+    if companions:
+        env[pc.ENV_COMPANION_PACKAGES] = pc.COMPANION_SEPARATOR.join(package_path(i, v) for i, v in companions)
     return [{"name": k, "value": v} for k, v in env.items()]
+
+
+CPU_MODEL_SHM = "2Gi"  # /dev/shm of a pod without GPUs: the Python backend's stubs exchange tensors through it
 
 
 def pod_volumes(claim: str, gpus: int) -> tuple[list[dict], list[dict]]:
     """(volumeMounts, volumes) for the contract's volumes: the model cache read-only from its claim, the rest
-    emptyDirs (the root file system is read-only)."""
+    emptyDirs (the root file system is read-only). /dev/shm: 16 GiB per GPU (NCCL, vLLM's workers), CPU_MODEL_SHM
+    without GPUs."""
     mounts, volumes = [], []
     for v in pc.VOLUMES:
         mount = {"name": v.name, "mountPath": v.mount_path}
@@ -113,7 +130,8 @@ def pod_volumes(claim: str, gpus: int) -> tuple[list[dict], list[dict]]:
         if v.name == pc.MODEL_CACHE_VOLUME:
             volumes.append({"name": v.name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         elif v.medium == "Memory":
-            volumes.append({"name": v.name, "emptyDir": {"medium": "Memory", "sizeLimit": f"{16 * gpus}Gi"}})
+            size = f"{16 * gpus}Gi" if gpus else CPU_MODEL_SHM
+            volumes.append({"name": v.name, "emptyDir": {"medium": "Memory", "sizeLimit": size}})
         else:
             volumes.append({"name": v.name, "emptyDir": {"sizeLimit": v.size_limit}})
     return mounts, volumes
@@ -126,16 +144,32 @@ def hostnames(stack: StackConfig, model_id: str, version: str | None = None) -> 
 
 
 def model_pod_share(stack: StackConfig, model: ModelConfig):
-    """The model pod's CPU, memory and GPUs, from its GPU pool's instance types (infra/instances.py)."""
-    group = next(g for g in stack.cluster.gpu_node_groups if g.name == model.gpu.node_group)
+    """The model pod's CPU, memory and GPUs, from its pool's instance types (infra/instances.py): a share of a GPU
+    node by its GPUs, or 1/podsPerNode of a CPU node for a model without GPUs."""
+    group = stack.node_group(model)
+    if model.gpu is None:
+        return cpu_pod_share(group.instance_types, model.pods_per_node or 1)
     return pod_share(group.instance_types, group.gpus_per_node, model.gpu.count)
+
+
+def node_placement(model: ModelConfig) -> dict:
+    """The pod spec's nodeSelector and tolerations: a GPU model selects its GPU node group and tolerates the GPU
+    taint; a model without GPUs selects its CPU node group and tolerates nothing (policy serving-cpu-model-no-gpu)."""
+    if model.gpu is None:
+        return {"nodeSelector": {CPU_NODE_GROUP_LABEL: model.placement}}
+    return {"nodeSelector": {GPU_NODE_GROUP_LABEL: model.placement},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
+
+
+def companion_packages(model: ModelConfig, version: str) -> tuple[tuple[str, str], ...]:
+    """The (id, version) of the other packages a version's pod serves: an ensemble's step models."""
+    return tuple((s.id, s.version) for s in model.version(version).steps)
 
 
 def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, replicas: int) -> dict:
     stack = ctx.stack
     labels = model_labels(model.id, version)
-    group = next(g for g in stack.cluster.gpu_node_groups if g.name == model.gpu.node_group)
-    gpus = model.gpu.count
+    gpus = model.gpus
     pkg = model.version(version)
     mounts, volumes = pod_volumes(ctx.model_cache_claim, gpus)
     startup_failures = math.ceil(model.load_time_seconds / PROBE_PERIOD_SECONDS)
@@ -145,7 +179,8 @@ def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, repli
         "name": "model-server",
         "image": image,
         "imagePullPolicy": "IfNotPresent",
-        "env": container_env(model.id, package_version(stack, pkg.package), pkg.io_fingerprint),
+        "env": container_env(model.id, package_version(stack, pkg.package), pkg.io_fingerprint,
+                             companion_packages(model, version)),
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in PORTS.items()],
         # §3.2/§3.7: ready only once the engine is; the startup probe's budget is the model's load time.
         "startupProbe": {"httpGet": {"path": pc.READY_PATH, "port": pc.PROBE_PORT_NAME},
@@ -156,7 +191,7 @@ def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, repli
         "livenessProbe": {"httpGet": {"path": pc.LIVE_PATH, "port": pc.PROBE_PORT_NAME},
                           "periodSeconds": 10, "failureThreshold": 6, "timeoutSeconds": 5},
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
-        # The GPUs' share of the smallest node the pool may launch (infra/instances.py): fits every type.
+        # The GPUs' (or podsPerNode's) share of the smallest node the pool may launch (infra/instances.py).
         "resources": model_pod_share(stack, model).resources(),
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
@@ -185,8 +220,7 @@ def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, repli
                 "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_UID, "runAsGroup": RUN_AS_UID,
                                     "fsGroup": RUN_AS_UID,
                                     "seccompProfile": {"type": "RuntimeDefault"}},
-                "nodeSelector": {GPU_NODE_GROUP_LABEL: group.name},
-                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                **node_placement(model),
                 "topologySpreadConstraints": [
                     {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
                      "whenUnsatisfiable": "ScheduleAnyway",
@@ -201,10 +235,17 @@ def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, repli
     }
 
 
+# The queue KEDA scales on, per model kind: vLLM's waiting requests for an LLM; for the other kinds (no vLLM engine in
+# the pod) Triton's requests waiting in the model's scheduler queue.
+QUEUE_METRICS = {"vllm": "vllm:num_requests_waiting", "python": "nv_inference_pending_request_count",
+                 "ensemble": "nv_inference_pending_request_count"}
+
+
 def scaled_object_spec(ctx: ServingContext, model: ModelConfig, share: VersionShare, deployment_name: str) -> dict:
     target = (model.autoscaling.target_queue_depth if model.autoscaling and model.autoscaling.target_queue_depth
               else ctx.stack.serving.target_queue_depth)
-    query = (f'sum(vllm:num_requests_waiting{{namespace="{ctx.namespace}",'
+    metric = QUEUE_METRICS[model.kind]
+    query = (f'sum({metric}{{namespace="{ctx.namespace}",'
              f'app_kubernetes_io_instance="{instance_name(model.id, share.version)}"}})')
     return {
         "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment_name},
@@ -339,6 +380,7 @@ def _routes(name: str, ctx: ServingContext, model: ModelConfig, label_version: s
 class ServedModel:
     """What the program exports for one model (the stack outputs' per-model shape, llm_serving.stack_outputs)."""
 
+    kind: str
     strategy: str
     versions: list[str]
     active_version: str
@@ -383,6 +425,7 @@ class ModelServing(pulumi.ComponentResource):
             ModelVersionServing(instance_name(model.id, plan.active.version), ctx, model, plan.active, routes,
                                 pulumi.ResourceOptions(parent=self))
         return ServedModel(
+            kind=model.kind,
             strategy="red-black",
             versions=[s.version for s in plan.shares],
             active_version=plan.active.version,
@@ -404,6 +447,7 @@ class ModelServing(pulumi.ComponentResource):
             version_endpoints[v.version] = endpoints(host)
         newest = model.versions[-1].version
         return ServedModel(
+            kind=model.kind,
             strategy="versioned",
             versions=[v.version for v in model.versions],
             active_version=newest,

@@ -12,6 +12,7 @@ import pulumi_kubernetes as k8s
 from infra.config import StackConfig
 from infra.iam import irsa_trust, policy_document, role_with_policy
 from infra.naming import platform_labels
+from llm_serving import pod_contract as pc
 
 SERVICE_ACCOUNT = "model-server"
 MODEL_CACHE_PVC = "model-cache"
@@ -153,6 +154,26 @@ class ServingPlatform(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self, provider=args.provider,
                                         depends_on=[namespace, certificate, *filter(None, [args.gateway_class])]))
 
+        # Idle connections close from the side that would reuse them (llm_serving/pod_contract.py explains the
+        # chain): Envoy drops an idle connection to a pod before the pod's keep-alive ends (no 502 from a reused
+        # socket the pod is closing), and an idle client connection before the NLB forgets its flow.
+        gateway_ref = [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": GATEWAY_NAME}]
+        gateway_opts = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[gateway])
+        backend_policy = k8s.apiextensions.CustomResource(
+            f"{name}-gateway-backend-traffic", api_version="gateway.envoyproxy.io/v1alpha1",
+            kind="BackendTrafficPolicy",
+            metadata={"name": GATEWAY_NAME, "namespace": ns_name, "labels": platform_labels("gateway")},
+            spec={"targetRefs": gateway_ref,
+                  "timeout": {"http": {"connectionIdleTimeout": f"{pc.GATEWAY_UPSTREAM_IDLE_TIMEOUT_S}s"}}},
+            opts=gateway_opts)
+        client_policy = k8s.apiextensions.CustomResource(
+            f"{name}-gateway-client-traffic", api_version="gateway.envoyproxy.io/v1alpha1",
+            kind="ClientTrafficPolicy",
+            metadata={"name": GATEWAY_NAME, "namespace": ns_name, "labels": platform_labels("gateway")},
+            spec={"targetRefs": gateway_ref,
+                  "timeout": {"http": {"idleTimeout": f"{pc.GATEWAY_CLIENT_IDLE_TIMEOUT_S}s"}}},
+            opts=gateway_opts)
+
         keda_ns = k8s.core.v1.Namespace(f"{name}-keda-ns", metadata={"name": KEDA_NAMESPACE,
                                                                        "labels": platform_labels("autoscaling")},
                                         opts=k8s_opts)
@@ -166,7 +187,7 @@ class ServingPlatform(pulumi.ComponentResource):
             values={"podSecurityContext": {"operator": {"runAsNonRoot": True}}},
             opts=pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[keda_ns]))
 
-        self.ready: list[pulumi.Resource] = [sa, pvc, gateway, certificate, keda]
+        self.ready: list[pulumi.Resource] = [sa, pvc, gateway, certificate, keda, backend_policy, client_policy]
         if cfg.cluster.device_plugin == "auto" and any(g.needs_device_plugin for g in cfg.cluster.gpu_node_groups):
             self.ready.append(self._device_plugin(name, args.provider))
         self.namespace = ns_name

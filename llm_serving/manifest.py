@@ -77,15 +77,21 @@ class VllmEngine(_Strict):
     model: str = "weights"
     tokenizer: str | None = None
     args: dict[str, Any] = Field(default_factory=dict)
-    # What the model serves: "generate" (completions, chat, scoring) and/or "embed" (/v1/embeddings, a pooling
-    # engine on the same weights).
-    tasks: list[Literal["generate", "embed"]] = Field(default_factory=lambda: ["generate"], min_length=1)
+    # What the model serves: "generate" (completions, chat), "embed" (/v1/embeddings, a pooling engine on the same
+    # weights) and "score" (/v1/score, prefill-only scoring: through Triton a Python-backend model of the platform's
+    # own with an engine of its own, docs/kserve.md "Embeddings and scoring through Triton"). vLLM in the process
+    # also scores for a package without "score" (its generation engine reads prompt log-probabilities).
+    tasks: list[Literal["generate", "embed", "score"]] = Field(default_factory=lambda: ["generate"], min_length=1)
 
     @field_validator("tasks")
     @classmethod
     def _unique_tasks(cls, v: list[str]) -> list[str]:
         if len(set(v)) != len(v):
             raise ValueError(f"engine.tasks lists a task twice: {v}")
+        if "score" in v and "generate" not in v:
+            # Scoring reads the generative model's prompt log-probabilities: it runs the same weights as a
+            # generation engine, and the package's main Triton model is then that generation model.
+            raise ValueError(f"engine.tasks {v}: 'score' needs 'generate' (scoring runs the generative model)")
         return v
 
     @field_validator("model", "tokenizer")

@@ -32,6 +32,19 @@ LIVE_PATH = "/v2/health/live"
 PROBE_PORT_NAME = KSERVE_HTTP_PORT_NAME
 METRICS_PATH = "/metrics"
 
+# -- idle connections, from the client to the pod (issue 14, scope 5) ----------------------------------------------
+# Whoever closes an idle connection must be the side that would reuse it, or a request goes out on a socket the other
+# side is closing (ReadError / 502). Each hop's idle timeout is therefore shorter than the next hop's keep-alive:
+# Envoy (the Gateway's data plane) drops its idle upstream connections to a pod after GATEWAY_UPSTREAM_IDLE_TIMEOUT_S,
+# before the pod's HTTP servers drop theirs (HTTP_KEEPALIVE_S); Envoy drops idle client connections after
+# GATEWAY_CLIENT_IDLE_TIMEOUT_S, before the internal NLB in front of it forgets the flow (NLB_TCP_IDLE_TIMEOUT_S,
+# fixed by AWS), so a client never writes into a flow the NLB has already dropped.
+ENV_HTTP_KEEPALIVE = "LLM_SERVING_HTTP_KEEPALIVE_S"
+HTTP_KEEPALIVE_S = 75
+GATEWAY_UPSTREAM_IDLE_TIMEOUT_S = 60
+NLB_TCP_IDLE_TIMEOUT_S = 350
+GATEWAY_CLIENT_IDLE_TIMEOUT_S = 300
+
 # -- the user (non-root; above the host's system and user ranges) -------------------------------------------------
 RUN_AS_UID = 10001
 USER_NAME = "serving"
@@ -89,6 +102,7 @@ CACHE_ENV: dict[str, str] = {
 # Set by the Dockerfile (ENV) and by the Deployment alike: the pod does not depend on the image's defaults for them.
 POD_ENV: dict[str, str] = {
     ENV_MULTIPROC_DIR: MULTIPROC_DIR,
+    ENV_HTTP_KEEPALIVE: str(HTTP_KEEPALIVE_S),
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     **CACHE_ENV,
@@ -97,6 +111,12 @@ POD_ENV: dict[str, str] = {
 IMAGE_ENV: dict[str, str] = {ENV_RUNTIME: "triton", **POD_ENV}
 # What the startup procedure reads from the environment of a pod.
 STARTUP_ENV = (ENV_PACKAGE, ENV_MODEL_ID, ENV_MODEL_VERSION, ENV_IO_FINGERPRINT, ENV_MODEL_CACHE, ENV_MULTIPROC_DIR)
+# The other packages a pod serves on the same Triton (an ensemble's step models: a Triton ensemble only calls models
+# of its own server), as package directories on the model cache joined by COMPANION_SEPARATOR, in the order of the
+# ensemble's steps; set only on the Deployment of a model whose pod serves more than its own package. What the
+# startup procedure's `--with-package` takes. Not in STARTUP_ENV until the startup reads it (issue 15).
+ENV_COMPANION_PACKAGES = "LLM_SERVING_COMPANION_PACKAGES"
+COMPANION_SEPARATOR = ":"
 
 # -- the image's entrypoint ---------------------------------------------------------------------------------------
 NVIDIA_ENTRYPOINT = "/opt/nvidia/nvidia_entrypoint.sh"  # driver check, CUDA forward compatibility

@@ -75,6 +75,9 @@ def model(model_id: str = "llama", versions: Iterable[tuple[str, str]] = (("v1",
           strategy: str = "red-black", **extra: Any) -> dict:
     entry = {
         "id": model_id,
+        # python: a kind whose fingerprint comes from its own config.pbtxt, so the rules' tests can give versions
+        # any fingerprint (every vllm package has the vLLM contract's one, infra.config checks)
+        "kind": "python",
         "replicas": 2,
         "gpu": {"nodeGroup": "gpu", "count": 1},
         "strategy": strategy,

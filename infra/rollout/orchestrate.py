@@ -26,6 +26,14 @@ Status = Literal["started", "advanced", "finalized", "unchanged", "rolled back",
                  "removed idle", "failed"]
 
 
+
+def _held(model: ModelConfig, versions: int) -> str:
+    """What `versions` versions of a model hold: GPUs for a model with GPUs, pods (on its CPU node group) for one
+    without."""
+    if model.gpus:
+        return f"{versions * model.replicas * model.gpus} GPUs"
+    return f"{versions * model.replicas} pods (no GPUs)"
+
 class RolloutError(RuntimeError):
     """The rollout cannot even begin (bad arguments, a stack in the wrong state); nothing was changed."""
 
@@ -226,8 +234,9 @@ class Rollout:
                     return None
                 sf.add_version(self.model_id, version)
                 entry.status = "started"
-                entry.overlap_gpus = len(model.versions) * model.replicas * model.gpu.count
-                entry.detail = (f"{len(model.versions)} older version(s) keep {entry.overlap_gpus} GPUs until idle; "
+                entry.overlap_gpus = len(model.versions) * model.replicas * model.gpus
+                entry.detail = (f"{len(model.versions)} older version(s) keep {_held(model, len(model.versions))} "
+                                f"until idle; "
                                 f"consumers move by changing their own config")
                 return None  # nobody calls a new version yet: its gate is the update itself (ready or failed)
             if model.candidate == version["version"]:
@@ -279,15 +288,15 @@ class Rollout:
             count = request_count(client, self.model_id, v.version, self.options.idle_window)
             (busy.append(f"{v.version} ({count:.0f} requests)") if count > 0 else idle.add(v.version))
         older = len(model.versions) - 1
-        entry.overlap_gpus = older * model.replicas * model.gpu.count
+        entry.overlap_gpus = older * model.replicas * model.gpus
         if not idle:
             entry.detail = (f"no idle version in {self.options.idle_window}: {', '.join(busy) or 'only the newest'}"
-                            f" served; the overlap holds {entry.overlap_gpus} GPUs")
+                            f" served; the overlap holds {_held(model, older)}")
             return None
         sf.remove_versions(self.model_id, idle, newest)
         entry.status = "removed idle"
-        freed = len(idle) * model.replicas * model.gpu.count
-        entry.detail = (f"removed {sorted(idle)} (no request in {self.options.idle_window}), freeing {freed} GPUs; "
+        entry.detail = (f"removed {sorted(idle)} (no request in {self.options.idle_window}), freeing "
+                        f"{_held(model, len(idle))}; "
                         f"kept {newest} (newest){', ' + ', '.join(busy) if busy else ''}")
         return None
 
@@ -333,7 +342,7 @@ class Rollout:
                     except PlanError as err:
                         row["next"] = f"blocked: {err}"
             else:
-                row["overlapGpus"] = (len(model.versions) - 1) * model.replicas * model.gpu.count
+                row["overlapGpus"] = (len(model.versions) - 1) * model.replicas * model.gpus
             try:
                 deployed = (self.runner.outputs(stack).get("models") or {}).get(self.model_id)
             except Exception as err:  # e.g. no Pulumi CLI for the Automation API: shown, not hidden

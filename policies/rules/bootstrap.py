@@ -7,9 +7,10 @@
   `pulumi.com/waitFor` on the controller's `Accepted` and `ResolvedRefs` conditions counts as done when stored, and
   the old version's scale-down that depends on it can start before any proxy carries the new weights. The Gateway
   likewise waits for `Programmed`.
-- Every GPU pool a model server selects has a node autoscaler (a Karpenter NodePool with the pool's label, or a
-  Cluster Autoscaler release), with approved instance types, and enough GPUs at its peak for the models placed on
-  it: red-black's surge pod plus KEDA's maximum replicas. Fixed node groups leave those pods pending forever.
+- Every GPU or CPU pool a model server selects has a node autoscaler (a Karpenter NodePool with the pool's label,
+  or a Cluster Autoscaler release), with approved instance types, and a GPU pool has enough GPUs at its peak for the
+  models placed on it: red-black's surge pod plus KEDA's maximum replicas. Fixed node groups leave those pods
+  pending forever.
 """
 
 from __future__ import annotations
@@ -21,15 +22,15 @@ from pulumi_policy import EnforcementLevel, PolicyResource, ReportViolation, Sta
 
 from infra.charts import CRD_SOURCES, chart_key
 from infra.instances import INSTANCE_FACTS
-from infra.naming import GPU_NODE_GROUP_LABEL
+from infra.naming import CPU_NODE_GROUP_LABEL, GPU_NODE_GROUP_LABEL
 
 from .._props import annotations, as_list, get, k8s_name
 from ..context import stack_context
 from ..index import StackIndex, is_serving_workload
 from ..models import model_configs
-from ..workload import DEPLOYMENT, pod_spec
-from .capacity import INSTANCE_TYPE_KEY, NODE_GROUP
-from .gpu_nodes import APPROVED_INSTANCE_TYPES
+from ..workload import DEPLOYMENT
+from .capacity import INSTANCE_TYPE_KEY, NODE_GROUP, pool_of
+from .gpu_nodes import APPROVED_CPU_INSTANCE_TYPES, APPROVED_INSTANCE_TYPES
 
 HELM_RELEASE = "kubernetes:helm.sh/v3:Release"
 CRD = "kubernetes:apiextensions.k8s.io/v1:CustomResourceDefinition"
@@ -106,10 +107,10 @@ def _validate_crds_first(args: StackValidationArgs, report: ReportViolation) -> 
                    resource.urn)
 
 
-def _node_pools(index: StackIndex) -> dict[str, list[PolicyResource]]:
+def _node_pools(index: StackIndex, label: str = GPU_NODE_GROUP_LABEL) -> dict[str, list[PolicyResource]]:
     out: dict[str, list[PolicyResource]] = {}
     for pool in index.k8s("NodePool"):
-        name = (get(pool.props, "spec", "template", "metadata", "labels") or {}).get(GPU_NODE_GROUP_LABEL)
+        name = (get(pool.props, "spec", "template", "metadata", "labels") or {}).get(label)
         if name:
             out.setdefault(name, []).append(pool)
     return out
@@ -134,21 +135,24 @@ def _validate_autoscaled(args: StackValidationArgs, report: ReportViolation) -> 
     selected = {}
     for deployment in index.of_type(DEPLOYMENT):
         if is_serving_workload(deployment.props):
-            pool = (pod_spec(deployment.props).get("nodeSelector") or {}).get(GPU_NODE_GROUP_LABEL)
-            if pool:
-                selected.setdefault(pool, deployment)
+            chosen = pool_of(deployment.props)
+            if chosen:
+                selected.setdefault(chosen, deployment)
     if not selected:
         return
     cluster_autoscaler = any(str(get(r.props, "chart") or "").endswith(CLUSTER_AUTOSCALER_CHART)
                              for r in index.of_type(HELM_RELEASE))
-    node_pools = _node_pools(index)
-    approved = APPROVED_INSTANCE_TYPES.get(ctx.env, frozenset())
+    node_pools = {label: _node_pools(index, label) for label in (GPU_NODE_GROUP_LABEL, CPU_NODE_GROUP_LABEL)}
+    approved_by_label = {GPU_NODE_GROUP_LABEL: APPROVED_INSTANCE_TYPES.get(ctx.env, frozenset()),
+                         CPU_NODE_GROUP_LABEL: APPROVED_CPU_INSTANCE_TYPES.get(ctx.env, frozenset())}
     models = model_configs(ctx)
-    for pool, deployment in sorted(selected.items()):
-        pools = node_pools.get(pool, [])
+    for (label, pool), deployment in sorted(selected.items()):
+        kind = "GPU" if label == GPU_NODE_GROUP_LABEL else "CPU"
+        pools = node_pools[label].get(pool, [])
+        approved = approved_by_label[label]
         if not pools and not cluster_autoscaler:
-            report(f"GPU pool {pool!r} (model server {k8s_name(deployment.props)!r}) has no node autoscaler: no "
-                   f"Karpenter NodePool labels its nodes {GPU_NODE_GROUP_LABEL}={pool} and no Cluster Autoscaler "
+            report(f"{kind} pool {pool!r} (model server {k8s_name(deployment.props)!r}) has no node autoscaler: no "
+                   f"Karpenter NodePool labels its nodes {label}={pool} and no Cluster Autoscaler "
                    f"runs, so red-black's surge pod and KEDA's extra replicas wait for nodes nobody adds",
                    deployment.urn)
             continue
@@ -157,10 +161,12 @@ def _validate_autoscaled(args: StackValidationArgs, report: ReportViolation) -> 
             if bad or not _pool_types(node_pool):
                 report(f"NodePool {k8s_name(node_pool.props)!r}: instance types {bad or 'unrestricted'} not approved "
                        f"for {ctx.env} (approved: {', '.join(sorted(approved))})", node_pool.urn)
+        if label != GPU_NODE_GROUP_LABEL:
+            continue  # a CPU pool's reach: its NodePool's cpu limit and its group's maxSize (no GPU count)
         # Peak GPUs of the models on this pool against what its node groups and NodePools can reach.
         peak = 0
         for model in models.values():
-            if model.gpu.node_group != pool:
+            if model.gpu is None or model.gpu.node_group != pool:
                 continue
             top = max(model.replicas, model.autoscaling.max_replicas if model.autoscaling else 0)
             copies = top + 1 if model.strategy == "red-black" else top * len(model.versions)

@@ -1,12 +1,13 @@
-"""Capacity: every model pod fits every instance type its GPU pool may launch.
+"""Capacity: every model pod fits every instance type its pool (GPU or CPU node group) may launch.
 
 A pod whose requests exceed what a node leaves to pods is never scheduled on that node: with a pool of several
 types (a managed node group's `instanceTypes`, a Karpenter NodePool's instance-type requirement) the scheduler or
 the autoscaler may pick the one it does not fit, and the pod waits forever. The pool of a model pod is the value of
-its `nodeSelector` on `llm-serving/gpu-node-group`; the pools are the node groups and NodePools that label their
-nodes with it. What a node of a type leaves to pods comes from the program's own table (`infra/instances.py`), so
-the rule and the program cannot disagree about a type's size. Types the table lacks are not sized here: the
-approved-instance-types rule refuses them, and a test keeps every approved type in the table.
+its `nodeSelector` on `llm-serving/gpu-node-group` (a model with GPUs) or `llm-serving/cpu-node-group` (a model
+without); the pools are the node groups and NodePools that label their nodes with it. What a node of a type leaves
+to pods comes from the program's own table (`infra/instances.py`), so the rule and the program cannot disagree about
+a type's size. Types the table lacks are not sized here: the approved-instance-types rules refuse them, and a test
+keeps every approved type in the table.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from pulumi_policy import EnforcementLevel, ReportViolation, StackValidationArgs, StackValidationPolicy
 
 from infra.instances import INSTANCE_FACTS, Allocatable, allocatable, parse_quantity
-from infra.naming import GPU_NODE_GROUP_LABEL
+from infra.naming import CPU_NODE_GROUP_LABEL, GPU_NODE_GROUP_LABEL
 
 from .._props import as_list, get, iter_mappings, k8s_name
 from ..index import StackIndex, is_serving_workload
@@ -26,17 +27,28 @@ from ..workload import DEPLOYMENT, GPU_RESOURCE, containers, pod_spec
 NODE_GROUP = "aws:eks/nodeGroup:NodeGroup"
 INSTANCE_TYPE_KEY = "node.kubernetes.io/instance-type"
 GIB = 2**30
+POOL_LABELS = (GPU_NODE_GROUP_LABEL, CPU_NODE_GROUP_LABEL)
 
 
-def pools(index: StackIndex) -> dict[str, list[str]]:
-    """Pool name -> every instance type the pool may launch (managed node groups and Karpenter NodePools)."""
+def pool_of(props: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(label, pool name) a model pod's nodeSelector selects: its GPU node group, else its CPU node group."""
+    selector = pod_spec(props).get("nodeSelector") or {}
+    for label in POOL_LABELS:
+        if selector.get(label):
+            return label, str(selector[label])
+    return None
+
+
+def pools(index: StackIndex, label: str = GPU_NODE_GROUP_LABEL) -> dict[str, list[str]]:
+    """Pool name -> every instance type the pool may launch (managed node groups and Karpenter NodePools that
+    label their nodes `label`: the GPU pools, or with CPU_NODE_GROUP_LABEL the CPU pools)."""
     found: dict[str, list[str]] = {}
     for group in index.of_type(NODE_GROUP):
-        name = (get(group.props, "labels") or {}).get(GPU_NODE_GROUP_LABEL)
+        name = (get(group.props, "labels") or {}).get(label)
         if name:
             found.setdefault(name, []).extend(str(t) for t in as_list(get(group.props, "instanceTypes")))
     for pool in index.k8s("NodePool"):
-        name = (get(pool.props, "spec", "template", "metadata", "labels") or {}).get(GPU_NODE_GROUP_LABEL)
+        name = (get(pool.props, "spec", "template", "metadata", "labels") or {}).get(label)
         if not name:
             continue
         types = found.setdefault(name, [])
@@ -76,19 +88,23 @@ def _shortfalls(needs: dict[str, float], node: Allocatable) -> list[str]:
 
 def _validate_fit(args: StackValidationArgs, report: ReportViolation) -> None:
     index = StackIndex(args.resources)
-    by_pool = pools(index)
+    by_label = {label: pools(index, label) for label in POOL_LABELS}
     for deployment in index.of_type(DEPLOYMENT):
         if not is_serving_workload(deployment.props):
             continue
         name = k8s_name(deployment.props) or deployment.name
-        pool = (pod_spec(deployment.props).get("nodeSelector") or {}).get(GPU_NODE_GROUP_LABEL)
-        if not pool:
-            report(f"model server {name!r} has no nodeSelector on {GPU_NODE_GROUP_LABEL}: it may land on any node "
-                   f"type, so its fit cannot be known; select its GPU pool", deployment.urn)
+        selected = pool_of(deployment.props)
+        if not selected:
+            report(f"model server {name!r} has no nodeSelector on {GPU_NODE_GROUP_LABEL} (or, without GPUs, "
+                   f"{CPU_NODE_GROUP_LABEL}): it may land on any node type, so its fit cannot be known; select its "
+                   f"pool", deployment.urn)
             continue
+        label, pool = selected
+        by_pool = by_label[label]
         if pool not in by_pool:
-            report(f"model server {name!r} selects GPU pool {pool!r}, but no node group or NodePool of this stack "
-                   f"launches nodes labelled {GPU_NODE_GROUP_LABEL}={pool}", deployment.urn)
+            kind = "GPU" if label == GPU_NODE_GROUP_LABEL else "CPU"
+            report(f"model server {name!r} selects {kind} pool {pool!r}, but no node group or NodePool of this stack "
+                   f"launches nodes labelled {label}={pool}", deployment.urn)
             continue
         types = by_pool[pool]  # a pool without visible types: gpu-nodes-approved-instance-types reports it
         needs = pod_needs(deployment.props)
@@ -105,7 +121,8 @@ def _validate_fit(args: StackValidationArgs, report: ReportViolation) -> None:
 
 model_pod_fits_nodes = StackValidationPolicy(
     name="model-pod-fits-nodes",
-    description="Every model pod's requests and limits fit every instance type its GPU pool may launch.",
+    description="Every model pod's requests and limits fit every instance type its pool (GPU or CPU node group) "
+                "may launch.",
     validate=_validate_fit,
     enforcement_level=EnforcementLevel.MANDATORY,
 )

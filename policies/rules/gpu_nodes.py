@@ -17,6 +17,8 @@ from pulumi_policy import (
     StackValidationPolicy,
 )
 
+from infra.naming import CPU_NODE_GROUP_LABEL
+
 from .._props import as_bool, as_list, as_number, get, iter_mappings
 from ..context import stack_context
 from ..index import StackIndex
@@ -48,6 +50,12 @@ APPROVED_INSTANCE_TYPES: dict[str, frozenset[str]] = {
         "g6e.2xlarge", "g6e.12xlarge", "g6e.24xlarge", "g6e.48xlarge",
         "p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5e.48xlarge", "p5en.48xlarge",
     }),
+}
+# The node groups of models without GPUs (infra.config cpuNodeGroups): general purpose and compute optimised types.
+APPROVED_CPU_INSTANCE_TYPES: dict[str, frozenset[str]] = {
+    "dev": frozenset({"m7i.large", "m7i.xlarge", "m7i.2xlarge", "c7i.xlarge", "c7i.2xlarge"}),
+    "staging": frozenset({"m7i.xlarge", "m7i.2xlarge", "c7i.xlarge", "c7i.2xlarge", "c7i.4xlarge"}),
+    "prod": frozenset({"m7i.xlarge", "m7i.2xlarge", "m7i.4xlarge", "c7i.xlarge", "c7i.2xlarge", "c7i.4xlarge"}),
 }
 MAX_NODES: dict[str, int] = {"dev": 4, "staging": 8, "prod": 32}
 _GPU_FAMILY = re.compile(r"^(g\d|p\d|gr\d)[a-z-]*\.")
@@ -114,6 +122,27 @@ def _validate_instance_types(args: ResourceValidationArgs, report: ReportViolati
             f"(approved: {', '.join(sorted(approved))})",
             None,
         )
+
+
+def _validate_cpu_group(args: ResourceValidationArgs, report: ReportViolation) -> None:
+    """A CPU node group (its nodes labelled CPU_NODE_GROUP_LABEL, where models without GPUs run) has no GPUs: no
+    NVIDIA AMI, no GPU instance type, no GPU taint; and it uses the CPU types approved for the environment."""
+    if args.resource_type != NODE_GROUP or not (get(args.props, "labels") or {}).get(CPU_NODE_GROUP_LABEL):
+        return
+    if is_gpu_node_group(args.props):
+        report(f"CPU node group {args.name!r} (label {CPU_NODE_GROUP_LABEL}) has GPUs (amiType "
+               f"{get(args.props, 'amiType')!r}, instanceTypes {as_list(get(args.props, 'instanceTypes'))}): models "
+               f"without gpu would be scheduled on GPU nodes", None)
+    ctx = stack_context(args)
+    approved = APPROVED_CPU_INSTANCE_TYPES.get(ctx.env)
+    if approved is None:
+        report(f"CPU node group {args.name!r}: environment {ctx.env!r} has no approved CPU instance types", None)
+        return
+    types = [str(t) for t in as_list(get(args.props, "instanceTypes"))]
+    bad = [t for t in types if t not in approved]
+    if bad or not types:
+        report(f"CPU node group {args.name!r}: instance type(s) {bad or 'unlisted'} not approved for {ctx.env} "
+               f"(approved: {', '.join(sorted(approved))})", None)
 
 
 def _validate_size(args: ResourceValidationArgs, report: ReportViolation) -> None:
@@ -198,4 +227,12 @@ nodes_metadata = StackValidationPolicy(
     enforcement_level=EnforcementLevel.MANDATORY,
 )
 
-POLICIES = [gpu_nvidia_ami, gpu_taint, gpu_instance_types, gpu_size_cap, nodes_metadata]
+cpu_node_groups = ResourceValidationPolicy(
+    name="cpu-nodes-no-gpu-approved-types",
+    description="CPU node groups (for models without GPUs) have no GPUs and use only the CPU instance types approved "
+                "for the stack's environment.",
+    validate=_validate_cpu_group,
+    enforcement_level=EnforcementLevel.MANDATORY,
+)
+
+POLICIES = [gpu_nvidia_ami, gpu_taint, gpu_instance_types, gpu_size_cap, cpu_node_groups, nodes_metadata]

@@ -1,9 +1,11 @@
 """Serving Deployments (the per-model servers, `app.kubernetes.io/component: model-server`).
 
 What a reviewer checks on every model server: the image is immutable (a digest) and built on the pinned Triton and
-vLLM (§3.9); it asks for whole GPUs and tolerates the GPU taint; it reports started, ready and live, with a startup
-budget that covers the model's configured load time and a Pulumi timeout that waits that long; it reads weights
-from the FSx model cache and downloads nothing at start (§3.4); it does not run as root.
+vLLM (§3.9); a model configured with GPUs asks for whole GPUs and tolerates the GPU taint, while a model without GPUs
+(a non-LLM model or an ensemble, on a CPU node group) neither requests nor tolerates them and is not placed on a GPU
+pool; it reports started, ready and live, with a startup budget that covers the model's configured load time and a
+Pulumi timeout that waits that long; it reads weights from the FSx model cache and downloads nothing at start
+(§3.4); it does not run as root.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pulumi_policy import (
     StackValidationPolicy,
 )
 
+from infra.naming import CPU_NODE_GROUP_LABEL, GPU_NODE_GROUP_LABEL
 from llm_serving import pod_contract as pc
 
 from .._props import annotations, as_list, as_number, duration_seconds, get, iter_mappings, k8s_namespace, labels
@@ -44,6 +47,7 @@ from ..workload import (
     probe_budget_seconds,
     serving_containers,
 )
+from .gpu_nodes import is_gpu_node_group
 
 DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
 DOCKER_IMAGE = "docker-build:index:Image"
@@ -196,6 +200,17 @@ def _validate_pins(args: StackValidationArgs, report: ReportViolation) -> None:
 def _validate_gpus(args: ResourceValidationArgs, report: ReportViolation) -> None:
     if not _serving(args):
         return
+    # The model's configuration first: a model without GPUs is held to the opposite rule
+    # (serving-cpu-model-no-gpu), so none of the GPU demands below apply to it.
+    expected = None
+    model_id, _ = model_identity(args.props)
+    try:
+        model = model_configs(stack_context(args)).get(model_id) if model_id else None
+        if model is not None and model.gpu is None:
+            return
+        expected = model.gpu.count if model else None
+    except PolicyContextError as err:
+        report(str(err), None)
     gpu_containers = [c for c in containers(args.props) if gpu_limit(c)]
     if not gpu_containers:
         report(
@@ -203,13 +218,6 @@ def _validate_gpus(args: ResourceValidationArgs, report: ReportViolation) -> Non
             f"GPUs (resources.limits[{GPU_RESOURCE}])",
             None,
         )
-    expected = None
-    model_id, _ = model_identity(args.props)
-    try:
-        model = model_configs(stack_context(args)).get(model_id) if model_id else None
-        expected = model.gpu.count if model else None
-    except PolicyContextError as err:
-        report(str(err), None)
     for container in gpu_containers:
         limit = gpu_limit(container)
         if limit is None or limit != int(limit) or limit < 1:
@@ -231,6 +239,87 @@ def _validate_gpus(args: ResourceValidationArgs, report: ReportViolation) -> Non
     if gpu_containers and not tolerated:
         report(f"Deployment {args.name!r} does not tolerate the {GPU_RESOURCE}:NoSchedule taint of the GPU node "
                f"groups, so its pods can never be scheduled", None)
+
+
+# Node labels that place a pod on GPU nodes: the GPU node groups' own (infra/cluster.py gpu_node_labels).
+GPU_NODE_KEYS = (GPU_NODE_GROUP_LABEL, "nvidia.com/gpu.present")
+
+
+def _gpu_affinity_keys(spec: Mapping[str, Any]) -> list[str]:
+    """The GPU node label keys a pod's node affinity names (required or preferred terms, any operator)."""
+    affinity = get(spec, "affinity", "nodeAffinity") or {}
+    terms = list(iter_mappings(get(affinity, "requiredDuringSchedulingIgnoredDuringExecution",
+                                    "nodeSelectorTerms")))
+    terms += [get(p, "preference") or {} for p in iter_mappings(
+        affinity.get("preferredDuringSchedulingIgnoredDuringExecution"))]
+    found = []
+    for term in terms:
+        for expr in [*iter_mappings(term.get("matchExpressions")), *iter_mappings(term.get("matchFields"))]:
+            if expr.get("key") in GPU_NODE_KEYS:
+                found.append(str(expr["key"]))
+    return found
+
+
+def _gpu_pools(index: StackIndex) -> set[str]:
+    """CPU pool names (CPU_NODE_GROUP_LABEL values) that a node group or NodePool with GPUs also labels its nodes
+    with: a pod selecting one may land on a GPU node."""
+    found = set()
+    for group in index.of_type("aws:eks/nodeGroup:NodeGroup"):
+        name = (get(group.props, "labels") or {}).get(CPU_NODE_GROUP_LABEL)
+        if name and (is_gpu_node_group(group.props) or GPU_NODE_GROUP_LABEL in (get(group.props, "labels") or {})):
+            found.add(name)
+    for pool in index.k8s("NodePool"):
+        template = get(pool.props, "spec", "template") or {}
+        pool_labels = get(template, "metadata", "labels") or {}
+        name = pool_labels.get(CPU_NODE_GROUP_LABEL)
+        gpu_taint = any(get(t, "key") == GPU_RESOURCE for t in iter_mappings(get(template, "spec", "taints")))
+        gpu_limit_set = get(pool.props, "spec", "limits", GPU_RESOURCE) is not None
+        if name and (gpu_taint or gpu_limit_set or GPU_NODE_GROUP_LABEL in pool_labels):
+            found.add(name)
+    return found
+
+
+def _validate_cpu_models(args: StackValidationArgs, report: ReportViolation) -> None:
+    """A model the stack configures without `gpu` runs on a CPU node group: its pods must not request or limit
+    GPUs, tolerate the GPU taint (or every taint), or be placed on a GPU node group (by nodeSelector or node
+    affinity), and they must select the model's own CPU node group."""
+    try:
+        models = model_configs(stack_context(args))
+    except PolicyContextError as err:
+        report(str(err), None)
+        return
+    index = StackIndex(args.resources)
+    gpu_pools = _gpu_pools(index)
+    for dep in index.of_type(DEPLOYMENT):
+        if not is_serving_workload(dep.props):
+            continue
+        model_id, _ = model_identity(dep.props)
+        model = models.get(model_id) if model_id else None
+        if model is None or model.gpu is not None:
+            continue
+        what = f"Deployment {dep.name!r} serves {model_id!r}, a model without GPUs (nodeGroup {model.node_group!r})"
+        for container in containers(dep.props, init=True):
+            for section in ("requests", "limits"):
+                value = get(container, "resources", section, GPU_RESOURCE)
+                if value is not None:
+                    report(f"{what}, but container {_cname(container)!r} {section} {GPU_RESOURCE}: {value}; a model "
+                           f"without gpu holds no GPU", dep.urn)
+        spec = pod_spec(dep.props)
+        for t in iter_mappings(spec.get("tolerations")):
+            if t.get("key") == GPU_RESOURCE or (not t.get("key") and t.get("operator") == "Exists"):
+                report(f"{what}, but it tolerates {t.get('key') or 'every taint'!s}: it could take a GPU node "
+                       f"that GPU models wait for", dep.urn)
+        selector = spec.get("nodeSelector") or {}
+        on_gpu = [k for k in GPU_NODE_KEYS if k in selector] + _gpu_affinity_keys(spec)
+        if on_gpu:
+            report(f"{what}, but it is placed on GPU nodes ({', '.join(sorted(set(on_gpu)))}); select its CPU node "
+                   f"group with {CPU_NODE_GROUP_LABEL}", dep.urn)
+        pool = selector.get(CPU_NODE_GROUP_LABEL)
+        if pool != model.node_group:
+            report(f"{what}, but its nodeSelector {CPU_NODE_GROUP_LABEL} is {pool!r}: select {model.node_group!r}",
+                   dep.urn)
+        elif pool in gpu_pools:
+            report(f"{what}, but CPU pool {pool!r} is also launched by a node group or NodePool with GPUs", dep.urn)
 
 
 # -- probes and timeouts -------------------------------------------------------------------------------------------
@@ -546,6 +635,13 @@ serving_gpu_resources = ResourceValidationPolicy(
     validate=_validate_gpus,
     enforcement_level=EnforcementLevel.MANDATORY,
 )
+serving_cpu_model_no_gpu = StackValidationPolicy(
+    name="serving-cpu-model-no-gpu",
+    description="A model configured without gpu neither requests nor tolerates GPUs and runs on its CPU node group, "
+                "never on a GPU node group.",
+    validate=_validate_cpu_models,
+    enforcement_level=EnforcementLevel.MANDATORY,
+)
 serving_probes = ResourceValidationPolicy(
     name="serving-probes",
     description="Model servers have startup, readiness (on a §3.2 ready endpoint) and liveness probes; the "
@@ -614,6 +710,7 @@ POLICIES = [
     serving_image_digest,
     serving_image_pins,
     serving_gpu_resources,
+    serving_cpu_model_no_gpu,
     serving_probes,
     serving_update_timeout,
     serving_model_cache,

@@ -164,6 +164,28 @@ def test_peak_beyond_the_pools_reach(compat):
     _one(stack, compat, "gpu-capacity-autoscaled", "need 41 GPUs at their peak")
 
 
+def test_gateway_closes_idle_connections_before_the_pod_and_the_nlb_do(stack):
+    """Issue 14, scope 5: Envoy's idle timeouts match the pod's keep-alive (the Deployment's env) and the NLB's."""
+    from llm_serving import pod_contract as pc
+
+    run, _ = stack
+    (gateway,) = run.of_type("kubernetes:gateway.networking.k8s.io/v1:Gateway")
+    (backend,) = run.of_type("kubernetes:gateway.envoyproxy.io/v1alpha1:BackendTrafficPolicy")
+    (client,) = run.of_type("kubernetes:gateway.envoyproxy.io/v1alpha1:ClientTrafficPolicy")
+    for policy in (backend, client):
+        assert policy.inputs["spec"]["targetRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "Gateway",
+                                                        "name": gateway.inputs["metadata"]["name"]}]
+        assert gateway.urn in policy.dependencies
+    upstream = backend.inputs["spec"]["timeout"]["http"]["connectionIdleTimeout"]
+    downstream = client.inputs["spec"]["timeout"]["http"]["idleTimeout"]
+    deployments = run.of_type("kubernetes:apps/v1:Deployment")
+    keepalives = {e["value"] for d in deployments for c in d.inputs["spec"]["template"]["spec"]["containers"]
+                  for e in c.get("env", []) if e["name"] == pc.ENV_HTTP_KEEPALIVE}
+    assert deployments and keepalives == {str(pc.HTTP_KEEPALIVE_S)}
+    assert int(upstream.removesuffix("s")) < pc.HTTP_KEEPALIVE_S
+    assert int(downstream.removesuffix("s")) < pc.NLB_TCP_IDLE_TIMEOUT_S
+
+
 # -- routes wait for their controller (issue 18, scope 2) ---------------------------------------------------------
 
 

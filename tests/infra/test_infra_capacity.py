@@ -10,6 +10,7 @@ import pytest
 from infra.config import ConfigError, parse_stack_config
 from infra.instances import INSTANCE_FACTS, allocatable, parse_quantity, pod_share
 from infra.mockrun import shipped_run
+from infra.naming import CPU_NODE_GROUP_LABEL, GPU_NODE_GROUP_LABEL
 from policies.offline import evaluate
 from policies.rules.capacity import pod_needs, pools
 from policies.rules.gpu_nodes import APPROVED_INSTANCE_TYPES
@@ -30,11 +31,11 @@ def test_table_covers_every_approved_and_shipped_type(stack):
         assert {INSTANCE_FACTS[t].gpus for t in group.instance_types} == {group.gpus_per_node}
 
 
-def pools_of(run):
+def pools_of(run, label: str = GPU_NODE_GROUP_LABEL):
     from policies.index import StackIndex
     from policies.offline import to_policy_resources
 
-    return pools(StackIndex(to_policy_resources(run.resources)))
+    return pools(StackIndex(to_policy_resources(run.resources)), label)
 
 
 def test_every_model_pod_fits_every_type_of_its_pool(stack):
@@ -44,11 +45,19 @@ def test_every_model_pod_fits_every_type_of_its_pool(stack):
                if r.inputs["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component")
                == "model-server"]
     assert len(servers) >= len(cfg.models)
+    cpu_pools = pools_of(run, CPU_NODE_GROUP_LABEL)
     for deployment in servers:
-        pool = deployment.inputs["spec"]["template"]["spec"]["nodeSelector"]["llm-serving/gpu-node-group"]
+        selector = deployment.inputs["spec"]["template"]["spec"]["nodeSelector"]
         needs = pod_needs(deployment.inputs)
-        assert needs["gpus"] >= 1
-        for itype in by_pool[pool]:
+        model = next(m for m in cfg.models if deployment.name.startswith(f"{m.id}-"))
+        if model.gpu is None:  # a model without GPUs: its CPU node group, no GPU
+            assert GPU_NODE_GROUP_LABEL not in selector and needs["gpus"] == 0
+            types = cpu_pools[selector[CPU_NODE_GROUP_LABEL]]
+        else:
+            assert needs["gpus"] >= 1
+            types = by_pool[selector[GPU_NODE_GROUP_LABEL]]
+        assert types
+        for itype in types:
             node = allocatable(itype)
             assert needs["cpu"] * 1000 <= node.cpu_millis and needs["memory"] <= node.memory_mib * 2**20
             assert needs["memory_limit"] <= node.memory_mib * 2**20 and needs["gpus"] <= node.gpus

@@ -70,8 +70,13 @@ def test_cluster_endpoint_is_private_in_prod(stack):
 def test_gpu_node_groups_follow_the_config(stack):
     run, cfg = stack
     groups = {r.name: r for r in run.of_type("aws:eks/nodeGroup:NodeGroup")}
-    assert set(groups) == {"eks-system"} | {f"eks-gpu-{g.name}" for g in cfg.cluster.gpu_node_groups}
+    assert set(groups) == ({"eks-system"} | {f"eks-gpu-{g.name}" for g in cfg.cluster.gpu_node_groups}
+                           | {f"eks-cpu-{g.name}" for g in cfg.cluster.cpu_node_groups})
     assert groups["eks-system"].inputs.get("taints") is None
+    for g in cfg.cluster.cpu_node_groups:  # models without GPUs: no GPU taint, AMI or label
+        ng = groups[f"eks-cpu-{g.name}"].inputs
+        assert not ng.get("taints") and "NVIDIA" not in ng["amiType"] and ng["instanceTypes"] == g.instance_types
+        assert ng["labels"]["llm-serving/cpu-node-group"] == g.name and "llm-serving/gpu-node-group" not in ng["labels"]
     system_template = run.find("aws:ec2/launchTemplate:LaunchTemplate", "eks-system").inputs
     assert system_template["metadataOptions"] == {"httpEndpoint": "enabled", "httpTokens": "required",
                                                   "httpPutResponseHopLimit": 1}
@@ -256,8 +261,14 @@ def test_deployments_carry_gpu_limits_probes_security_spread_and_long_timeouts(s
         for dep in (r for r in model_objects(run, model.id) if r.inputs["kind"] == "Deployment"):
             pod = dep.inputs["spec"]["template"]["spec"]
             (c,) = pod["containers"]
-            assert c["resources"]["limits"]["nvidia.com/gpu"] == str(model.gpu.count)
-            assert pod["nodeSelector"] == {"llm-serving/gpu-node-group": model.gpu.node_group}
+            if model.gpu is None:  # a model without GPUs: its CPU node group, no GPU request or toleration
+                assert "nvidia.com/gpu" not in c["resources"]["limits"]
+                assert "nvidia.com/gpu" not in c["resources"]["requests"]
+                assert pod["nodeSelector"] == {"llm-serving/cpu-node-group": model.node_group}
+                assert not any(t.get("key") == "nvidia.com/gpu" for t in pod.get("tolerations") or [])
+            else:
+                assert c["resources"]["limits"]["nvidia.com/gpu"] == str(model.gpu.count)
+                assert pod["nodeSelector"] == {"llm-serving/gpu-node-group": model.gpu.node_group}
             startup = c["startupProbe"]
             assert startup["failureThreshold"] * startup["periodSeconds"] >= model.load_time_seconds
             assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
@@ -276,14 +287,16 @@ def test_deployments_carry_gpu_limits_probes_security_spread_and_long_timeouts(s
             assert minutes(dep.custom_timeouts["create"]) * 60 >= model.load_time_seconds
 
 
-def test_autoscaling_is_keda_on_vllm_queue_depth(stack):
+def test_autoscaling_is_keda_on_the_queue_depth(stack):
+    """An LLM scales on vLLM's waiting requests; the other kinds (no vLLM engine) on Triton's pending requests."""
     run, cfg = stack
     for model in cfg.models:
+        metric = "vllm:num_requests_waiting" if model.kind == "vllm" else "nv_inference_pending_request_count"
         for so in (r for r in model_objects(run, model.id) if r.inputs["kind"] == "ScaledObject"):
             spec = so.inputs["spec"]
             (trigger,) = spec["triggers"]
             assert trigger["type"] == "prometheus"
-            assert trigger["metadata"]["query"].startswith("sum(vllm:num_requests_waiting{")
+            assert trigger["metadata"]["query"].startswith(f"sum({metric}{{")
             version = so.inputs["metadata"]["labels"]["app.kubernetes.io/version"]
             assert spec["minReplicaCount"] == run.outputs["models"][model.id]["replicas"][version]
             assert spec["maxReplicaCount"] >= spec["minReplicaCount"]

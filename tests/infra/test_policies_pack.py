@@ -35,7 +35,9 @@ EXTRA_MANDATORY = {"iam-irsa-trust-scoped", "serving-update-timeout", "rollout-g
                    "model-pod-fits-nodes", "fsx-s3-key-access", "nodes-bottlerocket-data-volume",
                    "eks-network-policy-and-pod-identity", "nodes-imdsv2-and-encrypted-disks",
                    "crds-before-custom-resources", "gpu-capacity-autoscaled", "routes-wait-for-controller",
-                   "ecr-one-build-replicated", "serving-pod-contract"}
+                   "ecr-one-build-replicated", "serving-pod-contract",
+                   # Issue 15 (every model kind): models without GPUs on CPU node groups.
+                   "serving-cpu-model-no-gpu", "cpu-nodes-no-gpu-approved-types"}
 
 
 @pytest.fixture

@@ -23,6 +23,11 @@ from policies.synthetic import write_compat
 
 STACKS = shipped_stacks()
 SENSITIVITY_STACK = "prod-us-east-1"
+# The rules about models without GPUs and versioned models need a stack that has them: prod-us-west-2's ranker (a
+# Python-backend model on the CPU node group `cpu`, versioned 3.0.0 and 4.0.0).
+CPU_STACK = "prod-us-west-2"
+MUTATION_STACK = {"serving-cpu-model-no-gpu": CPU_STACK, "cpu-nodes-no-gpu-approved-types": CPU_STACK,
+                  "rollout-versioned-only-on-io-change": CPU_STACK}
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +97,21 @@ def _candidate_deployment(resources, config):
 def _drop_dependencies(resource):
     resource.dependencies.clear()
     resource.property_dependencies.clear()
+
+
+def _ranker_server(resources):
+    dep = next(d for d in _serving(resources) if d.inputs["metadata"]["labels"]["app.kubernetes.io/name"] == "ranker")
+    return dep.inputs["spec"]["template"]["spec"]["containers"][0]
+
+
+def _cpu_groups(resources):
+    return [g for g in _of(resources, "aws:eks/nodeGroup:NodeGroup")
+            if "llm-serving/cpu-node-group" in (g.inputs.get("labels") or {})]
+
+
+def _same_fingerprint_twice(config):
+    ranker = next(m for m in config["llm-serving:models"] if m["id"] == "ranker")
+    ranker["versions"][-1]["ioFingerprint"] = ranker["versions"][0]["ioFingerprint"]
 
 
 def _gpu_groups(resources):
@@ -197,8 +217,14 @@ MUTATIONS: dict[str, Callable] = {
     "serving-no-download-at-start": lambda res, cfg: _server(res)["env"].append(
         {"name": "MODEL_URI", "value": "s3://bucket/models/m.tar.gz"}),
     "serving-non-root": lambda res, cfg: _server(res)["securityContext"].update(runAsNonRoot=False),
-    "rollout-versioned-only-on-io-change": lambda res, cfg: _red_black_with_candidate(cfg)["versions"][-1].update(
-        ioFingerprint="sha256:" + "e" * 64),
+    # The ranker's 4.0.0 claims 3.0.0's interface: versioned is only for an I/O change.
+    "rollout-versioned-only-on-io-change": lambda res, cfg: _same_fingerprint_twice(cfg),
+    # The ranker (no gpu configured) asks for a GPU anyway.
+    "serving-cpu-model-no-gpu": lambda res, cfg: _ranker_server(res)["resources"]["limits"].update(
+        {"nvidia.com/gpu": "1"}),
+    # The CPU node group launches a GPU type: models without GPUs would hold GPU nodes.
+    "cpu-nodes-no-gpu-approved-types": lambda res, cfg: _cpu_groups(res)[0].inputs.update(
+        instanceTypes=["g5.2xlarge"]),
     "rollout-weight-only-to-replicas": lambda res, cfg: _routes_stop_waiting_for(res, _candidate_deployment(res, cfg)),
     "rollout-newest-version-kept": lambda res, cfg: res.remove(_candidate_deployment(res, cfg)),
     "rollout-gpu-surge-bound": lambda res, cfg: _candidate_deployment(res, cfg).inputs["spec"].update(replicas=8),
@@ -215,7 +241,7 @@ def test_every_mandatory_rule_has_a_mutation():
 
 @pytest.mark.parametrize("policy", sorted(MUTATIONS))
 def test_rule_catches_a_break_in_the_real_program(policy, runs, tmp_path):
-    run = _run(runs, SENSITIVITY_STACK)
+    run = _run(runs, MUTATION_STACK.get(policy, SENSITIVITY_STACK))
     # The real compat.toml; before the serving image's issue created it, a copy pinning what the program builds.
     compat = DEFAULT_COMPAT if DEFAULT_COMPAT.is_file() else write_compat(
         tmp_path, f'[triton]\nrelease = "{_stated_release(run.resources)}"\nvllm_version = "x"\n'

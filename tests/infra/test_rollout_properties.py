@@ -189,8 +189,11 @@ def test_versioned_idle_removal_never_removes_the_newest_or_a_version_with_reque
             assert engine.model_replicas(runner.live("prod-us-west-2"), "ranker") == {v: 2 for v in kept}
             idle = [n for n in names if n not in kept]
             assert entry_report.status == ("removed idle" if idle else "unchanged")
-            # the overlap cost: every version but the newest holds replicas x GPUs (2 x 1 on a10g)
-            assert entry_report.overlap_gpus == 2 * (n_versions - 1)
+            # the overlap cost: every version but the newest holds replicas x GPUs; the ranker has none (a CPU
+            # model), so its overlap is pods, 2 per older version
+            assert entry_report.overlap_gpus == 0
+            assert (f"freeing {2 * len(idle)} pods (no GPUs)" if idle
+                    else f"holds {2 * (n_versions - 1)} pods (no GPUs)") in entry_report.detail
             assert all('[7d]' in q for _, q in canned.queries)
             asked = {q.split('app_kubernetes_io_version="')[1].split('"')[0] for _, q in canned.queries}
             assert newest not in asked  # the newest is never a removal candidate, so it is not even queried

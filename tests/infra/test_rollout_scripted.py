@@ -149,9 +149,30 @@ def test_candidate_never_ready_in_the_second_region_never_gets_traffic(tmp_path,
 
 def test_a_mandatory_policy_blocks_the_update_before_anything_changes(tmp_path, capsys):
     """`llm-serving rollout` (the top-level command, which builds the policy gate and hands it to infra's rollout
-    CLI) checks every mock update with the policy pack offline, as `pulumi up --policy-pack` would: a red-black
-    candidate whose I/O fingerprint differs from the active's is refused (§4: that is what versioned is for), the
-    file goes back, and the deployed state never changed."""
+    CLI) checks every mock update with the policy pack offline, as `pulumi up --policy-pack` would: a versioned
+    version whose I/O fingerprint equals an existing version's is refused (§4: versioned is only for an interface
+    change), the file goes back, and the deployed state never changed."""
+    config_dir, state_dir = copy_stacks(tmp_path / "stacks"), tmp_path / "state"
+    path = config_dir / "Pulumi.prod-us-west-2.yaml"
+    before = path.read_text()
+    same_as_4 = StackFile.load(path).model("ranker").versions[-1].io_fingerprint
+    with pytest.raises(SystemExit) as exited:
+        llm_serving_main(["rollout", "start", "ranker", "--stacks", "prod-us-west-2", "--version", "5.0.0",
+                          "--package", "s3://acme-llm-prod-us-east-1/models/model-cache/ranker/5.0.0/",
+                          "--io-fingerprint", same_as_4, "--runner", "mock", "--config-dir", str(config_dir),
+                          "--state-dir", str(state_dir), "--no-gate", "--json"])
+    assert exited.value.code == 1
+    (entry,) = json.loads(capsys.readouterr().out)["stacks"]
+    assert entry["status"] == "rolled back"
+    assert "a mandatory policy blocked it: [rollout-versioned-only-on-io-change]" in entry["detail"]
+    assert path.read_text() == before
+    live = MockRunner(config_dir, state_dir).live("prod-us-west-2")
+    assert engine.model_replicas(live, "ranker") == {"3.0.0": 2, "4.0.0": 2}
+
+
+def test_a_vllm_candidate_with_another_fingerprint_is_refused_by_the_schema(tmp_path, capsys):
+    """Every vllm package has the vLLM tensor contract's fingerprint, so a red-black candidate of an LLM with another
+    one is not a vllm package: the stack schema refuses the edit, naming the field, before any update runs."""
     config_dir, state_dir = copy_stacks(tmp_path / "stacks"), tmp_path / "state"
     path = config_dir / "Pulumi.prod-eu-west-1.yaml"
     before = path.read_text()
@@ -162,11 +183,9 @@ def test_a_mandatory_policy_blocks_the_update_before_anything_changes(tmp_path, 
                           str(state_dir), "--no-gate", "--json"])
     assert exited.value.code == 1
     (entry,) = json.loads(capsys.readouterr().out)["stacks"]
-    assert entry["status"] == "rolled back"
-    assert "a mandatory policy blocked it: [rollout-versioned-only-on-io-change]" in entry["detail"]
+    assert entry["status"] == "failed"
+    assert "versions[1].ioFingerprint" in entry["detail"] and "not the vLLM tensor contract's" in entry["detail"]
     assert path.read_text() == before
-    live = MockRunner(config_dir, state_dir).live("prod-eu-west-1")
-    assert engine.model_replicas(live, MODEL) == {"2.3.0": 2}
 
 
 def test_step_order_of_a_forward_step_and_of_a_rollback_in_the_real_program(tmp_path):
@@ -206,7 +225,7 @@ def test_step_order_of_a_forward_step_and_of_a_rollback_in_the_real_program(tmp_
 def test_versioned_idle_version_removed_by_a_later_update(tmp_path, prom, capsys):
     """prod-us-west-2's ranker serves 3.0.0 and 4.0.0 (the shipped versioned shape). With requests on 3.0.0 in the
     idle window nothing is removed; once it has none, `advance` removes it in one update (the newest, 4.0.0, is
-    never queried), and the overlap's GPUs are reported."""
+    never queried), and the overlap is reported (pods: the ranker has no GPUs)."""
     canned, url = prom
     config_dir, state_dir = copy_stacks(tmp_path / "stacks"), tmp_path / "state"
     args = ["advance", "ranker", "--stacks", "prod-us-west-2", "--runner", "mock", "--config-dir", str(config_dir),
@@ -215,14 +234,16 @@ def test_versioned_idle_version_removed_by_a_later_update(tmp_path, prom, capsys
     canned.series = {("prod-us-west-2", "ranker", "3.0.0"): Health(requests=12)}
     assert main(args, policy_gate=blocking_violations) == 0
     (entry,) = json.loads(capsys.readouterr().out)["stacks"]
-    assert entry["status"] == "unchanged" and entry["overlap_gpus"] == 2  # 2 replicas x 1 GPU on 3.0.0
+    # the ranker has no GPUs (a CPU model): its overlap is 2 pods of 3.0.0 on the CPU node group, no GPU
+    assert entry["status"] == "unchanged" and entry["overlap_gpus"] == 0
+    assert "the overlap holds 2 pods (no GPUs)" in entry["detail"]
     assert "3.0.0 (12 requests)" in entry["detail"]
 
     canned.series = {}
     assert main(args, policy_gate=blocking_violations) == 0
     (entry,) = json.loads(capsys.readouterr().out)["stacks"]
     assert entry["status"] == "removed idle"
-    assert "removed ['3.0.0'] (no request in 3d), freeing 2 GPUs; kept 4.0.0 (newest)" in entry["detail"]
+    assert "removed ['3.0.0'] (no request in 3d), freeing 2 pods (no GPUs); kept 4.0.0 (newest)" in entry["detail"]
     assert [v.version for v in StackFile.load(config_dir / "Pulumi.prod-us-west-2.yaml").model("ranker").versions] \
         == ["4.0.0"]
     live = MockRunner(config_dir, state_dir).live("prod-us-west-2")
