@@ -66,9 +66,10 @@ $(SERVING)/.stamp: pyproject.toml $(NATIVE_SOURCES)
 	$(SERVING)/bin/pip install -q --no-build-isolation -e '.[serving,local,test]'
 	$(SERVING)/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(SERVING)/bin/python -c "import transformers, vllm, tritonclient.grpc, serving_image.constraints._native"
-	@# promtool and the Prometheus server (Debian's package) check and scrape the metrics proxy in the tests.
-	command -v promtool >/dev/null || ($(if $(filter 0,$(shell id -u)),,sudo) apt-get update -q && \
-	  $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus)
+	@# promtool and the Prometheus server (Debian's package) check and scrape the metrics proxy in the tests;
+	@# HAProxy realises the Gateway API routes in the rehearsal (tests/serving/test_rehearsal_proxy.py).
+	command -v promtool >/dev/null && command -v haproxy >/dev/null || ($(if $(filter 0,$(shell id -u)),,sudo) apt-get update -q && \
+	  $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus haproxy)
 	touch $@
 
 # The control plane never needs the native core: LLM_SERVING_BUILD_NATIVE=OFF skips the C++ build, in a build

@@ -109,12 +109,13 @@ POD_ENV: dict[str, str] = {
 }
 # The image's ENV: the above, and what only the image knows (its engine runtime: Triton in-process).
 IMAGE_ENV: dict[str, str] = {ENV_RUNTIME: "triton", **POD_ENV}
-# What the startup procedure reads from the environment of a pod.
+# What the startup procedure reads from the environment of every pod (and ENV_COMPANION_PACKAGES below, on a pod
+# that serves more than one package).
 STARTUP_ENV = (ENV_PACKAGE, ENV_MODEL_ID, ENV_MODEL_VERSION, ENV_IO_FINGERPRINT, ENV_MODEL_CACHE, ENV_MULTIPROC_DIR)
 # The other packages a pod serves on the same Triton (an ensemble's step models: a Triton ensemble only calls models
 # of its own server), as package directories on the model cache joined by COMPANION_SEPARATOR, in the order of the
 # ensemble's steps; set only on the Deployment of a model whose pod serves more than its own package. What the
-# startup procedure's `--with-package` takes. Not in STARTUP_ENV until the startup reads it (issue 15).
+# startup procedure's `--with-package` takes (serving_image/startup.py reads it when no --with-package is given).
 ENV_COMPANION_PACKAGES = "LLM_SERVING_COMPANION_PACKAGES"
 COMPANION_SEPARATOR = ":"
 

@@ -6,8 +6,8 @@ request goes out on a dead socket and ends in `ReadError('')` (a connection clos
 bench`'s soak lost 3 of 12,147 requests this way with uvicorn's default of 5 s, which equals httpx's own idle expiry).
 Behind a load balancer the same race turns into 502s unless the server keeps idle connections open longer than the
 balancer does (AWS load balancers: 60 s by default). So the server's keep-alive is longer than every client's and
-every balancer's idle timeout: `LLM_SERVING_HTTP_KEEPALIVE_S`, 75 s by default; whoever raises the balancer's idle
-timeout raises this above it.
+every balancer's idle timeout: `LLM_SERVING_HTTP_KEEPALIVE_S`, 75 s by default, set by the Deployment; the Gateway's
+upstream idle timeout is 60 s (both from llm_serving/pod_contract.py, where the chain of idle timeouts is explained).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 from contextlib import nullcontext
 
-KEEPALIVE_ENV = "LLM_SERVING_HTTP_KEEPALIVE_S"
-DEFAULT_KEEPALIVE_S = 75  # above the 60 s idle timeout of AWS load balancers (and httpx's 5 s)
+from llm_serving.pod_contract import ENV_HTTP_KEEPALIVE as KEEPALIVE_ENV
+from llm_serving.pod_contract import HTTP_KEEPALIVE_S as DEFAULT_KEEPALIVE_S
+
 GRACE_S = 30
 
 

@@ -247,6 +247,7 @@ async def _start_engine(packages: list[VerifiedPackage], config: StartupConfig):
     package = packages[0]
     manifest = package.manifest
     from serving_image.triton.runtime import (
+        OPENAI_ENGINE_ENV,
         check_pins,
         embedded_triton_selected,
         is_standalone,
@@ -267,9 +268,10 @@ async def _start_engine(packages: list[VerifiedPackage], config: StartupConfig):
         served = ", ".join(f"{p.manifest.model.id} {p.manifest.model.version} ({p.manifest.model.backend})"
                            for p in packages)
         return f"{pins}; Triton {triton.server_version} ({where}) ready: {served}", triton
-    if len(packages) > 1:
-        raise RuntimeError("companion packages are served beside the main one by Triton, in the standalone serving "
-                           "mode only")
+    if len(packages) > 1 and not embedded_triton_selected():
+        raise RuntimeError("companion packages are served beside the main one by Triton (the standalone serving "
+                           f"mode, or the openai mode over embedded Triton); {OPENAI_ENGINE_ENV}=vllm serves one "
+                           "package through vLLM in the process")
     if manifest.model.backend is not Backend.VLLM:
         # Python-backend models run in Triton's Python backend, which this project serves in the standalone mode.
         raise RuntimeError(f"a {manifest.model.backend}-backend package is served by Triton in the standalone serving "
@@ -277,14 +279,13 @@ async def _start_engine(packages: list[VerifiedPackage], config: StartupConfig):
     engine_cfg = manifest.engine
     args = {**engine_cfg.args, **config.engine_overrides}
     if embedded_triton_selected():
-        if set(engine_cfg.tasks) - {"generate"}:
-            raise RuntimeError(f"tasks {'+'.join(engine_cfg.tasks)}: Triton embedded in the OpenAI front-end serves "
-                               "generation only (embeddings and scoring through Triton: not yet)")
+        # every task through Triton: embeddings and scoring by the package's pooling and scoring models beside the
+        # LLM (serving_image/triton/models.py), loaded with it
         engine = await start_triton_engine(package, config.workdir, int(args.get("max_model_len", 4096)),
-                                           config.engine_overrides)
+                                           config.engine_overrides, companions=packages[1:])
         where = "image" if runtime() == "triton" else "local"
         return (f"{pins}; Triton {engine.triton.server_version} ({where}) embedded in this process, ready: "
-                f"{engine.info.name} {engine.info.version}"), engine
+                f"{engine.info.name} {engine.info.version}, Triton models {', '.join(engine.triton.models)}"), engine
     from serving_image.engine.vllm_local import VllmLocalEngine
 
     engine = await VllmLocalEngine.start(
@@ -485,6 +486,19 @@ def run(config: StartupConfig, on_ready: Callable[[Started], None] | None = None
     return asyncio.run(_main_async(config, on_ready))
 
 
+def companions_from_env(value: str) -> list[Path]:
+    """The Deployment's companion packages (pc.ENV_COMPANION_PACKAGES): package directories on the model cache,
+    joined by pc.COMPANION_SEPARATOR. An empty entry (a doubled or trailing separator) is refused, naming the
+    variable, rather than dropped."""
+    if not value:
+        return []
+    parts = value.split(pc.COMPANION_SEPARATOR)
+    if any(not p.strip() for p in parts):
+        raise SystemExit(f"{pc.ENV_COMPANION_PACKAGES}={value!r}: an empty package path (entries are separated by "
+                         f"'{pc.COMPANION_SEPARATOR}')")
+    return [Path(p) for p in parts]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serving startup procedure (docs/architecture.md §3.7)")
     parser.add_argument("package", type=Path, nargs="?", default=os.environ.get(pc.ENV_PACKAGE),
@@ -498,11 +512,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics-port", type=int, default=pc.PORTS[pc.METRICS_PORT_NAME])
     parser.add_argument("--frontend-metrics-port", type=int, default=pc.INTERNAL_METRICS_PORT)
     parser.add_argument("--with-package", type=Path, action="append", default=[], dest="companions",
-                        help="a package the same Triton serves beside the main one (standalone mode; repeatable): "
-                             "e.g. the LLM a Python-backend model calls through BLS")
+                        help="a package the same Triton serves beside the main one (repeatable): e.g. the LLM a "
+                             "Python-backend model calls through BLS, an ensemble's step models (default: "
+                             f"${pc.ENV_COMPANION_PACKAGES}, what the Deployment of such a pod sets, "
+                             f"'{pc.COMPANION_SEPARATOR}'-separated)")
     args = parser.parse_args(argv)
     if args.package is None:
         parser.error(f"give the package path or set {pc.ENV_PACKAGE}")
+    if not args.companions:
+        args.companions = companions_from_env(os.environ.get(pc.ENV_COMPANION_PACKAGES, ""))
     _reexec_for_embedded_triton(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="llm-serving-"))
     config = StartupConfig(package=args.package, workdir=workdir, host=args.host, openai_port=args.openai_port,

@@ -82,7 +82,8 @@ class TokenLogprob:
     token: str
     token_id: int
     logprob: float
-    top: tuple[TopLogprob, ...] = ()
+    top: tuple[TopLogprob, ...] = ()  # the k most likely tokens, most likely first
+    rank: int | None = None  # the sampled token's rank in the vocabulary (1: the most likely), when known
 
 
 @dataclass(frozen=True)

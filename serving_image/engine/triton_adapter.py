@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -34,6 +35,8 @@ from typing import Any
 import numpy as np
 
 from serving_image.engine.base import (
+    CandidateScore,
+    Embedding,
     Engine,
     EngineInputError,
     EngineOutput,
@@ -69,7 +72,8 @@ def field_from_message(message: str) -> str | None:
     """The request field a Triton error message names, in the engine request's terms (the prompt is `prompt`)."""
     if match := _FIELD.search(message):
         return _FIELD_NAMES.get(match.group(1), match.group(1))
-    for name, param in (("text_input", "prompt"), ("sampling_parameters", "sampling_parameters"),
+    for name, param in (("return_logprobs", "logprobs"), ("text_input", "prompt"),
+                        ("sampling_parameters", "sampling_parameters"),
                         ("exclude_input_in_output", "exclude_input_in_output"), ("stream", "stream")):
         if name in message:
             return param
@@ -130,14 +134,16 @@ class TritonEngine(HFTokenizerMixin, Engine):
             raise EngineInputError(str(exc), exc.param) from exc
 
     @abc.abstractmethod
-    def _stream(self, request_id: str, tensors: list[Tensor]) -> AsyncIterator[tuple[dict[str, list], bool]]:
-        """Send the request; yield (flat outputs, final) per response; raise the engine's errors."""
+    def _stream(self, request_id: str, tensors: list[Tensor],
+                model: str | None = None) -> AsyncIterator[tuple[dict[str, list], bool]]:
+        """Send the request (to the LLM, or the named model); yield (flat outputs, final) per response; raise the
+        engine's errors."""
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         if not self.is_ready():
             raise EngineUnavailableError(self.dead_reason or "Triton is not ready")
         tensors = self.request_tensors(request)
-        reader = OutputReader(request.request_id, request.sampling.n)
+        reader = OutputReader(request.request_id, request.sampling.n, logprobs=request.sampling.logprobs)
         stream = self._stream(request.request_id, tensors)
         try:
             async for outputs, final in stream:
@@ -149,6 +155,108 @@ class TritonEngine(HFTokenizerMixin, Engine):
                     return
         finally:
             await stream.aclose()
+
+
+    # -- embeddings and scoring: the package's other Triton models (serving_image/triton/models.py) ---------------
+
+    _embed_model: str | None = None  # the pooling model (NVIDIA's `embedding_request`), when the package embeds
+    _score_model: str | None = None  # the platform's scoring model, when the package's tasks hold "score"
+
+    async def serve_tasks(self, *, embed_model: str | None, score_model: str | None) -> None:
+        """Route embeddings and scoring to the package's pooling and scoring models. The embedding size is asked of
+        the served model itself (one embedding of one token), so /v1/embeddings reports what it will return."""
+        self._embed_model, self._score_model = embed_model, score_model
+        if embed_model is not None:
+            probe = self._tokenizer.encode("a", add_special_tokens=False)[:1] or [0]
+            (vector,) = await self.embed([probe], "embedding-size-probe")
+            self.info = dataclasses.replace(self.info, embedding_dim=len(vector.vector))
+
+    async def _one_answer(self, request_id: str, tensors: list[Tensor], model: str) -> dict[str, list]:
+        """The outputs of a request that gets one answer (an embedding, a score)."""
+        outputs: dict[str, list] | None = None
+        stream = self._stream(request_id, tensors, model=model)
+        try:
+            async for flat, final in stream:
+                outputs = flat or outputs  # a decoupled model may end with an empty final response
+                if final:
+                    break
+        finally:
+            await stream.aclose()
+        if outputs is None:
+            raise EngineUnavailableError(f"Triton: model {model} ended request {request_id} without outputs")
+        return outputs
+
+    async def embed(self, inputs: list[str | list[int]], request_id: str) -> list[Embedding]:
+        """One `embedding_request` per input, as NVIDIA's OpenAI front-end sends them (text, or token ids; the
+        backend tokenizes text with special tokens, as the engine in the process does), all at once."""
+        if self._embed_model is None:
+            return await super().embed(inputs, request_id)
+        if not self.is_ready():
+            raise EngineUnavailableError(self.dead_reason or "Triton is not ready")
+
+        async def one(index: int, item: str | list[int]) -> Embedding:
+            body = {"input": item if isinstance(item, str) else list(item), "pooling_params": {}}
+            tensors = [Tensor("embedding_request", "BYTES", (1,), (json.dumps(body).encode("utf-8"),)),
+                       Tensor("return_num_input_tokens", "BOOL", (1,), (True,))]
+            try:
+                outputs = await self._one_answer(f"{request_id}-{index}", tensors, self._embed_model)
+            except (EngineInputError, EngineUnavailableError) as exc:
+                name = f"input[{index}]" if len(inputs) > 1 else "input"
+                raise _as_input_error(exc, _EMBED_FIELD, lambda match, error: name) from exc
+            try:
+                vector = json.loads(outputs["text_output"][0])
+                tokens = int(outputs["num_input_tokens"][0])
+            except (KeyError, IndexError, ValueError, TypeError) as exc:
+                raise EngineUnavailableError(f"Triton: model {self._embed_model} answered an embedding request "
+                                             f"without the vector or its token count ({exc!r})") from exc
+            return Embedding(tuple(float(x) for x in vector), tokens)
+
+        return list(await asyncio.gather(*(one(i, item) for i, item in enumerate(inputs))))
+
+    async def score(self, prompt: str, candidates: list[str], request_id: str) -> list[CandidateScore]:
+        """The platform's scoring model: one request, every candidate scored from the prompt's prefill."""
+        if self._score_model is None:
+            raise EngineInputError(f"model {self.info.name} does not serve scoring through Triton: its package's "
+                                   "engine.tasks has no 'score' (docs/kserve.md, \"Embeddings and scoring through "
+                                   "Triton\")", "model")
+        if not self.is_ready():
+            raise EngineUnavailableError(self.dead_reason or "Triton is not ready")
+        tensors = [Tensor("prompt", "BYTES", (1,), (prompt.encode("utf-8"),)),
+                   Tensor("candidates", "BYTES", (len(candidates),), tuple(c.encode("utf-8") for c in candidates))]
+        try:
+            outputs = await self._one_answer(request_id, tensors, self._score_model)
+        except (EngineInputError, EngineUnavailableError) as exc:
+            raise _as_input_error(exc, _SCORE_FIELD, _score_param) from exc
+        logprobs, counts = outputs.get("logprob", []), outputs.get("num_tokens", [])
+        if len(logprobs) != len(candidates) or len(counts) != len(candidates):
+            raise EngineUnavailableError(f"Triton: model {self._score_model} answered {len(logprobs)} scores for "
+                                         f"{len(candidates)} candidates")
+        return [CandidateScore(logprob=float(lp), tokens=int(n)) for lp, n in zip(logprobs, counts, strict=True)]
+
+
+# What an embedding or scoring model's error names: the stand-in's `embedding_request...` fields, the scoring
+# model's inputs ("input 'candidates' element 2", "candidates[2]: ..."), in the OpenAI request's terms.
+_EMBED_FIELD = re.compile(r"embedding_request(\.[a-z_.]+)?|does not support 'embed'")
+_SCORE_FIELD = re.compile(r"candidates\[(\d+)\]|input 'candidates' element (\d+)|input '(candidates|prompt)'")
+
+
+def _score_param(match: re.Match | None, error: Exception) -> str | None:
+    if match is None:
+        return getattr(error, "param", None)
+    index = match.group(1) or match.group(2)
+    return f"candidates[{index}]" if index is not None else match.group(3)
+
+
+def _as_input_error(exc: EngineInputError | EngineUnavailableError, pattern: re.Pattern,
+                    param) -> EngineInputError | EngineUnavailableError:
+    """The model's refusal as an input error naming the OpenAI field. gRPC streams carry no status code, so a
+    refusal arriving over one (an UNAVAILABLE here) is recognized by the field its message names; the backends'
+    unavailable messages name the engine, never a field."""
+    text = str(exc)
+    match = pattern.search(text)
+    if isinstance(exc, EngineInputError) or (match and "engine" not in text):
+        return EngineInputError(text.removeprefix("Triton: "), param(match, exc))
+    return exc
 
 
 class EmbeddedTritonEngine(TritonEngine):
@@ -177,13 +285,14 @@ class EmbeddedTritonEngine(TritonEngine):
             return "Triton stopped"
         return self.triton.dead_reason
 
-    async def _stream(self, request_id: str, tensors: list[Tensor]) -> AsyncIterator[tuple[dict[str, list], bool]]:
+    async def _stream(self, request_id: str, tensors: list[Tensor],
+                      model: str | None = None) -> AsyncIterator[tuple[dict[str, list], bool]]:
         from serving_image.triton.capi import TritonError
         from serving_image.triton.capi.inference import Input, infer
 
         inputs = [Input.from_numpy(name, array) for name, array in tensor_arrays(tensors).items()]
         try:
-            stream = infer(self.triton.server, self._model_name, inputs, request_id=request_id)
+            stream = infer(self.triton.server, model or self._model_name, inputs, request_id=request_id)
         except TritonError as exc:
             raise engine_error(exc.code.name, exc.message) from exc
         self._inflight[request_id] = stream
@@ -243,7 +352,8 @@ class RemoteTritonEngine(TritonEngine):
     def dead_reason(self) -> str | None:
         return None if self._ready else "disconnected from Triton"
 
-    async def _stream(self, request_id: str, tensors: list[Tensor]) -> AsyncIterator[tuple[dict[str, list], bool]]:
+    async def _stream(self, request_id: str, tensors: list[Tensor],
+                      model: str | None = None) -> AsyncIterator[tuple[dict[str, list], bool]]:
         import grpc
         import tritonclient.grpc.aio as grpcaio
         from tritonclient.utils import InferenceServerException
@@ -256,7 +366,7 @@ class RemoteTritonEngine(TritonEngine):
         done = asyncio.Event()
 
         async def requests():
-            yield {"model_name": self._model_name, "inputs": inputs, "request_id": request_id}
+            yield {"model_name": model or self._model_name, "inputs": inputs, "request_id": request_id}
             await done.wait()  # keep the request side open until the last response arrived
 
         stream = self._client.stream_infer(requests())
@@ -278,6 +388,30 @@ class RemoteTritonEngine(TritonEngine):
 
     async def abort(self, request_id: str) -> None:
         return None  # closing the stream (generate's finally) cancels the request on the server
+
+    async def _one_answer(self, request_id: str, tensors: list[Tensor], model: str) -> dict[str, list]:
+        """The scoring model is not decoupled: call it with unary ModelInfer, as any KServe client would. (The
+        pooling model is NVIDIA's decoupled one, streamed like the LLM.)"""
+        if model != self._score_model:
+            return await super()._one_answer(request_id, tensors, model)
+        import grpc
+        import tritonclient.grpc.aio as grpcaio
+        from tritonclient.utils import InferenceServerException
+
+        inputs = []
+        for tensor in tensors:
+            item = grpcaio.InferInput(tensor.name, list(tensor.shape), tensor.datatype)
+            item.set_data_from_numpy(tensor_arrays([tensor])[tensor.name])
+            inputs.append(item)
+        try:
+            result = await self._client.infer(model, inputs, request_id=request_id)
+        except InferenceServerException as exc:
+            code = "INVALID_ARG" if "INVALID_ARGUMENT" in str(exc.status()) else None
+            raise engine_error(code, exc.message()) from exc
+        except grpc.aio.AioRpcError as exc:
+            raise EngineUnavailableError(f"Triton call failed: {exc.code().name}: {exc.details()}") from exc
+        response = result.get_response()
+        return flat_outputs({o.name: result.as_numpy(o.name) for o in response.outputs})
 
     async def shutdown(self) -> None:
         self._ready = False

@@ -152,6 +152,7 @@ def _logprobs(token_ids, entries, tokenizer, k: int) -> tuple[TokenLogprob, ...]
             logprob=max(chosen.logprob, -9999.0),
             top=tuple(TopLogprob(lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([tid]),
                                  tid, max(lp.logprob, -9999.0)) for tid, lp in top),
+            rank=chosen.rank,
         ))
     return tuple(out)
 

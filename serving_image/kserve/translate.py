@@ -31,6 +31,8 @@ from serving_image.engine.base import (
     OutputTotals,
     SamplingSpec,
     StructuredOutput,
+    TokenLogprob,
+    TopLogprob,
     raise_if_cut_short,
 )
 from serving_image.kserve.tensors import Tensor
@@ -415,8 +417,6 @@ class ClientTranslationError(ValueError):
 
 def sampling_parameters_json(spec: SamplingSpec, structured_key: str) -> str:
     """The sampling_parameters JSON Triton's vLLM backend accepts (SamplingParams field names)."""
-    if spec.logprobs is not None:
-        raise ClientTranslationError("logprobs cannot be requested through Triton's KServe API", "logprobs")
     params: dict[str, Any] = {
         "n": spec.n, "temperature": spec.temperature, "top_p": spec.top_p, "min_p": spec.min_p,
         "presence_penalty": spec.presence_penalty, "frequency_penalty": spec.frequency_penalty,
@@ -432,6 +432,8 @@ def sampling_parameters_json(spec: SamplingSpec, structured_key: str) -> str:
         params["stop_token_ids"] = list(spec.stop_token_ids)
     if spec.seed is not None:
         params["seed"] = spec.seed
+    if spec.logprobs is not None:
+        params["logprobs"] = spec.logprobs  # returned in the `logprobs` output (request_tensors sets return_logprobs)
     if spec.logit_bias:
         params["logit_bias"] = {str(k): v for k, v in spec.logit_bias.items()}
     if spec.structured is not None:
@@ -479,7 +481,47 @@ def request_tensors(request: EngineRequest, structured_key: str, prompt: str | N
         Tensor("sampling_parameters", "BYTES", (1,), (sampling_parameters_json(request.sampling,
                                                                               structured_key).encode(),)),
         *(Tensor(flag, "BOOL", (1,), (True,)) for flag in RETURN_FLAGS),
+        *((Tensor("return_logprobs", "BOOL", (1,), (True,)),) if request.sampling.logprobs is not None else ()),
     ]
+
+
+# -- log-probabilities in the vllm backend's `logprobs` output ------------------------------------------------------
+# One JSON string per choice (the JSON `null` when the request asked for none): a list with one object per new token,
+# token id (a string, as JSON keys are) -> {"logprob", "rank", "decoded_token"}, holding the sampled token and the
+# request's top k (vLLM's Logprob dictionary, as vllm_backend's create_response serialises it). The sampled token is
+# the first key: vLLM puts it first, and the stand-in backend writes it first.
+
+
+def backend_logprobs(items: tuple[TokenLogprob, ...]) -> list[dict[str, dict]]:
+    """The `logprobs` positions of some new tokens, as the backend writes them (the stand-in's engine process)."""
+    positions = []
+    for item in items:
+        position = {str(item.token_id): {"logprob": item.logprob, "rank": item.rank, "decoded_token": item.token}}
+        for rank, top in enumerate(item.top, start=1):
+            position.setdefault(str(top.token_id), {"logprob": top.logprob, "rank": rank, "decoded_token": top.token})
+        positions.append(position)
+    return positions
+
+
+def read_backend_logprobs(text: str | bytes, k: int) -> tuple[TokenLogprob, ...]:
+    """The engine's TokenLogprobs from one choice's `logprobs` JSON; `k` is how many alternatives were asked for.
+    Raises ValueError (a malformed response is the server's fault, never silently read as no log-probabilities)."""
+    positions = json.loads(text)
+    if positions is None:
+        raise ValueError("the backend returned no log-probabilities (null) for a request that asked for them")
+    out = []
+    for position in positions:
+        entries = [(int(token_id), entry) for token_id, entry in position.items()]
+        if not entries:
+            raise ValueError("a logprobs position without the sampled token")
+        token_id, chosen = entries[0]
+        top = sorted((e for e in entries if e[1].get("rank") is not None and e[1]["rank"] <= k),
+                     key=lambda e: e[1]["rank"])
+        out.append(TokenLogprob(token=chosen.get("decoded_token") or "", token_id=token_id,
+                                logprob=float(chosen["logprob"]), rank=chosen.get("rank"),
+                                top=tuple(TopLogprob(e.get("decoded_token") or "", tid, float(e["logprob"]))
+                                          for tid, e in top)))
+    return tuple(out)
 
 
 @dataclass
@@ -490,6 +532,7 @@ class OutputReader:
     n: int
     prompt_tokens: int = 0
     finished: set[int] = field(default_factory=set)
+    logprobs: int | None = None  # the request's k: each delta then carries its tokens' log-probabilities
 
     def read(self, outputs: Mapping[str, list], final: bool = False) -> EngineOutput:
         texts = outputs.get("text_output")
@@ -501,8 +544,13 @@ class OutputReader:
         counts = outputs.get("num_output_tokens") or [0] * len(texts)
         if outputs.get("num_input_tokens"):
             self.prompt_tokens = int(outputs["num_input_tokens"][0])
+        logprobs = outputs.get("logprobs")
+        if self.logprobs is not None and logprobs is None:
+            raise ValueError("response has no logprobs output, though the request asked for log-probabilities")
         choices = []
         for index, text in enumerate(texts):
+            token_logprobs = (read_backend_logprobs(logprobs[index], self.logprobs)
+                              if self.logprobs is not None else None)
             reason = reasons[index]
             reason = reason.decode() if isinstance(reason, bytes) else str(reason)
             finish = None if reason == "None" else reason
@@ -511,9 +559,11 @@ class OutputReader:
             delta = ChoiceDelta(
                 index=index,
                 text=text.decode("utf-8") if isinstance(text, bytes) else str(text),
-                # Token ids do not cross the KServe API, only their count: -1 placeholders keep the count (vLLM
-                # itself uses -1 for not-yet-known ids) and must never be read as ids.
-                token_ids=(-1,) * int(counts[index]),
+                # Token ids do not cross the KServe API, only their count (unless log-probabilities name them): -1
+                # placeholders keep the count (vLLM itself uses -1 for not-yet-known ids), never to be read as ids.
+                token_ids=(tuple(t.token_id for t in token_logprobs) if token_logprobs
+                           else (-1,) * int(counts[index])),
+                logprobs=token_logprobs,
                 finish_reason=finish,
             )
             raise_if_cut_short(self.request_id, delta)

@@ -7,8 +7,8 @@ for gRPC: every answer comes from Triton through the C API binding (serving_imag
   of the model become those inputs (datatypes from Triton's model metadata), `parameters` becomes the request's
   parameters; the stream is server-sent events; a refusal before the first response is an HTTP status, later errors
   are the stream's last event; a client that goes away cancels the request in Triton;
-- `/v2/models/{m}/infer`: a decoupled model gets 501 and Triton's message, as Triton's own front-end answers; unary
-  HTTP inference on other models is not served here yet (gRPC `ModelInfer` is).
+- `/v2/models/{m}/infer`: a decoupled model gets 501 and Triton's message, as Triton's own front-end answers; other
+  models answer unary inference, JSON or with the binary tensor extension (serving_image/kserve/infer_json.py).
 
 Error statuses follow Triton's mapping of its error codes (INVALID_ARG 400, NOT_FOUND 404, UNAVAILABLE 503,
 UNSUPPORTED 501, INTERNAL 500). Difference, documented in docs/kserve.md: Triton 2.51's own generate endpoint
@@ -26,6 +26,13 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from serving_image.kserve.infer_json import (
+    BINARY_CONTENT_TYPE,
+    HEADER_LENGTH,
+    InferBodyError,
+    infer_response_body,
+    parse_infer_body,
+)
 from serving_image.kserve.service import DECOUPLED_HTTP_MESSAGE
 from serving_image.triton.capi import ErrorCode, TritonError
 from serving_image.triton.capi.inference import NUMPY_DTYPES, Input, infer
@@ -156,14 +163,39 @@ def create_triton_http_app(triton, is_draining: Callable[[], bool] = lambda: Fal
 
     @app.post("/v2/models/{model}/infer")
     @app.post("/v2/models/{model}/versions/{version}/infer")
-    async def unary(model: str, version: str = "") -> JSONResponse:
+    async def unary(model: str, request: Request, version: str = "") -> Response:
         try:
-            decoupled = server.model_is_decoupled(model, _version(version))
+            number = _version(version)
+            decoupled = server.model_is_decoupled(model, number)
         except TritonError as exc:
             return _triton_error(exc)
         if decoupled:
             return _error(501, DECOUPLED_HTTP_MESSAGE)
-        return _error(501, "unary HTTP inference is not served by this front-end yet: use gRPC ModelInfer")
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            return _error(400, f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
+        try:
+            call = parse_infer_body(raw, request.headers.get(HEADER_LENGTH))
+        except InferBodyError as exc:
+            return _error(400, str(exc))
+        try:
+            stream = infer(server, model, call.inputs, request_id=call.request_id, version=number,
+                           parameters=call.parameters, outputs=call.outputs)
+        except TritonError as exc:
+            return _triton_error(exc)
+        outputs: dict[str, np.ndarray] = {}
+        try:
+            async for response in stream:
+                if response.error is not None:
+                    return _triton_error(response.error)
+                outputs.update(response.outputs)
+        finally:
+            stream.cancel()  # no-op once finished; a client gone mid-call cancels the request
+        try:
+            body, headers = infer_response_body(call, model, version, outputs)
+        except InferBodyError as exc:
+            return _error(500, str(exc))
+        return Response(body, media_type=BINARY_CONTENT_TYPE if headers else "application/json", headers=headers)
 
     async def start(model: str, version: str, request: Request):
         """The request's stream and its first response, or an error response (nothing sent yet)."""

@@ -88,16 +88,24 @@ class EmbeddedTriton:
 async def start_embedded(*, repository: Path, models: str | Sequence[str], backend_directory: Path | None,
                          env: dict[str, str] | None = None, exit_timeout_s: int = 30,
                          log_verbose: int = 0) -> EmbeddedTriton:
-    """Start Triton in this process on `repository` in explicit model-control mode, loading `models` before it
-    returns (loading the vllm model is starting its engine), and check each is ready."""
+    """Start Triton in this process on `repository` in explicit model-control mode, load `models` one at a time in
+    the order given (an ensemble after its steps; loading a vllm model is starting its engine) before it returns,
+    and check each is ready.
+
+    One at a time, not as startup models that Triton loads in parallel: with several Python-based models (the
+    stand-in `vllm` backend's and the Python backend's) initialising at once, Triton 2.51 was seen to hang for good
+    in one model's instance creation after its `initialize` had returned (the server's thread joining an instance
+    thread, the stub idle). On 2 cores the engines' starts gain nothing from overlapping anyway."""
     models = (models,) if isinstance(models, str) else tuple(models)
     os.environ.update(env or {})  # read by the backends' child processes (the stand-in's engine interpreter)
     options = capi.ServerOptions(model_repository=repository, backend_directory=backend_directory,
-                                 startup_models=models, exit_timeout_s=exit_timeout_s, log_verbose=log_verbose)
+                                 exit_timeout_s=exit_timeout_s, log_verbose=log_verbose)
     started = time.perf_counter()
     lib = capi.load_library()
     server = await asyncio.to_thread(capi.Server.start, options, lib)
     try:
+        for model in models:
+            await asyncio.to_thread(server.load_model, model)
         not_ready = [m for m in models if not server.model_ready(m)]
         if not_ready:
             raise RuntimeError(f"Triton started but reports {', '.join(not_ready)} not ready (its log above says why)")

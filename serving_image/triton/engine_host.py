@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import math
+import signal
 import socket
 import sys
 import typing
@@ -35,6 +36,7 @@ from serving_image.engine.base import (
     ModelInfo,
     context_window_error,
 )
+from serving_image.kserve.translate import backend_logprobs
 from serving_image.triton.backends.vllm import engine_wire as wire
 
 log = logging.getLogger("llm_serving.triton.engine_host")
@@ -246,8 +248,12 @@ class EngineHost:
             # aborts it in the engine (the log is what a cancellation test waits for before cancelling).
             log.info("request %s (client id %r) submitted to the engine", request_id, message.get("client_id", ""))
             async for output in self.engine.generate_params(request_id, prompt_ids, params):
+                # per choice: index, new text, new token count, finish reason, and the new tokens' log-probabilities
+                # in the backend's `logprobs` form (None when the request asked for none)
                 self.send({"id": request_id, "p": output.prompt_tokens, "done": output.finished,
-                           "out": [[c.index, c.text, len(c.token_ids), c.finish_reason] for c in output.choices]})
+                           "out": [[c.index, c.text, len(c.token_ids), c.finish_reason,
+                                    None if c.logprobs is None else backend_logprobs(c.logprobs)]
+                                   for c in output.choices]})
                 await self.writer.drain()
         except asyncio.CancelledError:
             await self.engine.abort(request_id)
@@ -262,6 +268,57 @@ class EngineHost:
             self.send({"id": request_id, "error": f"{type(exc).__name__}: {exc}", "code": "INTERNAL"})
         finally:
             self.tasks.pop(request_id, None)
+
+    async def _answer_once(self, request_id: str, work) -> None:
+        """Run one embed or score request (`work` returns its one answer) and send the answer or the error, with
+        the field an input error names."""
+        try:
+            self.send({"id": request_id, **await work(), "done": True})
+            await self.writer.drain()
+        except asyncio.CancelledError:
+            # The stub cancelled it (its client left): vLLM aborts a request whose output stream is closed.
+            log.info("request %s aborted in the engine (its client cancelled it)", request_id)
+            raise
+        except EngineInputError as exc:
+            self.send({"id": request_id, "error": str(exc), "code": "INVALID_ARG", "field": exc.param})
+        except EngineUnavailableError as exc:
+            self.send({"id": request_id, "error": str(exc), "code": "UNAVAILABLE"})
+        except Exception as exc:  # a bug here is the server's error, reported as such, never as the client's
+            log.exception("request %s failed", request_id)
+            self.send({"id": request_id, "error": f"{type(exc).__name__}: {exc}", "code": "INTERNAL"})
+        finally:
+            self.tasks.pop(request_id, None)
+
+    async def embed(self, message: dict) -> None:
+        """One input's embedding from the pooling engine (the stub has checked the request's shape); the same
+        tokenization and pooling as the `openai` mode's engine in the process (VllmLocalEngine.embed)."""
+        request_id = message["id"]
+
+        async def work() -> dict:
+            value = message["input"]
+            if isinstance(value, list):
+                vocab = self.engine.info.vocab_size
+                if bad := next((t for t in value if not 0 <= t < vocab), None):
+                    raise EngineInputError(f"embedding_request.input: token id {bad} is not in 0..{vocab - 1}",
+                                           "embedding_request.input")
+            try:
+                (vector,) = await self.engine.embed([value], request_id)
+            except EngineInputError as exc:
+                raise EngineInputError(f"embedding_request.input: {exc}", "embedding_request.input") from None
+            return {"p": vector.prompt_tokens, "embedding": list(vector.vector)}
+
+        await self._answer_once(request_id, work)
+
+    async def score(self, message: dict) -> None:
+        """Prefill-only scoring of each candidate (VllmLocalEngine.score: the prompt logprobs of one prefill)."""
+        request_id = message["id"]
+
+        async def work() -> dict:
+            scores = await self.engine.score(message["prompt"], message["candidates"], request_id)
+            prompt_tokens = len(self.engine.encode_prompt(message["prompt"], add_special_tokens=True))
+            return {"p": prompt_tokens, "scores": [[s.logprob, s.tokens] for s in scores]}
+
+        await self._answer_once(request_id, work)
 
     async def watch(self) -> None:
         while True:
@@ -283,6 +340,10 @@ class EngineHost:
                 op = message.get("op")
                 if op == "generate":
                     self.tasks[message["id"]] = asyncio.create_task(self.generate(message))
+                elif op == "embed":
+                    self.tasks[message["id"]] = asyncio.create_task(self.embed(message))
+                elif op == "score":
+                    self.tasks[message["id"]] = asyncio.create_task(self.score(message))
                 elif op == "abort":
                     task = self.tasks.pop(message["id"], None)
                     if task is not None:
@@ -294,6 +355,33 @@ class EngineHost:
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
 
+async def start_pooling_engine(*, name: str, version: str, model_path: Path, tokenizer_path: Path, args: dict):
+    """A pooling engine alone (model.json says `runner: pooling`: the package's embedding model on Triton), behind
+    the same adapter as the `openai` mode's embedder, so that embeddings are computed the same way: vLLM runs one
+    runner per engine, and this model serves `embed` only."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from serving_image.engine.shm_ledger import ShmLedger
+    from serving_image.engine.vllm_local import VllmLocalEngine, build_engine_args
+
+    shm_ledger = ShmLedger()  # before the engine's processes start: they inherit it
+    llm = None
+    try:
+        llm = AsyncLLM.from_engine_args(build_engine_args(model_path, tokenizer_path, args))
+        await llm.check_health()
+        config, tokenizer = llm.model_config, llm.get_tokenizer()
+        info = ModelInfo(name=name, version=version, max_model_len=config.max_model_len,
+                         vocab_size=config.get_vocab_size(), eos_token_id=tokenizer.eos_token_id,
+                         embedding_dim=config.get_hidden_size())
+    except BaseException:
+        if llm is not None:
+            llm.shutdown()
+        shm_ledger.reclaim()
+        raise
+    # The pooling engine is both: generate() on it is refused by vLLM, and the stub refuses it first by task.
+    return VllmLocalEngine(llm, info, embedder=llm, shm_ledger=shm_ledger)
+
+
 async def run(model_json: Path, fd: int, model_name: str, model_version: str) -> int:
     from serving_image.engine.vllm_local import VllmLocalEngine
 
@@ -301,16 +389,21 @@ async def run(model_json: Path, fd: int, model_name: str, model_version: str) ->
     reader, writer = await asyncio.open_unix_connection(sock=sock)
     try:
         model, tokenizer, args = _engine_args(json.loads(model_json.read_text()))
-        engine = await VllmLocalEngine.start(name=model_name, version=model_version, model_path=model,
-                                             tokenizer_path=tokenizer, args=args)
+        if args.get("runner") == "pooling":
+            engine = await start_pooling_engine(name=model_name, version=model_version, model_path=model,
+                                                tokenizer_path=tokenizer, args=args)
+        else:
+            engine = await VllmLocalEngine.start(name=model_name, version=model_version, model_path=model,
+                                                 tokenizer_path=tokenizer, args=args)
     except Exception as exc:
         log.exception("engine start failed")
         writer.write(wire.encode({"op": "failed", "error": f"{type(exc).__name__}: {exc}"}))
         await writer.drain()
         return 1
     info = engine.info
-    writer.write(wire.encode({"op": "ready", "info": {"max_model_len": info.max_model_len,
-                                                      "vocab_size": info.vocab_size}}))
+    writer.write(wire.encode({"op": "ready", "info": {
+        "max_model_len": info.max_model_len, "vocab_size": info.vocab_size, "embedding_dim": info.embedding_dim,
+        "tasks": ["embed"] if args.get("runner") == "pooling" else ["generate"]}}))
     await writer.drain()
     host = EngineHost(engine, writer)
     try:
@@ -330,6 +423,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Ctrl-C in a terminal reaches every process of the group: this host stops when its backend closes the socket
+    # (Triton unloading the model as the server stops), draining its engine, not on the terminal's SIGINT, which
+    # would interrupt it mid-request with a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(asyncio.run(run(args.model_json, args.fd, args.model_name, args.model_version)))
 
 

@@ -9,7 +9,11 @@
   KIND_MODEL instance (vLLM places itself on the GPUs it is given), and the §3.3 tensor contract written out, so
   the I/O fingerprint can be read back from the file. `model.json` holds the package's engine arguments with the
   weights and tokenizer as paths under the package's place on the model cache, and the structured-output backend
-  under the engine-argument name of the chosen Triton release's vLLM (it was renamed in vLLM 0.11).
+  under the engine-argument name of the chosen Triton release's vLLM (it was renamed in vLLM 0.11). A package
+  whose tasks include `embed` or `score` gets more models beside it (serving_image/triton/models.py): the pooling
+  model (`<id>-embed`, the same backend, `runner: pooling` in its model.json) and the platform's scoring model
+  (`<id>-score`, Triton's python backend: `scoring_model/model.py` with engine_wire.py beside it, and the
+  generation model's model.json).
 - python backend: the package's own `config.pbtxt` (explicit I/O, required by the manifest checks) with its name
   set to the model id and `backend: "python"`, and the package's `model.py`. The weights directory is passed as the
   `weights_dir` parameter.
@@ -33,10 +37,14 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from llm_serving.manifest import Backend, Manifest
 from llm_serving.tensor_contract import VLLM_INPUTS, VLLM_OUTPUTS, TensorSpec
+from serving_image.triton.models import SCORING_INPUTS, SCORING_OUTPUTS, package_models
 from serving_image.triton.pins import TritonRelease
 
 VERSION_DIR = "1"
 _KSERVE_TO_PBTXT = {"BYTES": mc.TYPE_STRING, "BOOL": mc.TYPE_BOOL, "UINT32": mc.TYPE_UINT32, "FP32": mc.TYPE_FP32}
+_TRITON_DIR = Path(__file__).resolve().parent
+SCORING_MODEL_PY = _TRITON_DIR / "scoring_model" / "model.py"
+ENGINE_WIRE_PY = _TRITON_DIR / "backends" / "vllm" / "engine_wire.py"
 # The structured-output settings the local engine runs with (serving_image/engine/vllm_local.py), so production
 # generates the same JSON: xgrammar, and no whitespace outside strings.
 STRUCTURED_BACKEND = {"backend": "xgrammar", "disable_any_whitespace": True}
@@ -61,6 +69,28 @@ def vllm_model_config(model_id: str) -> mc.ModelConfig:
         model_transaction_policy=mc.ModelTransactionPolicy(decoupled=True),
         instance_group=[mc.ModelInstanceGroup(count=1, kind=mc.ModelInstanceGroup.KIND_MODEL)],
     )
+
+
+def scoring_model_config(name: str) -> mc.ModelConfig:
+    """The platform's scoring model (serving_image/triton/scoring_model): Triton's python backend, explicit I/O,
+    not decoupled (one response per request: unary ModelInfer), no Triton batching (vLLM batches the prefills)."""
+    return mc.ModelConfig(
+        name=name,
+        backend="python",
+        max_batch_size=0,
+        input=[_tensor(t, mc.ModelInput) for t in SCORING_INPUTS],
+        output=[_tensor(t, mc.ModelOutput) for t in SCORING_OUTPUTS],
+        instance_group=[mc.ModelInstanceGroup(count=1, kind=mc.ModelInstanceGroup.KIND_MODEL)],
+    )
+
+
+def pooling_engine_json(engine_json: dict[str, Any]) -> dict[str, Any]:
+    """The pooling model's model.json from the generation model's: the same weights as an embedding model, as the
+    local engine runs its embedder (serving_image/engine/vllm_local.py); structured outputs do not apply."""
+    engine = {k: v for k, v in engine_json.items()
+              if k not in ("structured_outputs_config", "guided_decoding_backend",
+                           "guided_decoding_disable_any_whitespace")}
+    return {**engine, "runner": "pooling", "convert": "embed"}
 
 
 def _scalar(field, value) -> str:
@@ -222,7 +252,17 @@ def generate_repository(manifest: Manifest, package_dir: Path, repository: Path,
     if manifest.model.backend is Backend.VLLM:
         config = vllm_model_config(manifest.model.id)
         engine_json = vllm_engine_json(manifest, root, release)
+        models = package_models(manifest)
+        if models.generate is None:  # an embedding package: its id names the pooling model
+            engine_json = pooling_engine_json(engine_json)
         (model_dir / VERSION_DIR / "model.json").write_text(json.dumps(engine_json, indent=2, sort_keys=True) + "\n")
+        if models.embed is not None and models.embed != models.main:
+            _write_extra_model(repository / models.embed, vllm_model_config(models.embed),
+                               {"model.json": pooling_engine_json(engine_json)})
+        if models.score is not None:
+            _write_extra_model(repository / models.score, scoring_model_config(models.score),
+                               {"model.json": engine_json}, copies={"model.py": SCORING_MODEL_PY,
+                                                                   "engine_wire.py": ENGINE_WIRE_PY})
     elif manifest.model.backend is Backend.ENSEMBLE:
         assert manifest.ensemble is not None
         config = ensemble_model_config(manifest, (package_dir / manifest.ensemble.config_pbtxt).read_text())
@@ -242,3 +282,16 @@ def generate_repository(manifest: Manifest, package_dir: Path, repository: Path,
             shutil.copyfile(package_dir / rel, target)
     (model_dir / "config.pbtxt").write_text(config_text(config))
     return model_dir
+
+
+def _write_extra_model(model_dir: Path, config: mc.ModelConfig, jsons: dict[str, dict],
+                       copies: dict[str, Path] | None = None) -> None:
+    """One more model of a package (its pooling or scoring model): config.pbtxt and the version directory's files."""
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    (model_dir / VERSION_DIR).mkdir(parents=True)
+    for name, content in jsons.items():
+        (model_dir / VERSION_DIR / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+    for name, source in (copies or {}).items():
+        shutil.copyfile(source, model_dir / VERSION_DIR / name)
+    (model_dir / "config.pbtxt").write_text(config_text(config))

@@ -56,6 +56,31 @@ def is_standalone(package: VerifiedPackage) -> bool:
     return package.manifest.serving_mode is ServingMode.STANDALONE
 
 
+def served_model_names(packages: list[VerifiedPackage], mode) -> list[str]:
+    """Every Triton model the packages serve together on one server (the first package is the main one): each
+    package's id, and an LLM's pooling and scoring models beside it (serving_image/triton/models.py), one name each.
+    Every package is packaged for the serving mode `mode` (the main package's), and every ensemble's steps are
+    among the packages at their versions; anything else is refused, naming it."""
+    from serving_image.triton.models import package_models
+    from serving_image.triton.repository import resolve_ensembles
+
+    ids = [p.manifest.model.id for p in packages]
+    if len(set(ids)) != len(ids):
+        raise RuntimeError(f"two packages serve the same model id: {', '.join(ids)}")
+    names = [name for p in packages for name in package_models(p.manifest).names]
+    if clash := sorted({n for n in names if names.count(n) > 1}):
+        raise RuntimeError(f"two packages would serve Triton model {clash[0]} (a package's id, or another's "
+                           f"-embed/-score model): served {', '.join(names)}")
+    for package in packages:
+        manifest = package.manifest
+        if manifest.serving_mode is not mode:
+            raise RuntimeError(f"{manifest.model.id} {manifest.model.version} is packaged for the "
+                               f"{manifest.serving_mode} serving mode; the packages one Triton serves together are "
+                               f"all packaged for the main package's ({mode})")
+    resolve_ensembles([p.manifest for p in packages])
+    return names
+
+
 async def start_standalone_triton(packages: list[VerifiedPackage], workdir: Path, *, http_port: int, grpc_port: int,
                                   metrics_port: int, host: str | None = None, engine_overrides: dict | None = None):
     """Generate the packages' Triton repository (the first package is the main one; the others are served beside
@@ -64,33 +89,23 @@ async def start_standalone_triton(packages: list[VerifiedPackage], workdir: Path
     from llm_serving.manifest import ServingMode
     from serving_image.triton.standalone import start_standalone
 
-    ids = [p.manifest.model.id for p in packages]
-    if len(set(ids)) != len(ids):
-        raise RuntimeError(f"two packages serve the same model id: {', '.join(ids)}")
-    for package in packages:
-        manifest = package.manifest
-        if manifest.serving_mode is not ServingMode.STANDALONE:
-            raise RuntimeError(f"{manifest.model.id} {manifest.model.version} is packaged for the "
-                               f"{manifest.serving_mode} serving mode; Triton serves standalone packages together")
-    from serving_image.triton.repository import resolve_ensembles
-
-    resolve_ensembles([p.manifest for p in packages])  # every ensemble's steps served here, at their versions
+    names = served_model_names(packages, ServingMode.STANDALONE)
     repository = workdir / "model-repository"
     max_model_len = _write_repository(packages, repository, engine_overrides)
     binary, backends, env = _backends(workdir)
     main = packages[0].manifest.model
-    return await start_standalone(repository=repository, models=ids, version=main.version, http_port=http_port,
+    return await start_standalone(repository=repository, models=names, version=main.version, http_port=http_port,
                                   grpc_port=grpc_port, metrics_port=metrics_port, binary=binary,
                                   backend_directory=backends, host=host, env=env, max_model_len=max_model_len)
 
 
 def embedded_triton_selected() -> bool:
-    """Whether the `openai` mode serves through Triton embedded in this process: always in the image; locally when
-    `LLM_SERVING_OPENAI_ENGINE=triton` (until the whole OpenAI test-suite passes against it, the local default stays
-    vLLM in the process; docs/kserve.md, "Embedded Triton")."""
+    """Whether the `openai` mode serves through Triton embedded in this process: always in the image; locally
+    by default too (`LLM_SERVING_OPENAI_ENGINE=triton`); `LLM_SERVING_OPENAI_ENGINE=vllm` serves through vLLM in the
+    process instead, behind the project's own KServe front-ends (docs/kserve.md, "Embedded Triton")."""
     if runtime() == "triton":
         return True
-    value = os.environ.get(OPENAI_ENGINE_ENV, "vllm")
+    value = os.environ.get(OPENAI_ENGINE_ENV, "triton")
     if value not in OPENAI_ENGINES:
         raise ValueError(f"{OPENAI_ENGINE_ENV}={value!r}: expected one of {', '.join(OPENAI_ENGINES)}")
     return value == "triton"
@@ -102,18 +117,21 @@ def _write_repository(packages: list[VerifiedPackage], repository: Path, engine_
     import json
 
     from llm_serving.manifest import Backend
+    from serving_image.triton.models import package_models
     from serving_image.triton.repository import generate_repository
 
     max_model_len = 0
     for package in packages:
         manifest = package.manifest
-        model_dir = generate_repository(manifest, package.root, repository, load_pins().pinned)
+        generate_repository(manifest, package.root, repository, load_pins().pinned)
         if manifest.model.backend is Backend.VLLM:
-            model_json = model_dir / "1" / "model.json"
-            engine = {**json.loads(model_json.read_text()), **(engine_overrides or {})}
-            model_json.write_text(json.dumps(engine, indent=2, sort_keys=True) + "\n")
-            if package is packages[0]:
-                max_model_len = int(engine.get("max_model_len", 0))
+            # every engine of the package (its LLM, pooling and scoring models) runs with the overrides
+            for name in package_models(manifest).names:
+                model_json = repository / name / "1" / "model.json"
+                engine = {**json.loads(model_json.read_text()), **(engine_overrides or {})}
+                model_json.write_text(json.dumps(engine, indent=2, sort_keys=True) + "\n")
+                if package is packages[0] and name == manifest.model.id:
+                    max_model_len = int(engine.get("max_model_len", 0))
     return max_model_len
 
 
@@ -125,7 +143,9 @@ def _backends(workdir: Path) -> tuple[str | Path, Path | None, dict[str, str]]:
     from serving_image.triton.backends.vllm.engine_wire import ENGINE_PYTHON_ENV
 
     if runtime() == "triton":
-        return "tritonserver", None, {}
+        # NVIDIA's backends need nothing; the platform's scoring model (a python-backend model) starts its engine
+        # process with this interpreter, the image's python3, in which serving_image and vLLM live.
+        return "tritonserver", None, {ENGINE_PYTHON_ENV: os.environ.get(ENGINE_PYTHON_ENV) or sys.executable}
     from serving_image.triton.local_install import locate
 
     local = locate()
@@ -134,23 +154,35 @@ def _backends(workdir: Path) -> tuple[str | Path, Path | None, dict[str, str]]:
 
 
 async def start_triton_engine(package: VerifiedPackage, workdir: Path, max_model_len: int,
-                              engine_overrides: dict | None = None):
-    """`openai` mode over Triton: generate the package's Triton repository, start Triton in this process through
-    the C API (serving_image/triton/embedded.py) and return the engine adapter over it."""
+                              engine_overrides: dict | None = None, companions: list[VerifiedPackage] = ()):
+    """`openai` mode over Triton: generate the Triton repository of the package and its companions (packages the
+    same server serves beside it on the KServe ports: a ranker, an ensemble and its steps), start Triton in this
+    process through the C API (serving_image/triton/embedded.py) and return the engine adapter over the main
+    package's LLM."""
+    from llm_serving.manifest import Backend
     from serving_image.engine.triton_adapter import EmbeddedTritonEngine
     from serving_image.triton.embedded import start_embedded
+    from serving_image.triton.models import package_models
 
     manifest = package.manifest
+    packages = [package, *companions]
+    served_model_names(packages, manifest.serving_mode)  # every name once, every ensemble's steps here
+    # loaded in this order, one at a time (embedded.start_embedded): an ensemble after every other model
+    names = [name for ensembles in (False, True) for p in packages
+             if (p.manifest.model.backend is Backend.ENSEMBLE) is ensembles
+             for name in package_models(p.manifest).names]
     repository = workdir / "model-repository"
-    max_model_len = _write_repository([package], repository, engine_overrides) or max_model_len
+    max_model_len = _write_repository(packages, repository, engine_overrides) or max_model_len
     _, backends, env = _backends(workdir)
-    triton = await start_embedded(repository=repository, models=manifest.model.id, backend_directory=backends,
-                                  env=env)
+    models = package_models(manifest)  # the LLM, and its pooling and scoring models when its tasks say so
+    triton = await start_embedded(repository=repository, models=names, backend_directory=backends, env=env)
     try:
         tokenizer = package.root / (manifest.engine.tokenizer or manifest.engine.model)
-        return EmbeddedTritonEngine.over(triton, model_name=manifest.model.id, version=manifest.model.version,
-                                         tokenizer_path=tokenizer, max_model_len=max_model_len,
-                                         structured_key=load_pins().pinned.structured_outputs_key)
+        engine = EmbeddedTritonEngine.over(triton, model_name=manifest.model.id, version=manifest.model.version,
+                                           tokenizer_path=tokenizer, max_model_len=max_model_len,
+                                           structured_key=load_pins().pinned.structured_outputs_key)
+        await engine.serve_tasks(embed_model=models.embed, score_model=models.score)
+        return engine
     except BaseException:
         await triton.stop()
         raise

@@ -45,7 +45,9 @@ READY_TIMEOUT_S = 1800  # loading a large model from the model cache can take ma
 # waits for a stub that has answered its initialize and runs on; docs/local-environment.md, "Triton locally").
 # Past this delay the load is declared stuck and Triton is started again, once, loudly.
 LOAD_AFTER_ENGINE_READY_S = 120
-ENGINE_READY_MARK = "[vllm] engine ready for "  # what the stand-in backend logs when its engine is up
+# What the stand-in backend, and the platform's scoring model (serving_image/triton/scoring_model), log when their
+# engine is up: the scoring model is a python-backend model and hangs in the same place.
+ENGINE_READY_MARKS = ("[vllm] engine ready for ", "[score] engine ready for ")
 LOADED_MARK = "successfully loaded '"  # what Triton logs when a model has loaded
 STUCK_LOAD_RESTARTS = 1
 WATCH_INTERVAL_S = 1.0
@@ -158,8 +160,8 @@ class _LogForwarder:
             else:
                 sys.stdout.write(line.decode("utf-8", "replace"))
             text = line.decode("utf-8", "replace")
-            if ENGINE_READY_MARK in text:
-                self._settled(text.split(ENGINE_READY_MARK, 1)[1].split(":", 1)[0].strip())
+            if mark := next((m for m in ENGINE_READY_MARKS if m in text), None):
+                self._settled(text.split(mark, 1)[1].split(":", 1)[0].strip())
             elif LOADED_MARK in text:
                 self._settled(text.split(LOADED_MARK, 1)[1].split("'", 1)[0])
 

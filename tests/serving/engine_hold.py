@@ -26,6 +26,17 @@ def _is_engine_process(process: psutil.Process) -> bool:
         return False
 
 
+def _is_engine_host(process: psutil.Process, model: str | None) -> bool:
+    """The stand-in backend's engine host process (of `model`'s Triton model, when given)."""
+    try:
+        command = process.cmdline()
+    except psutil.Error:
+        return False
+    if "serving_image.triton.engine_host" not in command:
+        return False
+    return model is None or any(f"/{model}/1/" in arg for arg in command)
+
+
 @dataclass(frozen=True)
 class EngineProcesses:
     """The engine's processes under one server process."""
@@ -33,9 +44,19 @@ class EngineProcesses:
     pids: tuple[int, ...]
 
     @classmethod
-    def of(cls, server_pid: int) -> EngineProcesses:
-        """Every descendant of the server but Python's multiprocessing resource tracker (not part of the engine)."""
-        pids = tuple(p.pid for p in psutil.Process(server_pid).children(recursive=True) if _is_engine_process(p))
+    def of(cls, server_pid: int, model: str | None = None) -> EngineProcesses:
+        """The vLLM engine's processes under a server. Over Triton (embedded, or a standalone tritonserver) the
+        engine is vLLM's processes under the stand-in backend's engine host (serving_image/triton/engine_host.py,
+        under the backend's stub), the host of `model`'s Triton model or the only one; the host itself stays running,
+        as the vLLM front-end in the server's process does otherwise. With vLLM in the server's process,
+        every descendant but Python's multiprocessing resource tracker (not part of the engine)."""
+        descendants = psutil.Process(server_pid).children(recursive=True)
+        hosts = [p for p in descendants if _is_engine_host(p, model)]
+        if len(hosts) > 1:
+            raise AssertionError(f"process {server_pid} runs {len(hosts)} engine hosts: name the model")
+        if hosts:
+            descendants = hosts[0].children(recursive=True)
+        pids = tuple(p.pid for p in descendants if _is_engine_process(p))
         if not pids:
             raise AssertionError(f"process {server_pid} has no engine child processes")
         return cls(pids)

@@ -3,8 +3,10 @@ entrypoint) over the real vLLM engine, with the constraint processor loaded from
 
 - OpenAI (`constraint` in `extra_body`, the official `openai` client): concurrent completions and chats of all
   three kinds, streaming, and 400s that name the field;
-- KServe v2 (`sampling_parameters.constraint`): concurrent ModelStreamInfer streams (NVIDIA's `tritonclient`),
-  the HTTP generate endpoint, and INVALID_ARGUMENT / 400 naming the field.
+- KServe v2 (`sampling_parameters.extra_args.constraint`: the backend hands `sampling_parameters` to vLLM's
+  SamplingParams, whose `extra_args` is where the constraint processor reads it): concurrent ModelStreamInfer streams
+  (NVIDIA's `tritonclient`), the HTTP generate endpoint, and errors naming the field; a top-level
+  `sampling_parameters.constraint` is refused, saying where it goes (never dropped).
 
 The specs use whole-word tokens, none a prefix of another, so an output text maps back to exactly one token
 sequence, which the pure-Python reference then checks.
@@ -152,7 +154,10 @@ def _inputs(prompt: str, params: dict) -> list:
     sp.set_data_from_numpy(np.array([json.dumps(params).encode()], dtype=np.object_))
     ex = grpcaio.InferInput("exclude_input_in_output", [1], "BOOL")
     ex.set_data_from_numpy(np.array([True], dtype=bool))
-    return [text, sp, ex]
+    # Triton's backends send finish_reason only when asked (docs/kserve.md, "Outputs beyond text_output").
+    finish = grpcaio.InferInput("return_finish_reason", [1], "BOOL")
+    finish.set_data_from_numpy(np.array([True], dtype=bool))
+    return [text, sp, ex, finish]
 
 
 async def _generate(url: str, prompt: str, params: dict, request_id: str):
@@ -178,7 +183,7 @@ async def test_kserve_concurrent_streams_satisfy_their_constraints(server, words
     all_specs = specs(words)
     results = await asyncio.gather(*(
         _generate(grpc_url, f"Request {i}: name a few things",
-                  {"max_tokens": 40, "temperature": 1.0, "constraint": all_specs[i % 3]}, f"r{i}")
+                  {"max_tokens": 40, "temperature": 1.0, "extra_args": {"constraint": all_specs[i % 3]}}, f"r{i}")
         for i in range(N_REQUESTS)))
     for i, result in enumerate(results):
         assert isinstance(result, tuple), result
@@ -190,8 +195,8 @@ async def test_kserve_http_generate_respects_the_constraint(server, words, token
     spec = specs(words)[1]
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.ports['kserve_http']}", timeout=120) as http:
         response = await http.post(f"/v2/models/{MODEL}/generate", json={
-            "text_input": "generate", "exclude_input_in_output": True,
-            "sampling_parameters": json.dumps({"max_tokens": 30, "constraint": spec})})
+            "text_input": "generate", "exclude_input_in_output": True, "return_finish_reason": True,
+            "sampling_parameters": json.dumps({"max_tokens": 30, "extra_args": {"constraint": spec}})})
     assert response.status_code == 200, response.text
     body = response.json()
     check(spec, body["text_output"], body["finish_reason"], words, tokenizer.eos_token_id)
@@ -199,12 +204,22 @@ async def test_kserve_http_generate_respects_the_constraint(server, words, token
 
 @pytest.mark.parametrize(("constraint", "field", "message"), BAD)
 async def test_kserve_malformed_constraint_is_refused_naming_the_field(server, constraint, field, message):
-    named = f"sampling_parameters.{field}"
+    named = f"sampling_parameters.extra_args.{field}"
     error = await _generate(f"127.0.0.1:{server.ports['kserve_grpc']}", "x",
-                            {"max_tokens": 4, "constraint": constraint}, "bad")
+                            {"max_tokens": 4, "extra_args": {"constraint": constraint}}, "bad")
     assert not isinstance(error, tuple)
     assert named in str(error) and message in str(error), str(error)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.ports['kserve_http']}", timeout=60) as http:
         response = await http.post(f"/v2/models/{MODEL}/generate", json={
-            "text_input": "x", "sampling_parameters": json.dumps({"max_tokens": 4, "constraint": constraint})})
+            "text_input": "x", "sampling_parameters": json.dumps({"max_tokens": 4,
+                                                                  "extra_args": {"constraint": constraint}})})
     assert response.status_code == 400 and named in response.text, response.text
+
+
+async def test_kserve_constraint_outside_extra_args_is_refused_saying_where_it_goes(server, words):
+    """NVIDIA's backend builds SamplingParams from `sampling_parameters`, which has no `constraint` field: a
+    top-level one would fail there naming nothing, so it is refused here, naming it and `extra_args.constraint`."""
+    error = await _generate(f"127.0.0.1:{server.ports['kserve_grpc']}", "x",
+                            {"max_tokens": 4, "constraint": specs(words)[0]}, "misplaced")
+    assert not isinstance(error, tuple)
+    assert "sampling_parameters.constraint" in str(error) and "extra_args.constraint" in str(error), str(error)

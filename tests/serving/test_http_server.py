@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import pytest
 
+from llm_serving import pod_contract as pc
 from serving_image.http_server import DEFAULT_KEEPALIVE_S, KEEPALIVE_ENV, keepalive_s, uvicorn_server
 
-AWS_LOAD_BALANCER_IDLE_TIMEOUT_S = 60  # the default of AWS's ALB and NLB idle timeouts
 HTTPX_KEEPALIVE_EXPIRY_S = 5  # httpx's default idle expiry (the benchmark's and the openai client's pools)
 
 
-def test_default_keepalive_outlasts_the_balancer_and_the_client_pools():
-    assert keepalive_s({}) == DEFAULT_KEEPALIVE_S > AWS_LOAD_BALANCER_IDLE_TIMEOUT_S > HTTPX_KEEPALIVE_EXPIRY_S
+def test_each_hop_closes_idle_connections_before_the_next_hop_does():
+    """Client pool < the Gateway's upstream idle timeout < the pod's keep-alive; the Gateway's client idle timeout <
+    the NLB's (AWS's fixed 350 s for TCP): the side that would reuse an idle connection always closes it first."""
+    assert HTTPX_KEEPALIVE_EXPIRY_S < pc.GATEWAY_UPSTREAM_IDLE_TIMEOUT_S < keepalive_s({}) == DEFAULT_KEEPALIVE_S
+    assert pc.GATEWAY_CLIENT_IDLE_TIMEOUT_S < pc.NLB_TCP_IDLE_TIMEOUT_S
+    assert pc.POD_ENV[KEEPALIVE_ENV] == str(DEFAULT_KEEPALIVE_S)  # the Deployment sets it (infra/serving.py)
 
 
 def test_every_front_end_server_gets_it(monkeypatch):

@@ -23,6 +23,8 @@ from serving_image.engine.base import (
     ModelInfo,
     SamplingSpec,
     StructuredOutput,
+    TokenLogprob,
+    TopLogprob,
 )
 from serving_image.kserve.tensors import (
     MAX_BYTES_ELEMENT,
@@ -39,7 +41,9 @@ from serving_image.kserve.translate import (
     KServeInputError,
     OutputReader,
     ResponseBuilder,
+    backend_logprobs,
     parse_generate,
+    read_backend_logprobs,
     request_tensors,
     sampling_parameters_json,
     sampling_spec_from_dict,
@@ -251,9 +255,28 @@ def test_adapter_refuses_what_kserve_cannot_carry():
     with pytest.raises(ClientTranslationError) as info:
         request_tensors(EngineRequest("id", [1, 2, 3]), KEY)
     assert info.value.param == "prompt"
-    with pytest.raises(ClientTranslationError) as info:
-        request_tensors(EngineRequest("id", "p", SamplingSpec(logprobs=1)), KEY)
-    assert info.value.param == "logprobs"
+
+
+def test_logprobs_requested_and_read_back_in_the_backends_form():
+    """The adapter asks for log-probabilities as NVIDIA's backend takes them (SamplingParams.logprobs plus
+    return_logprobs) and reads its `logprobs` output (JSON per choice, token id -> logprob/rank/decoded_token, the
+    sampled token first) back into the same TokenLogprobs the stand-in's engine process wrote."""
+    tensors = {t.name: t for t in request_tensors(EngineRequest("id", "p", SamplingSpec(logprobs=2)), KEY)}
+    assert tensors["return_logprobs"].values == (True,)
+    assert json.loads(tensors["sampling_parameters"].values[0])["logprobs"] == 2
+    assert "return_logprobs" not in {t.name for t in request_tensors(EngineRequest("id", "p"), KEY)}
+    sampled_in_top = TokenLogprob("a", 5, -0.1, (TopLogprob("a", 5, -0.1), TopLogprob("b", 6, -2.5)), rank=1)
+    sampled_outside = TokenLogprob("z", 9, -7.0, (TopLogprob("a", 5, -0.2), TopLogprob("b", 6, -1.9)), rank=40)
+    text = json.dumps(backend_logprobs((sampled_in_top, sampled_outside)))
+    assert list(json.loads(text)[1]) == ["9", "5", "6"]  # the sampled token first, then the top k by rank
+    assert read_backend_logprobs(text, 2) == (sampled_in_top, sampled_outside)
+    reader = OutputReader("r", n=1, logprobs=2)
+    delta = reader.read({"text_output": [b"az"], "num_output_tokens": [2], "logprobs": [text.encode()]})
+    assert delta.choices[0].logprobs == (sampled_in_top, sampled_outside) and delta.choices[0].token_ids == (5, 9)
+    with pytest.raises(ValueError, match="null"):
+        reader.read({"text_output": [b""], "num_output_tokens": [0], "logprobs": [b"null"]})
+    with pytest.raises(ValueError, match="no logprobs output"):
+        reader.read({"text_output": [b""], "num_output_tokens": [0]})
 
 
 def test_output_reader_rebuilds_deltas():

@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field
 from transformers import AutoTokenizer
 
 from serving_image.local_server import Server, publish_demo, start_server
+from tests.serving import embed_score_reference as reference
 from tests.serving.engine_hold import EngineProcesses
 
 KEY = "test-key-2"
@@ -36,7 +37,7 @@ DRAIN_DELAY_S = 15
 @pytest.fixture(scope="module")
 def server(demo_model_dir: Path, tmp_path_factory) -> Server:
     root = tmp_path_factory.mktemp("openai-api")
-    package = publish_demo(demo_model_dir, root, tasks=("generate", "embed"))
+    package = publish_demo(demo_model_dir, root, tasks=("generate", "embed", "score"))
     srv = start_server(package, root / "server", extra_env={
         "LLM_SERVING_API_KEYS": f"test-key-1,{KEY}",
         "LLM_SERVING_MAX_BODY_BYTES": str(BODY_CAP),
@@ -289,6 +290,15 @@ def test_score_is_the_prefill_logprob_of_each_candidate(server, client):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "candidates"
 
 
+def test_embeddings_and_scores_match_the_recorded_reference(server):
+    """The reference the Triton paths are held to (tests/serving/embed_score_reference.py) is this engine's: on vLLM
+    in the process it is checked here, and recorded with LLM_SERVING_UPDATE_GOLDEN=1."""
+    measured = reference.measure(server.url, headers={"Authorization": f"Bearer {KEY}"})
+    if reference.should_record() and "embedded in this process" not in server.log():
+        reference.record(measured)
+    reference.check(measured)
+
+
 # -- errors --------------------------------------------------------------------------------------------------------
 
 
@@ -337,7 +347,7 @@ def test_admission_limit_answers_429_with_retry_after(server, eos):
 
     Forced: the engine is held (SIGSTOP) until the surplus has been refused, so no admitted request can finish and
     free its place while the others arrive, however slowly the client sends them: exactly the limit is admitted."""
-    engine = EngineProcesses.of(server.proc.pid)
+    engine = EngineProcesses.of(server.proc.pid, MODEL)
     body = {"model": MODEL, "prompt": "busy", "max_tokens": 300, "logit_bias": {eos: -100}}
     surplus = 30
     results: list[httpx.Response] = []
@@ -430,7 +440,7 @@ def test_client_disconnect_aborts_the_request_in_the_engine(server, eos):
 
     The race is forced: the engine is held (SIGSTOP) at the first event, before the client leaves, so what the
     engine generates after the departure is measured from a known point, however fast or loaded the machine."""
-    engine = EngineProcesses.of(server.proc.pid)
+    engine = EngineProcesses.of(server.proc.pid, MODEL)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story"}], "max_tokens": 1900, "n": 16,
             "temperature": 1.0, "stream": True, "logit_bias": {eos: -100}}
     try:
@@ -455,7 +465,7 @@ def test_client_disconnect_before_any_output_aborts_the_request(server, eos, str
 
     The engine is held from before the request until the front-end has logged the client's departure (499), so the
     departure is noticed while the request waits for the engine, whatever the machine's speed."""
-    engine = EngineProcesses.of(server.proc.pid)
+    engine = EngineProcesses.of(server.proc.pid, MODEL)
     body = {"model": MODEL, "prompt": "a long story", "max_tokens": 1900, "n": 16, "temperature": 1.0,
             "logit_bias": {eos: -100}, "stream": stream}
     logged = len(_request_records(server))

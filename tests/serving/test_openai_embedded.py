@@ -22,9 +22,16 @@ import openai
 import psutil
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from transformers import AutoTokenizer
+from tritonclient.utils import InferenceServerException
 
+from examples import kserve_client
+from llm_serving import pod_contract as pc
+from llm_serving.manifest import ServingMode
+from llm_serving_cli.demo_packages import FEATURES_ID, PIPELINE_ID, RANKER_ID, RELEVANCE_ID, build_ranker_packages
 from serving_image.local_server import ENGINE_ARGS, Server, publish_demo, start_server
+from tests.serving import embed_score_reference as reference
 from tests.serving.engine_hold import EngineProcesses
 
 pytestmark = pytest.mark.slow
@@ -38,10 +45,16 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "label": {
 @pytest.fixture(scope="module")
 def server(demo_model_dir: Path, tmp_path_factory) -> Server:
     root = tmp_path_factory.mktemp("openai-embedded")
-    # eager: no graph compilation at start (it dominates the engine's start on 2 cores, and make test's total time)
-    package = publish_demo(demo_model_dir, root, engine_args={**ENGINE_ARGS, "enforce_eager": True})
-    srv = start_server(package, root / "server", extra_env={"LLM_SERVING_OPENAI_ENGINE": "triton",
-                                                            "LLM_SERVING_DRAIN_DELAY_S": str(DRAIN_DELAY_S)})
+    # eager: no graph compilation at start (it dominates the engine's start on 2 cores, and make test's total time).
+    # Every task: the LLM, its pooling model and the platform's scoring model load in this one Triton.
+    package = publish_demo(demo_model_dir, root, engine_args={**ENGINE_ARGS, "enforce_eager": True},
+                           tasks=("generate", "embed", "score"))
+    # Every model kind on the same embedded Triton (issue 15): the demo ranker (XGBoost, Python backend) and its
+    # pipeline (an ensemble) with its steps, named as a Deployment names them (pod_contract.ENV_COMPANION_PACKAGES).
+    companions = build_ranker_packages(root / "ranker", version="1.0.0", serving_mode=ServingMode.OPENAI)
+    srv = start_server(package, root / "server", extra_env={
+        "LLM_SERVING_OPENAI_ENGINE": "triton", "LLM_SERVING_DRAIN_DELAY_S": str(DRAIN_DELAY_S),
+        pc.ENV_COMPANION_PACKAGES: pc.COMPANION_SEPARATOR.join(str(p) for p in companions)})
     yield srv
     srv.kill()
 
@@ -120,9 +133,14 @@ def test_errors_name_the_field(client):
     with pytest.raises(openai.BadRequestError) as too_long:
         client.completions.create(model=MODEL, prompt="hello", max_tokens=100000)
     assert too_long.value.body["param"] == "max_tokens"
-    with pytest.raises(openai.BadRequestError) as logprobs:
-        client.completions.create(model=MODEL, prompt="hello", max_tokens=2, logprobs=2)
-    assert logprobs.value.body["param"] == "logprobs"  # token log-probabilities do not cross Triton's tensors
+
+
+def test_logprobs_cross_triton_in_the_backends_logprobs_output(client):
+    """OpenAI logprobs ride NVIDIA's `logprobs` output (tests/serving/test_openai_api.py checks their values)."""
+    completion = client.completions.create(model=MODEL, prompt="hello", max_tokens=3, logprobs=2, temperature=0)
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == 3 and all(len(top) == 2 for top in logprobs.top_logprobs)
+    assert "".join(logprobs.tokens) == completion.choices[0].text
 
 
 def _nv_count(server: Server) -> float:
@@ -148,24 +166,29 @@ def test_tritonclient_streams_from_the_same_instance(server):
         assert client.is_server_ready() and client.is_model_ready(MODEL)
         inputs = []
         for name, value, dtype in (("text_input", b"Say hello", "BYTES"), ("stream", True, "BOOL"),
-                                   ("sampling_parameters", json.dumps({"max_tokens": 4}).encode(), "BYTES"),
-                                   ("return_num_output_tokens", True, "BOOL")):
+                                   ("sampling_parameters", json.dumps({"max_tokens": 4, "logprobs": 1}).encode(),
+                                    "BYTES"),
+                                   ("return_num_output_tokens", True, "BOOL"), ("return_logprobs", True, "BOOL")):
             item = grpcclient.InferInput(name, [1], dtype)
             item.set_data_from_numpy(np.array([value], dtype=np.object_ if dtype == "BYTES" else np.bool_))
             inputs.append(item)
         responses: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         client.async_stream_infer(MODEL, inputs, request_id="kserve-1", enable_empty_final_response=True)
-        tokens = 0
+        tokens, positions = 0, []
         while True:
             result, error = responses.get(timeout=120)
             assert error is None, error
             if result.get_response().outputs:
                 tokens += int(result.as_numpy("num_output_tokens").sum())
+                positions += json.loads(result.as_numpy("logprobs")[0])  # NVIDIA's form: JSON per choice
             if result.get_response().parameters["triton_final_response"].bool_param:
                 break
         client.stop_stream()
-        assert tokens == 4
+        assert tokens == 4 and len(positions) == 4
+        for position in positions:  # token id -> logprob, rank, decoded_token; the sampled token and the top 1
+            assert 1 <= len(position) <= 2
+            assert all(set(entry) == {"logprob", "rank", "decoded_token"} for entry in position.values())
     finally:
         client.close()
 
@@ -183,7 +206,11 @@ def test_kserve_grpc_is_triton_itself(server):
         assert config["backend"] == "vllm" and config["model_transaction_policy"] == {"decoupled": True}
         assert config["input"][0]["name"] == "text_input"
         index = client.get_model_repository_index(as_json=True)["models"]
-        assert [(m["name"], m["state"]) for m in index] == [(MODEL, "READY")]
+        # Every Triton model the packages name (the LLM's id, its pooling and scoring models, the ranker, the
+        # pipeline and its two Python steps), each ready.
+        assert sorted((m["name"], m["state"]) for m in index) == sorted(
+            (name, "READY") for name in (MODEL, f"{MODEL}-embed", f"{MODEL}-score", RANKER_ID, PIPELINE_ID,
+                                         FEATURES_ID, RELEVANCE_ID))
         assert client.get_model_metadata(MODEL).versions == ["1"]
         text = grpcclient.InferInput("text_input", [1], "BYTES")
         text.set_data_from_numpy(np.array([b"hello"], dtype=np.object_))
@@ -236,12 +263,104 @@ def test_kserve_http_is_triton_itself(server):
 
 
 def _vllm_processes(server: Server) -> EngineProcesses:
-    """vLLM's processes under the stand-in's engine host (a grandchild of the server, through the backend stub)."""
-    for proc in psutil.Process(server.proc.pid).children(recursive=True):
-        if "serving_image.triton.engine_host" in " ".join(proc.cmdline()):
-            return EngineProcesses(tuple(c.pid for c in proc.children(recursive=True)
-                                         if "resource_tracker" not in " ".join(c.cmdline())))
-    raise AssertionError("no stand-in engine host under the server")
+    """The LLM's engine under the stand-in's engine host (a grandchild of the server, through the backend stub)."""
+    return EngineProcesses.of(server.proc.pid, MODEL)
+
+
+def test_every_model_kind_through_one_call_on_the_embedded_triton(server, client):
+    """Issue 15's one interface in the openai mode: the ranker (unary ModelInfer over gRPC and HTTP, a batch of
+    rows), the pipeline (an ensemble, one call) and the LLM (streamed) on the same KServe endpoint as the OpenAI
+    front-end, through docs/kserve.md's client program (examples/kserve_client.py)."""
+    grpc_url = f"127.0.0.1:{server.ports['kserve_grpc']}"
+    http_url = f"127.0.0.1:{server.ports['kserve_http']}"
+    grpc = grpcclient.InferenceServerClient(grpc_url)
+    http = httpclient.InferenceServerClient(http_url)
+    try:
+        rows = kserve_client.feature_rows(5)
+        scores = kserve_client.rank(grpc, rows)
+        assert scores.shape == (5, 1) and scores.dtype == np.float32 and np.isfinite(scores).all()
+        assert len(set(scores.reshape(-1).round(6).tolist())) > 1  # the booster tells the rows apart
+        np.testing.assert_array_equal(kserve_client.rank_http(http, rows), scores)
+        outputs = kserve_client.pipeline(grpc, rows)
+        assert outputs["relevant"].dtype == np.bool_ and outputs["relevance"].shape == (5, 1)
+        text, tokens = kserve_client.generate(grpc, "Say hello", 8)
+        assert tokens == 8 and text
+        # The OpenAI front-end still serves its LLM beside them (a ranker is not an OpenAI model).
+        assert client.completions.create(model=MODEL, prompt="Say hello", max_tokens=4).usage.completion_tokens == 4
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model=RANKER_ID, prompt="x", max_tokens=1)
+    finally:
+        grpc.close()
+        http.close()
+    kserve_client.main(["--grpc", grpc_url, "--http", http_url])  # the example program as a user runs it
+
+
+def test_embeddings_and_scores_through_triton_match_the_vllm_direct_engine(server, client):
+    """/v1/embeddings through the pooling model (NVIDIA's `embedding_request`) and /v1/score through the platform's
+    scoring model give what the engine in the process gives (the reference recorded from it)."""
+    assert f"Triton models {MODEL}, {MODEL}-embed, {MODEL}-score" in server.log()
+    reference.check(reference.measure(server.url))
+    b64 = client.embeddings.create(model=MODEL, input="the platform", encoding_format="base64")
+    assert isinstance(b64.data[0].embedding, str)
+    with pytest.raises(openai.BadRequestError) as dims:
+        client.embeddings.create(model=MODEL, input="x", dimensions=64)
+    assert dims.value.body["param"] == "dimensions"
+    with pytest.raises(openai.BadRequestError) as ids:
+        client.embeddings.create(model=MODEL, input=[[1, 2], [10**7]])
+    assert ids.value.body["param"] == "input[1]"
+    long_prompt = " ".join(str(i) for i in range(3000))  # beyond the 2048-token window with any candidate
+    too_long = httpx.post(f"{server.url}/v1/score", json={"model": MODEL, "prompt": long_prompt,
+                                                          "candidates": ["a", "b"]}, timeout=120)
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"].startswith("candidates["), \
+        too_long.text
+
+
+def test_embedding_and_scoring_models_over_kserve(server):
+    """The same models for KServe clients on the same endpoint: NVIDIA's `embedding_request` streamed to the pooling
+    model (the vector as JSON in `text_output`), refused by the LLM in NVIDIA's words, and the scoring model called
+    with unary ModelInfer like any non-LLM model."""
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports['kserve_grpc']}")
+    try:
+        index = {m["name"]: m.get("state") for m in client.get_model_repository_index(as_json=True)["models"]}
+        assert all(index.get(m) == "READY" for m in (MODEL, f"{MODEL}-embed", f"{MODEL}-score")), index
+        responses: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+
+        def embed(model: str, body: dict):
+            request = grpcclient.InferInput("embedding_request", [1], "BYTES")
+            request.set_data_from_numpy(np.array([json.dumps(body).encode()], dtype=np.object_))
+            flag = grpcclient.InferInput("return_num_input_tokens", [1], "BOOL")
+            flag.set_data_from_numpy(np.array([True]))
+            client.async_stream_infer(model, [request, flag])
+            return responses.get(timeout=120)
+
+        result, error = embed(f"{MODEL}-embed", {"input": "the platform", "pooling_params": {}})
+        assert error is None, error
+        vector = json.loads(result.as_numpy("text_output")[0])
+        expected = json.loads(reference.GOLDEN.read_text())["embeddings"][0]
+        assert vector == pytest.approx(expected["vector"], abs=reference.VECTOR_ABS)
+        assert int(result.as_numpy("num_input_tokens").reshape(-1)[0]) > 0
+        _, error = embed(f"{MODEL}-embed", {"input": "x", "pooling_params": {"dimensions": [64]}})
+        assert "embedding_request.pooling_params.dimensions" in str(error)
+        _, error = embed(MODEL, {"input": "x", "pooling_params": {}})
+        assert f"Model {MODEL} does not support 'embed' request" in str(error)
+        client.stop_stream()
+
+        case = reference.SCORE_CASES[0]
+        prompt = grpcclient.InferInput("prompt", [1], "BYTES")
+        prompt.set_data_from_numpy(np.array([case[0].encode()], dtype=np.object_))
+        candidates = grpcclient.InferInput("candidates", [len(case[1])], "BYTES")
+        candidates.set_data_from_numpy(np.array([c.encode() for c in case[1]], dtype=np.object_))
+        result = client.infer(f"{MODEL}-score", [prompt, candidates])
+        expected = json.loads(reference.GOLDEN.read_text())["scores"][0]
+        assert result.as_numpy("logprob").tolist() == pytest.approx(expected["logprob"], abs=reference.LOGPROB_ABS)
+        assert result.as_numpy("num_tokens").tolist() == expected["tokens"]
+        empty = grpcclient.InferInput("candidates", [0], "BYTES")
+        empty.set_data_from_numpy(np.array([], dtype=np.object_))
+        with pytest.raises(InferenceServerException, match="input 'candidates' is empty"):
+            client.infer(f"{MODEL}-score", [prompt, empty])
+    finally:
+        client.close()
 
 
 def test_client_that_leaves_aborts_its_request_in_the_engine(server):

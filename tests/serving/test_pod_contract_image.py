@@ -71,7 +71,10 @@ def test_startup_reads_the_package_from_the_deployments_env_name(monkeypatch, tm
     """The Deployment sets LLM_SERVING_PACKAGE; the entrypoint once read only MODEL_PACKAGE (a usage error)."""
     seen = {}
     monkeypatch.setattr(startup, "run", lambda config: seen.setdefault("config", config) and 0)
-    for name in pc.STARTUP_ENV:
+    # main() re-executes the process with libtritonserver's folder on the loader's path (the embedded Triton):
+    # here that would replace the test runner itself
+    monkeypatch.setattr(startup, "_reexec_for_embedded_triton", lambda argv: None)
+    for name in (*pc.STARTUP_ENV, pc.ENV_COMPANION_PACKAGES):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(pc.ENV_PACKAGE, str(tmp_path / "pkg"))
     monkeypatch.setenv(pc.ENV_IO_FINGERPRINT, FINGERPRINT)
@@ -83,6 +86,23 @@ def test_startup_reads_the_package_from_the_deployments_env_name(monkeypatch, tm
     assert (config.kserve_http_port, config.kserve_grpc_port, config.metrics_port, config.openai_port) == (
         pc.PORTS[pc.KSERVE_HTTP_PORT_NAME], pc.PORTS[pc.KSERVE_GRPC_PORT_NAME], pc.PORTS[pc.METRICS_PORT_NAME],
         pc.PORTS[pc.OPENAI_PORT_NAME])
+
+
+def test_startup_reads_the_companion_packages_from_the_deployments_env(monkeypatch, tmp_path):
+    """An ensemble's pod names its step packages in LLM_SERVING_COMPANION_PACKAGES (infra/serving.py renders it):
+    the entrypoint serves them beside the main package, in order; an empty entry is refused naming the variable."""
+    seen = {}
+    monkeypatch.setattr(startup, "run", lambda config: seen.setdefault("config", config) and 0)
+    monkeypatch.setattr(startup, "_reexec_for_embedded_triton", lambda argv: None)
+    monkeypatch.setenv(pc.ENV_PACKAGE, str(tmp_path / "pipeline"))
+    steps = [tmp_path / "features", tmp_path / "ranker"]
+    monkeypatch.setenv(pc.ENV_COMPANION_PACKAGES, pc.COMPANION_SEPARATOR.join(map(str, steps)))
+    with pytest.raises(SystemExit):
+        startup.main(["--workdir", str(tmp_path / "work")])
+    assert seen["config"].companions == steps
+    monkeypatch.setenv(pc.ENV_COMPANION_PACKAGES, f"{steps[0]}{pc.COMPANION_SEPARATOR}")
+    with pytest.raises(SystemExit, match=pc.ENV_COMPANION_PACKAGES):
+        startup.main(["--workdir", str(tmp_path / "work")])
 
 
 @pytest.fixture()

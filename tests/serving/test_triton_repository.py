@@ -138,3 +138,52 @@ def test_structured_engine_args_follow_the_release():
         {"guided_decoding_backend": "outlines"}
     with pytest.raises(RepositoryError, match="reasoning_parser"):
         structured_engine_args({"structured_outputs_config": {"backend": "xgrammar", "reasoning_parser": "x"}}, old)
+
+
+def test_embed_and_score_tasks_become_models_of_their_own(tmp_path):
+    """A package serving generate, embed and score becomes three Triton models (serving_image/triton/models.py):
+    the LLM, its pooling model (the same backend and contract, model.json with runner pooling, no structured
+    outputs) and the platform's scoring model (python backend, explicit I/O, not decoupled, its model.py and
+    engine_wire.py beside the LLM's model.json); an embedding-only package's id names its pooling model."""
+    from serving_image.triton.models import SCORING_INPUTS, SCORING_OUTPUTS, package_models
+
+    built = build_package(PackageSpec(_model_dir(tmp_path), "demo-tiny", "1.0.0", engine_args=ENGINE_ARGS,
+                                      tasks=("generate", "embed", "score")), tmp_path / "pkg")
+    package = open_package(built)
+    repo = tmp_path / "repo"
+    generate_repository(package.manifest, package.root, repo, load_pins().pinned, package_root=ROOT)
+    assert package_models(package.manifest).names == ("demo-tiny", "demo-tiny-embed", "demo-tiny-score")
+    assert sorted(p.name for p in repo.iterdir()) == ["demo-tiny", "demo-tiny-embed", "demo-tiny-score"]
+    llm = json.loads((repo / "demo-tiny" / "1" / "model.json").read_text())
+    pooling = json.loads((repo / "demo-tiny-embed" / "1" / "model.json").read_text())
+    assert "runner" not in llm and "structured_outputs_config" in llm
+    assert pooling == {**{k: v for k, v in llm.items() if k != "structured_outputs_config"}, "runner": "pooling",
+                       "convert": "embed"}
+    assert pbtxt_io((repo / "demo-tiny-embed" / "config.pbtxt").read_text()) == \
+        pbtxt_io((repo / "demo-tiny" / "config.pbtxt").read_text())
+    assert 'name: "demo-tiny-embed"' in (repo / "demo-tiny-embed" / "config.pbtxt").read_text()
+    score_dir = repo / "demo-tiny-score"
+    assert sorted(p.relative_to(score_dir).as_posix() for p in score_dir.rglob("*") if p.is_file()) == \
+        ["1/engine_wire.py", "1/model.json", "1/model.py", "config.pbtxt"]
+    assert json.loads((score_dir / "1" / "model.json").read_text()) == llm
+    config = mc.ModelConfig()
+    text_format.Parse((score_dir / "config.pbtxt").read_text(), config)
+    assert (config.name, config.backend, config.max_batch_size) == ("demo-tiny-score", "python", 0)
+    assert not config.model_transaction_policy.decoupled
+    assert pbtxt_io((score_dir / "config.pbtxt").read_text()) == (SCORING_INPUTS, SCORING_OUTPUTS)
+
+    (tmp_path / "e").mkdir()
+    embed_only = open_package(build_package(PackageSpec(_model_dir(tmp_path / "e"), "embed-base", "1.0.0",
+                                                        engine_args=ENGINE_ARGS, tasks=("embed",)),
+                                            tmp_path / "pkg-e"))
+    generate_repository(embed_only.manifest, embed_only.root, repo, load_pins().pinned, package_root=ROOT)
+    assert package_models(embed_only.manifest).names == ("embed-base",)
+    assert json.loads((repo / "embed-base" / "1" / "model.json").read_text())["runner"] == "pooling"
+
+
+def test_score_task_needs_generate(tmp_path):
+    from llm_serving.manifest import ManifestError
+
+    with pytest.raises((ManifestError, ValueError), match="'score' needs 'generate'"):
+        build_package(PackageSpec(_model_dir(tmp_path), "demo-tiny", "1.0.0", engine_args=ENGINE_ARGS,
+                                  tasks=("embed", "score")), tmp_path / "pkg")

@@ -36,7 +36,7 @@ def main() -> None:
         if message["prompt"] == "die":
             print("fake engine: dying", file=sys.stderr, flush=True)
             os._exit(1)
-        sock.sendall(wire.encode({"id": message["id"], "p": 1, "out": [[0, "tok", 1, None]], "done": False}))
+        sock.sendall(wire.encode({"id": message["id"], "p": 1, "out": [[0, "tok", 1, None, None]], "done": False}))
 
 
 if __name__ == "__main__":

@@ -66,12 +66,11 @@ OUTPUTS = (
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
 )
-RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+RETURN_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens", "return_logprobs")
 # Inputs NVIDIA's backend serves that this stand-in refuses by name (docs/kserve.md).
 REFUSED_INPUTS = {
     "image": "this model takes text only",
     "return_cumulative_logprob": "cumulative log probabilities are not produced by the local stand-in backend",
-    "return_logprobs": "log probabilities are not produced by the local stand-in backend",
 }
 ERROR_PREFIX = "Error generating stream: "  # NVIDIA's backend's prefix for a failed request
 CANCEL_CHECK_S = 0.05
@@ -91,9 +90,8 @@ def _flag(request, name: str) -> bool | None:
 
 
 def read_request(request, model_name: str) -> dict:
-    """The request's inputs as NVIDIA's backend reads them (GenerateRequest._get_input_tensors)."""
-    if pb_utils.get_input_tensor_by_name(request, "embedding_request") is not None:
-        raise RequestError(f"Model {model_name} does not support 'embed' request")
+    """The request's inputs as NVIDIA's backend reads them (GenerateRequest._get_input_tensors). An
+    `embedding_request` never gets here (execute sends it to read_embed_request, or refuses it by task)."""
     for name, reason in REFUSED_INPUTS.items():
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is not None and (name == "image" or bool(tensor.as_numpy().reshape(-1)[0])):
@@ -128,11 +126,57 @@ def read_request(request, model_name: str) -> dict:
             "flags": {name: bool(_flag(request, name)) for name in RETURN_FLAGS}}
 
 
+EMBED_FLAGS = ("return_num_input_tokens", "return_num_output_tokens")
+
+
+def read_embed_request(request, info: dict) -> dict:
+    """An `embedding_request` as NVIDIA's backend reads it (EmbedRequest._get_input_tensors): a JSON object whose
+    `input` is a string or one list of token ids (one input per request), and whose `pooling_params` may hold
+    `dimensions` as a one-element list `[d]` (NVIDIA's OpenAI front-end sends it so, and the backend reads
+    `dimensions[0]`). `text_input` and the sampling inputs are not read, as there. Stricter than NVIDIA's: every
+    refusal names the field, and keys it would ignore are refused."""
+    values = pb_utils.get_input_tensor_by_name(request, "embedding_request").as_numpy().reshape(-1)
+    if values.size != 1:
+        raise RequestError(f"input 'embedding_request' holds {values.size} elements; it takes one JSON object")
+    raw = values[0]
+    try:
+        body = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else str(raw))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(f"input 'embedding_request' is not valid UTF-8 JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"input 'embedding_request' must hold a JSON object, got {type(body).__name__}")
+    for key in body:
+        if key not in ("input", "pooling_params"):
+            raise RequestError(f"embedding_request.{key} is not read by the vllm backend (it reads input and "
+                               "pooling_params)")
+    value = body.get("input")
+    is_ids = isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                               for t in value)
+    if not (isinstance(value, str) and value) and not is_ids:
+        raise RequestError("embedding_request.input must be a non-empty string or one non-empty list of token ids "
+                           f"(one input per request), got {json.dumps(value)[:60]}")
+    pooling = body.get("pooling_params", {})
+    if not isinstance(pooling, dict):
+        raise RequestError("embedding_request.pooling_params must be a JSON object")
+    for key, dims in pooling.items():
+        field = f"embedding_request.pooling_params.{key}"
+        if key != "dimensions":
+            raise RequestError(f"{field} is not read by the vllm backend (it reads dimensions only)")
+        if not (isinstance(dims, list) and len(dims) == 1 and isinstance(dims[0], int)
+                and not isinstance(dims[0], bool)):
+            raise RequestError(f"{field} must be a one-element list [d] (the vllm backend reads dimensions[0]), "
+                               f"got {json.dumps(dims)[:40]}")
+        if dims[0] != info.get("embedding_dim"):
+            raise RequestError(f"{field} {dims[0]}: this model's embeddings have {info.get('embedding_dim')} "
+                               "dimensions and are not truncated")
+    return {"input": value, "flags": {name: bool(_flag(request, name)) for name in EMBED_FLAGS}}
+
+
 class _Request:
     """One request in flight: its sender, what the client asked for, and (when not streaming) the totals so far."""
 
     __slots__ = ("sender", "stream", "prepend", "prompt", "flags", "texts", "tokens", "finish", "prompt_tokens",
-                 "checked_at")
+                 "checked_at", "logprobs")
 
     def __init__(self, sender, parsed: dict):
         self.sender = sender
@@ -143,6 +187,8 @@ class _Request:
         self.texts: list[str] = []
         self.tokens: list[int] = []
         self.finish: list[str | None] = []
+        # per choice, the log-probability positions so far (None: the request asked for none, the JSON null)
+        self.logprobs: list[list | None] = []
         self.prompt_tokens = 0
         self.checked_at = 0.0  # when the request was last checked for cancellation
 
@@ -155,36 +201,68 @@ class _Request:
         self.checked_at = now
         return self.sender.is_cancelled()
 
-    def add(self, message: dict) -> tuple[list[str], list[int]]:
-        """Fold one engine delta in; return this step's text and token count per choice."""
+    def add(self, message: dict) -> tuple[list[str], list[int], list[list | None]]:
+        """Fold one engine delta in; return this step's text, token count and log-probabilities per choice."""
         self.prompt_tokens = message["p"] or self.prompt_tokens
         step_texts = [""] * len(self.texts)
         step_tokens = [0] * len(self.texts)
-        for index, text, tokens, finish in message["out"]:
+        step_logprobs: list[list | None] = [None if lp is None else [] for lp in self.logprobs]
+        for index, text, tokens, finish, logprobs in message["out"]:
             while len(self.texts) <= index:
                 self.texts.append("")
                 self.tokens.append(0)
                 self.finish.append(None)
+                self.logprobs.append(None)
                 step_texts.append("")
                 step_tokens.append(0)
+                step_logprobs.append(None)
             self.texts[index] += text
             self.tokens[index] += tokens
             step_texts[index] += text
             step_tokens[index] += tokens
+            if logprobs is not None:
+                self.logprobs[index] = (self.logprobs[index] or []) + logprobs
+                step_logprobs[index] = (step_logprobs[index] or []) + logprobs
             if finish is not None:
                 self.finish[index] = finish
-        return step_texts, step_tokens
+        return step_texts, step_tokens, step_logprobs
 
-    def response(self, texts: list[str], tokens: list[int], prefix: str = ""):
+    def response(self, texts: list[str], tokens: list[int], logprobs: list[list | None], prefix: str = ""):
         outputs = [pb_utils.Tensor("text_output", np.array([(prefix + t).encode("utf-8") for t in texts] or [b""],
                                                            dtype=np.object_))]
         if self.flags["return_finish_reason"]:
             outputs.append(pb_utils.Tensor("finish_reason", np.array([str(f).encode() for f in self.finish] or
                                                                      [b"None"], dtype=np.object_)))
+        if self.flags["return_logprobs"]:  # one JSON string per choice, as NVIDIA's backend writes it
+            outputs.append(pb_utils.Tensor("logprobs", np.array([json.dumps(lp).encode() for lp in logprobs] or
+                                                                [b"null"], dtype=np.object_)))
         if self.flags["return_num_input_tokens"]:
             outputs.append(pb_utils.Tensor("num_input_tokens", np.array([self.prompt_tokens], dtype=np.uint32)))
         if self.flags["return_num_output_tokens"]:
             outputs.append(pb_utils.Tensor("num_output_tokens", np.array(tokens or [0], dtype=np.uint32)))
+        return pb_utils.InferenceResponse(output_tensors=outputs)
+
+
+class _EmbedRequest:
+    """An embedding request in flight: one answer, no deltas (NVIDIA's EmbedRequest.create_response)."""
+
+    __slots__ = ("sender", "flags", "checked_at")
+
+    def __init__(self, sender, flags: dict):
+        self.sender = sender
+        self.flags = flags
+        self.checked_at = 0.0
+
+    cancelled = _Request.cancelled
+
+    def response(self, message: dict):
+        # The vector as JSON text, as NVIDIA's backend sends it (json.dumps of the floats: they read back exactly).
+        outputs = [pb_utils.Tensor("text_output", np.array([json.dumps(message["embedding"]).encode("utf-8")],
+                                                           dtype=np.object_))]
+        if self.flags["return_num_input_tokens"]:
+            outputs.append(pb_utils.Tensor("num_input_tokens", np.array([message["p"]], dtype=np.uint32)))
+        if self.flags["return_num_output_tokens"]:  # nothing is generated
+            outputs.append(pb_utils.Tensor("num_output_tokens", np.array([0], dtype=np.uint32)))
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
 
@@ -242,6 +320,8 @@ class TritonPythonModel:
             self._socket.close()
             raise pb_utils.TritonModelException(f"[vllm] Failed to start engine: {detail}")
         self.info = first["info"]
+        # What the engine serves: ["generate"], or ["embed"] for a pooling model (model.json `runner: pooling`).
+        self.tasks = tuple(self.info.get("tasks", ("generate",)))
         self.logger.log_info(f"[vllm] engine ready for {self.model_name}: {self.info} (pid {self.process.pid})")
         # Held by whoever answers a request (the reader thread, the cancellation watcher), so that nothing is sent
         # to a sender after its final response.
@@ -288,6 +368,15 @@ class TritonPythonModel:
                 self._error(sender, f"Model is unavailable due to unhealthy vLLM engine: {self._dead}",
                             pb_utils.TritonError.UNAVAILABLE)
                 continue
+            embedding = pb_utils.get_input_tensor_by_name(request, "embedding_request") is not None
+            task = "embed" if embedding else "generate"
+            if task not in self.tasks:  # NVIDIA's backend's words (_validate_request_task_name)
+                self._error(sender, f"Model {self.model_name} does not support '{task}' request",
+                            pb_utils.TritonError.INVALID_ARG)
+                continue
+            if embedding:
+                self._submit_embed(request, sender)
+                continue
             try:
                 parsed = read_request(request, self.model_name)
             except RequestError as exc:
@@ -309,6 +398,26 @@ class TritonPythonModel:
                 self._error(sender, f"the engine process is gone: {exc}", pb_utils.TritonError.UNAVAILABLE)
         return None
 
+    def _submit_embed(self, request, sender) -> None:
+        try:
+            parsed = read_embed_request(request, self.info)
+        except RequestError as exc:
+            self._error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+            return
+        except Exception as exc:  # a bug here fails this request as the server's error, never the batch
+            self.logger.log_error(f"[vllm] reading an embedding request failed: {exc!r}")
+            self._error(sender, f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+            return
+        request_id = uuid.uuid4().hex
+        with self._lock:
+            self._requests[request_id] = _EmbedRequest(sender, parsed["flags"])
+        try:
+            self._send({"op": "embed", "id": request_id, "input": parsed["input"]})
+        except OSError as exc:
+            with self._lock:
+                self._requests.pop(request_id, None)
+            self._error(sender, f"the engine process is gone: {exc}", pb_utils.TritonError.UNAVAILABLE)
+
     def _read_loop(self) -> None:
         while True:
             try:
@@ -323,7 +432,12 @@ class TritonPythonModel:
             if message.get("op") == "dead":
                 self._engine_died(message.get("error", "the engine died"))
                 continue
-            self._on_message(message)
+            try:
+                self._on_message(message)
+            except Exception as exc:  # noqa: BLE001 - a message this backend cannot read: the engine is unusable
+                # Dying loudly beats a reader thread gone silently, which left every request waiting forever.
+                self._engine_died(f"unreadable message from the engine process ({type(exc).__name__}: {exc})")
+                return
 
     def _on_message(self, message: dict) -> None:
         with self._respond_lock:
@@ -345,15 +459,20 @@ class TritonPythonModel:
         if state.cancelled(time.monotonic()):
             self._cancel(request_id, state)
             return
-        texts, tokens = state.add(message)
+        if isinstance(state, _EmbedRequest):
+            self._drop(request_id)
+            state.sender.send(state.response(message), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        texts, tokens, logprobs = state.add(message)
         done = bool(message["done"])
         if done:
             self._drop(request_id)
         if state.stream:
-            state.sender.send(state.response(texts, tokens),
+            state.sender.send(state.response(texts, tokens, logprobs),
                               flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if done else 0)
         elif done:
-            state.sender.send(state.response(state.texts, state.tokens, state.prompt if state.prepend else ""),
+            state.sender.send(state.response(state.texts, state.tokens, state.logprobs,
+                                             state.prompt if state.prepend else ""),
                               flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _cancel(self, request_id: str, state: _Request) -> None:
