@@ -135,13 +135,31 @@ async def test_errors_carry_triton_codes_and_messages(triton):
     assert in_flight() == 0
 
 
-def _engine_processes() -> EngineProcesses:
-    """vLLM's processes under the stand-in's engine host (the host itself keeps running: it answers the stub)."""
+def _engine_host(triton) -> psutil.Process:
+    """The stand-in's engine host of this module's Triton: the one whose model.json is in its repository (another
+    module's server may run an engine host of the same model under this process too; zombies left by earlier tests
+    are skipped)."""
+    repository = str(triton.log_file.parent / "repository")
     for proc in psutil.Process().children(recursive=True):
-        if "serving_image.triton.engine_host" in " ".join(proc.cmdline()):
-            return EngineProcesses(tuple(c.pid for c in proc.children(recursive=True)
-                                         if "resource_tracker" not in " ".join(c.cmdline())))
-    raise AssertionError("no stand-in engine host under this process")
+        try:
+            command = proc.cmdline()
+        except psutil.Error:  # a zombie, or gone meanwhile: not the host
+            continue
+        if "serving_image.triton.engine_host" in command and any(a.startswith(repository) for a in command):
+            return proc
+    raise AssertionError(f"no stand-in engine host for {repository} under this process")
+
+
+def _engine_processes(triton) -> EngineProcesses:
+    """vLLM's processes under the stand-in's engine host (the host itself keeps running: it answers the stub)."""
+    pids = []
+    for child in _engine_host(triton).children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                pids.append(child.pid)
+        except psutil.Error:
+            continue
+    return EngineProcesses(tuple(pids))
 
 
 def _executions(server: capi.Server) -> int:
@@ -153,7 +171,7 @@ async def test_cancelling_a_request_in_a_held_engine(triton):
     """The request reaches the backend (Triton counts its execution) while vLLM is held, so it is still running
     when it is cancelled, whatever the machine's speed; the backend notices and ends it with CANCELLED."""
     server = triton.server
-    engine = _engine_processes()
+    engine = _engine_processes(triton)
     executions = _executions(server)
     noticed = triton.log().count("[vllm] Cancelling the request")
     with engine.held():
@@ -245,8 +263,7 @@ async def test_unloading_the_model_stops_its_engine(triton):
     server = triton.server
     embedded = EmbeddedTriton(server, (MODEL,), "2.51.0", 0.0)
     assert embedded.dead_reason is None
-    host = next(p for p in psutil.Process().children(recursive=True)
-                if "serving_image.triton.engine_host" in " ".join(p.cmdline()))
+    host = _engine_host(triton)
     server.unload_model(MODEL)
     deadline = time.monotonic() + 120
     while server.model_ready(MODEL) or host.is_running() and host.status() != psutil.STATUS_ZOMBIE:
