@@ -4,9 +4,8 @@
 time, on the demo model. Baseline: `engine.generate` in this process. Subjects, with NVIDIA's asyncio tritonclient
 streaming every token over gRPC:
 - `triton`: the `standalone` serving mode, real tritonserver 2.51 with the stand-in vllm backend, whose engine runs in
-  its own process behind a Unix socket (the hops: client -> Triton -> Python backend stub -> engine process, and back);
-- `imitation`: this project's own KServe server on the direct engine (the `openai` mode's KServe path).
-All three measured in turn over several rounds (medians), with the CPU seconds each process spent per 1000 tokens.
+  its own process behind a Unix socket (the hops: client -> Triton -> Python backend stub -> engine process, and back).
+Both measured in turn over several rounds (medians), with the CPU seconds each process spent per 1000 tokens.
 Reported as ratios (subject / direct); the target for Triton is 0.8 of direct throughput (issue #13).
 """
 
@@ -25,7 +24,7 @@ N_REQUESTS = 128
 CONCURRENCY = 16
 OUTPUT_TOKENS = 64
 PROMPT = "The platform serves large language models next to the rest of the models " * 2
-# float32: this machine's VM dies with SIGILL in vLLM's bf16 AMX attention kernel (tests/serving/test_kserve_server.py)
+# float32: this machine's VM dies with SIGILL in vLLM's bf16 AMX attention kernel (docs/local-environment.md)
 ENGINE_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 256 * 1024 * 1024, "dtype": "float32"}
 
 
@@ -157,18 +156,16 @@ def _median(runs: list[dict]) -> dict:
 
 
 async def measure(model_dir: pathlib.Path) -> dict[str, dict]:
-    """Both engines up at once (each idle while the other is measured), then ROUNDS rounds of direct, Triton,
-    imitation, one after the other; medians, so that a burst of load from elsewhere on this shared machine moves one
+    """Both engines up at once (each idle while the other is measured), then ROUNDS rounds of direct and Triton,
+    one after the other; medians, so that a burst of load from elsewhere on this shared machine moves one
     round, not the result."""
     import tempfile
 
     from serving_image.engine.vllm_local import VllmLocalEngine
-    from serving_image.kserve.frontends import start_kserve
 
     engine = await VllmLocalEngine.start(name="demo-tiny", version="bench", model_path=model_dir,
                                          tokenizer_path=model_dir, args=dict(ENGINE_ARGS))
-    kserve = await start_kserve(engine, None, host="127.0.0.1", grpc_port=free_port(), http_port=free_port())
-    runs: dict[str, list] = {"direct": [], "triton": [], "imitation": []}
+    runs: dict[str, list] = {"direct": [], "triton": []}
     cpu: dict[str, list] = {"direct": [], "triton": []}
     try:
         with tempfile.TemporaryDirectory(prefix="bench-triton-") as workdir:
@@ -183,17 +180,15 @@ async def measure(model_dir: pathlib.Path) -> dict[str, dict]:
                     summary, used = await _with_cpu(_kserve(url, "demo-tiny"))
                     runs["triton"].append(summary)
                     cpu["triton"].append(used)
-                    runs["imitation"].append(await _kserve(f"127.0.0.1:{kserve.grpc_port}", "demo-tiny"))
             finally:
                 await triton.shutdown()
     finally:
-        await kserve.stop()
         await engine.shutdown()
     if min(r["output_tokens_per_s"] for r in runs["triton"]) <= 0:
         raise RuntimeError("no tokens came back over KServe")
     roles = {role for used in cpu["direct"] + cpu["triton"] for role in used}
     return {"direct": _median(runs["direct"]), "triton": _median(runs["triton"]),
-            "imitation": _median(runs["imitation"]), "runs": runs,
+            "runs": runs,
             "cpu": {side: {role: statistics.median(u.get(role, 0.0) for u in cpu[side]) for role in roles}
                     for side in cpu}}
 
@@ -205,7 +200,7 @@ def run(out_dir: pathlib.Path) -> dict:
     lines = [
         f"{N_REQUESTS} requests, {OUTPUT_TOKENS} greedy output tokens each, {CONCURRENCY} at a time (demo model), "
         "NVIDIA's asyncio tritonclient streaming over gRPC, against the engine called directly in this process; "
-        f"medians of {ROUNDS} rounds (direct, Triton, imitation in turn).",
+        f"medians of {ROUNDS} rounds (direct and Triton in turn).",
         "",
         "Real tritonserver 2.51, the stand-in vllm backend and its engine process (the `standalone` serving mode):",
         "",
@@ -223,11 +218,6 @@ def run(out_dir: pathlib.Path) -> dict:
         *(f"| {role} | {results['cpu']['direct'].get(role, 0.0):.3f} | {results['cpu']['triton'].get(role, 0.0):.3f} |"
           for role in sorted(set(results["cpu"]["direct"]) | set(results["cpu"]["triton"]))),
         f"| total | {sum(results['cpu']['direct'].values()):.3f} | {sum(results['cpu']['triton'].values()):.3f} |",
-        "",
-        "This project's own KServe server on the same engine (the `openai` mode's KServe path):",
-        "",
-        *ratio_table(results["imitation"], base, ("imitation gRPC stream", "engine directly",
-                                                  "ratio (imitation / direct)")),
     ]
     plot = ratio_plot(ratios(results["triton"], base), out_dir, "kserve.png", color="tab:green",
                       xlabel="Triton gRPC stream / direct engine (same run)", title="KServe through real Triton")

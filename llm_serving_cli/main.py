@@ -164,9 +164,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         published = store.publish(package)
     console.print(f"[green]published[/] {published.package_uri}\n          model cache {published.model_cache_uri}")
     companions = []
-    from serving_image.triton.runtime import embedded_triton_selected
-
-    if args.model is None and (serving_mode is ServingMode.STANDALONE or embedded_triton_selected()):
+    if args.model is None:
         # Every model kind on one Triton (docs/architecture.md §3.4, "Model kinds"): the demo ranker (XGBoost,
         # trained now) and its pipeline (an ensemble), each packaged and published like any other package, served
         # beside the LLM by tritonserver (standalone) or by the Triton embedded in the OpenAI front-end (openai).

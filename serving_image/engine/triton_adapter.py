@@ -45,8 +45,13 @@ from serving_image.engine.base import (
     HFTokenizerMixin,
     ModelInfo,
 )
-from serving_image.kserve.tensors import Tensor
-from serving_image.kserve.translate import ClientTranslationError, OutputReader, request_tensors, triton_prompt
+from serving_image.kserve.translate import (
+    ClientTranslationError,
+    OutputReader,
+    Tensor,
+    request_tensors,
+    triton_prompt,
+)
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +323,8 @@ class EmbeddedTritonEngine(TritonEngine):
 
 
 class RemoteTritonEngine(TritonEngine):
-    """A Triton (or this project's KServe server) over KServe v2 gRPC, `ModelStreamInfer` with tritonclient."""
+    """A Triton server reached over KServe v2 gRPC (`ModelStreamInfer` with tritonclient): the image's tritonserver
+    or any other Triton serving the vLLM model."""
 
     def __init__(self, client, info: ModelInfo, tokenizer, structured_key: str, model_name: str):
         super().__init__(info, tokenizer, structured_key, model_name)

@@ -1,5 +1,5 @@
-"""One bidirectional stream, many requests: ModelStreamInfer's fan-in, shared by this project's KServe gRPC
-front-end (grpc_server.py) and the one that fronts the embedded Triton (triton_grpc.py).
+"""One bidirectional stream, many requests: ModelStreamInfer's fan-in for the KServe gRPC front-end that fronts the
+embedded Triton (triton_grpc.py), kept apart because its ordering and cancellation rules are a job of their own.
 
 Each request read from the client's stream is handled by its own task, which emits its responses as they come;
 responses of different requests interleave in one outgoing stream. When the client goes away, every task still

@@ -26,13 +26,17 @@ import numpy as np
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from serving_image.kserve.grpc_server import MAX_MESSAGE_BYTES
-from serving_image.kserve.service import DECOUPLED_GRPC_MESSAGE
 from serving_image.kserve.stream_fan_in import fan_in
 from serving_image.triton.capi import ErrorCode, TritonError
 from serving_image.triton.capi.inference import NUMPY_DTYPES, Input, infer
 
 log = logging.getLogger(__name__)
+
+# Triton's gRPC front-end's answer to a unary ModelInfer on a decoupled model, word for word (the vLLM backend sets
+# `model_transaction_policy { decoupled: true }`; the C API itself has no such check: front-ends make it).
+DECOUPLED_GRPC_MESSAGE = "ModelInfer RPC doesn't support models with decoupled transaction policy"
+# Larger messages are refused by gRPC itself (RESOURCE_EXHAUSTED) before any of this code runs.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 GRPC_CODES = {ErrorCode.INVALID_ARG: grpc.StatusCode.INVALID_ARGUMENT, ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
               ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE, ErrorCode.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,

@@ -33,11 +33,13 @@ from serving_image.kserve.infer_json import (
     infer_response_body,
     parse_infer_body,
 )
-from serving_image.kserve.service import DECOUPLED_HTTP_MESSAGE
 from serving_image.triton.capi import ErrorCode, TritonError
 from serving_image.triton.capi.inference import NUMPY_DTYPES, Input, infer
 
 log = logging.getLogger(__name__)
+
+# Triton's HTTP front-end's answer to /infer on a decoupled model, word for word (see triton_grpc.py).
+DECOUPLED_HTTP_MESSAGE = "HTTP end point doesn't support models with decoupled transaction policy"
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 HTTP_STATUS = {ErrorCode.INVALID_ARG: 400, ErrorCode.NOT_FOUND: 404, ErrorCode.UNAVAILABLE: 503,

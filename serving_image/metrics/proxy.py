@@ -1,8 +1,8 @@
 """The metrics proxy on port 8002 (docs/architecture.md §3.8): Triton's metrics and every vLLM metric on one /metrics.
 
 Each scrape:
-1. fetches the upstream (Triton's metrics port in production, the local front-ends' request metrics locally) with
-   a total deadline and a body cap (`upstream.py`); concurrent scrapes share one in-flight fetch;
+1. fetches the upstream (Triton's metrics: tritonserver's metrics port, or the embedded Triton's C API metrics on
+   8004) with a total deadline and a body cap (`upstream.py`); concurrent scrapes share one in-flight fetch;
 2. marks exited engine processes dead and reads vLLM's multiprocess files (`multiproc.py`);
 3. merges the proxy's own metrics, vLLM's and the upstream's, every family once (`merge.py`);
 4. answers 200 in Prometheus text 0.0.4 or OpenMetrics 1.0, whichever the Accept header prefers.
@@ -348,7 +348,7 @@ def spawn_proxy(config: ProxyConfig, *, ready_timeout_s: float = 30.0) -> subpro
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m serving_image.metrics.proxy",
-        description="Merge Triton's (or the local front-ends') metrics with vLLM's multiprocess metrics.",
+        description="Merge Triton's metrics with vLLM's multiprocess metrics.",
     )
     upstream = parser.add_mutually_exclusive_group()
     upstream.add_argument("--upstream", default=DEFAULT_UPSTREAM, help=f"upstream /metrics URL ({DEFAULT_UPSTREAM})")

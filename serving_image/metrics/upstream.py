@@ -1,4 +1,4 @@
-"""Fetch and parse the upstream exposition (Triton's metrics port, or the local front-ends' on the same port).
+"""Fetch and parse the upstream exposition (Triton's metrics port, or the embedded Triton's metrics served on it).
 
 The fetch has a total deadline (not only a per-read socket timeout, so an upstream that trickles bytes cannot hold
 a scrape) and a body cap. Every failure is returned as an `UpstreamResult` with a short `reason` (a label of the

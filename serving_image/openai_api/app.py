@@ -4,9 +4,11 @@ Endpoints: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming), /v
 extension, /health/ready and /health/live. Every request body is parsed by a strict model (fields.py classifies
 every OpenAI field); errors have OpenAI's shape and status codes, and nothing a client sends yields a 500.
 
-The handlers are module-level: what they share (engine, limits, metrics) is the `ServerState` on `app.state.server`
-(state.py), and each POST request runs in one `RequestScope` (request_scope.py) that owns its admission, pending
-gauge, outcome and log record. The POST handlers live by endpoint in generation.py, embeddings.py and scoring.py.
+The handlers are module-level: what they share (engine, limits, admission) is the `ServerState` on
+`app.state.server` (state.py), and each POST request runs in one `RequestScope` (request_scope.py) that owns its
+admission, outcome and log record. The POST handlers live by endpoint in generation.py, embeddings.py and scoring.py.
+No request metrics are recorded here: the served engine is Triton embedded in the process (serving_image/startup.py),
+which counts every request itself (nv_inference_request_success, nv_inference_count, ...) for the metrics proxy.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive
 
 from serving_image.engine.base import Engine
-from serving_image.metrics.frontend import FrontendMetrics
 from serving_image.openai_api.admission import Admission, APIConfig, check_api_key
 from serving_image.openai_api.embeddings import embed
 from serving_image.openai_api.errors import APIError, bad_request, from_validation_error
@@ -50,14 +51,11 @@ Handler = Callable[[ServerState, RequestScope, Any, Receive], Awaitable[Response
 router = APIRouter()
 
 
-def create_app(engine: Engine, metrics: FrontendMetrics | None = None,
-               is_draining: Callable[[], bool] = lambda: False, config: APIConfig | None = None) -> FastAPI:
+def create_app(engine: Engine, is_draining: Callable[[], bool] = lambda: False,
+               config: APIConfig | None = None) -> FastAPI:
     config = config or APIConfig()
     app = FastAPI(title="llm-serving OpenAI-compatible API", docs_url=None, redoc_url=None)
-    app.state.server = ServerState(engine=engine, config=config, admission=Admission(config), metrics=metrics,
-                                   is_draining=is_draining)
-    if metrics is not None:
-        metrics.register_model(engine.info.name, engine.info.version)
+    app.state.server = ServerState(engine=engine, config=config, admission=Admission(config), is_draining=is_draining)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -48,7 +48,6 @@ async def generate(server: ServerState, scope: RequestScope, body: ChatCompletio
         started, streams = await unless_disconnected(start_streams(engine, requests), receive)
         if not started:
             return await _client_left(engine, requests, scope)
-        scope.outcome.first_response_s = scope.elapsed_s()
         plan = StreamPlan(model=model.name, request_id=scope.request_id, requests=requests, chat=chat, n=n,
                           want_logprobs=want_logprobs,
                           include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -59,7 +58,6 @@ async def generate(server: ServerState, scope: RequestScope, body: ChatCompletio
 
     async def answer() -> None:
         streams = await start_streams(engine, requests)
-        scope.outcome.first_response_s = scope.elapsed_s()
         async for i, output in merged(streams):
             totals[i].add(output)
 

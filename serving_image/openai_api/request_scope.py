@@ -1,11 +1,14 @@
 """One request's bookkeeping, from its first byte received to its last byte sent.
 
 A `RequestScope` owns what a POST request holds and what reports on it: its admission (a request and tokens in
-flight, admission.py), its place in the `nv_inference_pending_request_count` gauge, its `Outcome`, and the request
-log record and Triton-named metrics written from that outcome. It is acquired once, when the `with` block is
-entered, and released exactly once whatever ends the request: an answer, an error in OpenAI's shape, a client that
-left (499), a cancelled task (the server stopping), an engine that died. Keeping all of it in one object is the
-point: spread over several functions, each exit path had to remember each release.
+flight, admission.py), its `Outcome`, and the request log record written from that outcome. It is released exactly
+once whatever ends the request: an answer, an error in OpenAI's shape, a client that left (499), a cancelled task
+(the server stopping), an engine that died. Keeping all of it in one object is the point: spread over several
+functions, each exit path had to remember each release.
+
+The request metrics are not kept here: Triton, embedded in this process, counts every request the engine sends it
+(nv_inference_request_success, nv_inference_count, nv_inference_pending_request_count, ...; served to the metrics
+proxy by serving_image/metrics/frontend.py's `serve_exposition`).
 
 A streaming response outlives its handler: the handler calls `hand_over()` and the response closes the scope after
 its last event (streaming.EventStreamResponse).
@@ -29,7 +32,6 @@ from typing import Any
 from pydantic import BaseModel
 
 from serving_image.engine.base import ModelInfo
-from serving_image.metrics.frontend import FailureReason, FrontendMetrics
 from serving_image.openai_api.admission import Admission
 from serving_image.openai_api.errors import APIError
 from serving_image.openai_api.protocol import Endpoint
@@ -45,22 +47,19 @@ METADATA_FIELDS = ("user", "metadata", "safety_identifier", "prompt_cache_key")
 
 @dataclass
 class Outcome:
-    """What the request log and the Triton-named metrics record about one request."""
+    """What the request log records about one request."""
 
     status: int = 200
-    failure: FailureReason = "OTHER"  # the failure counter's `reason`, read when status is not 200
-    first_response_s: float | None = None
     completion_tokens: int = 0
     prompt_tokens: int = 0
 
     def refused(self, error: APIError) -> None:
         """Answered with an error: the client's (4xx, the request was rejected) or the engine's (5xx)."""
         self.status = error.status
-        self.failure = "REJECTED" if error.status < 500 else "BACKEND"
 
     def canceled(self) -> None:
         """The client left before its answer was complete, or the server stopped the request."""
-        self.status, self.failure = CLIENT_CLOSED_REQUEST, "CANCELED"
+        self.status = CLIENT_CLOSED_REQUEST
 
 
 @dataclass(frozen=True)
@@ -84,12 +83,12 @@ class RequestRecord:
 
 
 class RequestScope:
-    """Admission, the pending gauge, the outcome and the log record of one request (see the module's docstring).
+    """Admission, the outcome and the log record of one request (see the module's docstring).
 
-    Use it as a context manager: entering acquires the gauge; leaving closes the scope, recording the exception
-    that ended the block if any, unless `hand_over()` passed the closing on."""
+    Use it as a context manager: leaving closes the scope, recording the exception that ended the block if any,
+    unless `hand_over()` passed the closing on."""
 
-    def __init__(self, endpoint: Endpoint, model: ModelInfo, admission: Admission, metrics: FrontendMetrics | None):
+    def __init__(self, endpoint: Endpoint, model: ModelInfo, admission: Admission):
         self.endpoint = endpoint
         self.model = model
         self.request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
@@ -97,7 +96,6 @@ class RequestScope:
         self.body: BaseModel | None = None  # the parsed request body, once parsed: the log takes its metadata
         self.started = time.perf_counter()
         self._admission = admission
-        self._metrics = metrics
         self._held = contextlib.ExitStack()  # what close() releases, last acquired first
         self._entered = False
         self._admitted = False
@@ -108,8 +106,6 @@ class RequestScope:
         if self._entered:
             raise RuntimeError(f"request scope {self.request_id} was already entered")
         self._entered = True
-        if self._metrics is not None:
-            self._held.enter_context(self._metrics.pending(self.model.name, self.model.version))
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -155,7 +151,7 @@ class RequestScope:
         if isinstance(exc, APIError):
             self.outcome.refused(exc)
         elif isinstance(exc, Exception):  # a bug of ours: the app answers 500 (app.py's last exception handler)
-            self.outcome.status, self.outcome.failure = 500, "OTHER"
+            self.outcome.status = 500
         else:  # asyncio.CancelledError and the like: the request was cut off before its answer
             self.outcome.canceled()
 
@@ -172,7 +168,3 @@ class RequestScope:
                                completion_tokens=outcome.completion_tokens, duration_s=round(duration, 4),
                                metadata_fields=metadata_fields)
         request_log.info(record.to_json())
-        if self._metrics is not None:
-            self._metrics.observe(self.model.name, self.model.version, success=outcome.status == 200,
-                                  duration_s=duration, failure_reason=outcome.failure,
-                                  first_response_s=outcome.first_response_s)

@@ -1,7 +1,8 @@
 """What the request handlers of one OpenAI front-end share, kept on `app.state.server`.
 
 The handlers are module-level functions (app.py, generation.py, ...), not closures over `create_app`'s arguments:
-each one finds the engine, the limits and the metrics here, and opens the scope of its request from here.
+each one finds the engine, the limits and the admission counters here, and opens the scope of its request from here.
+The request metrics are Triton's own (it counts every request the engine sends it), not kept here.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from serving_image.engine.base import Engine, ModelInfo
-from serving_image.metrics.frontend import FrontendMetrics
 from serving_image.openai_api.admission import Admission, APIConfig
 from serving_image.openai_api.protocol import Endpoint
 from serving_image.openai_api.request_scope import RequestScope
@@ -23,7 +23,6 @@ class ServerState:
     engine: Engine
     config: APIConfig
     admission: Admission  # the requests and tokens in flight, over every endpoint
-    metrics: FrontendMetrics | None  # None: the caller records no Triton-named metrics
     is_draining: Callable[[], bool]  # True once the server is shutting down: readiness and new requests get 503
 
     @property
@@ -32,7 +31,7 @@ class ServerState:
         return self.engine.info
 
     def open_request(self, endpoint: Endpoint) -> RequestScope:
-        return RequestScope(endpoint, self.model, self.admission, self.metrics)
+        return RequestScope(endpoint, self.model, self.admission)
 
 
 def server_state(request: Request) -> ServerState:

@@ -173,7 +173,7 @@ async def stream_events(plan: StreamPlan, streams: list[AsyncIterator[EngineOutp
         yield b"data: [DONE]\n\n"
     except (EngineInputError, EngineUnavailableError) as exc:
         error = engine_error(exc)
-        outcome.status, outcome.failure = error.status, "BACKEND"
+        outcome.status = error.status
         yield sse(error.body())
         yield b"data: [DONE]\n\n"
 
@@ -186,7 +186,7 @@ class EventStreamResponse(StreamingResponse):
     disconnects while a chunk is being sent, Starlette cancels the sending task with the generator suspended at its
     `yield`. The generator's `finally` then runs only once the generator is garbage-collected, and the cancellation's
     traceback puts it in a reference cycle, so that waits for the cycle collector: until then the request kept its
-    admission and its place in the pending gauge, went unlogged, and the engine generated on for nobody."""
+    admission, went unlogged, and the engine generated on for nobody."""
 
     def __init__(self, plan: StreamPlan, streams: list[AsyncIterator[EngineOutput]], request_scope: RequestScope,
                  abort: Callable[[str], Awaitable[None]]):

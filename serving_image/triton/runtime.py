@@ -4,10 +4,9 @@
   it must equal compat.toml's pin. The package's Triton model repository is generated, and Triton runs in this
   process (the C API through serving_image/triton/capi, serving_image/triton/embedded.py) behind the engine
   interface (`openai` mode), or as tritonserver with its own KServe front-ends (`standalone` mode).
-- Everywhere else (`local`, the default) the engine is vLLM's CPU build, which must equal the local pin: in this
-  process behind the project's front-ends (`openai` mode; with `LLM_SERVING_OPENAI_ENGINE=triton`, the local
-  libtritonserver embedded in this process instead, as in the image), or behind the local tritonserver
-  (`standalone` mode, serving_image/triton/local_install.py), in both cases through the stand-in `vllm` backend.
+- Everywhere else (`local`, the default) the engine is vLLM's CPU build, which must equal the local pin, behind the
+  local Triton 2.51 (serving_image/triton/local_install.py) through the stand-in `vllm` backend: libtritonserver
+  embedded in this process (`openai` mode, as in the image), or tritonserver (`standalone` mode).
 
 A vLLM that differs from its pin stops startup with both versions named: packages cannot bring their own vLLM
 (the package checks refuse them) and the image's cannot drift from what was tested.
@@ -24,8 +23,6 @@ from serving_image.triton.pins import Pins, check_vllm, load_pins
 
 RUNTIME_ENV = "LLM_SERVING_RUNTIME"
 RUNTIMES = ("local", "triton")
-OPENAI_ENGINE_ENV = "LLM_SERVING_OPENAI_ENGINE"
-OPENAI_ENGINES = ("vllm", "triton")
 
 
 def runtime() -> str:
@@ -97,18 +94,6 @@ async def start_standalone_triton(packages: list[VerifiedPackage], workdir: Path
     return await start_standalone(repository=repository, models=names, version=main.version, http_port=http_port,
                                   grpc_port=grpc_port, metrics_port=metrics_port, binary=binary,
                                   backend_directory=backends, host=host, env=env, max_model_len=max_model_len)
-
-
-def embedded_triton_selected() -> bool:
-    """Whether the `openai` mode serves through Triton embedded in this process: always in the image; locally
-    by default too (`LLM_SERVING_OPENAI_ENGINE=triton`); `LLM_SERVING_OPENAI_ENGINE=vllm` serves through vLLM in the
-    process instead, behind the project's own KServe front-ends (docs/kserve.md, "Embedded Triton")."""
-    if runtime() == "triton":
-        return True
-    value = os.environ.get(OPENAI_ENGINE_ENV, "triton")
-    if value not in OPENAI_ENGINES:
-        raise ValueError(f"{OPENAI_ENGINE_ENV}={value!r}: expected one of {', '.join(OPENAI_ENGINES)}")
-    return value == "triton"
 
 
 def _write_repository(packages: list[VerifiedPackage], repository: Path, engine_overrides: dict | None) -> int:

@@ -1,7 +1,8 @@
-"""Embeddings and scores of the demo model, recorded from the vLLM-direct engine (the `openai` mode's engine in the
-process) in tests/serving/golden/embed-score/demo-tiny.json, so that every path can be held to them without starting
-an engine of its own: test_openai_api.py checks the vLLM-direct server against the file (and rewrites it with
-LLM_SERVING_UPDATE_GOLDEN=1 when it runs on vLLM directly), test_openai_embedded.py checks the embedded Triton.
+"""Embeddings and scores of the demo model, recorded from vLLM called directly (no Triton: `VllmLocalEngine` behind
+this project's OpenAI app, in one process) in tests/serving/golden/embed-score/demo-tiny.json, so that the Triton
+paths can be held to them without starting a second engine: test_openai_api.py and test_openai_embedded.py check the
+embedded Triton's answers against the file. Re-record (when the demo model or vLLM changes) with
+`.venv-serving/bin/python -m tests.serving.embed_score_reference`.
 
 The demo model is deterministic (fixed seed, float32), so the values only change when it does.
 """
@@ -9,7 +10,6 @@ The demo model is deterministic (fixed seed, float32), so the values only change
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import httpx
@@ -49,18 +49,42 @@ def measure(url: str, headers: dict | None = None) -> dict:
     return {"embeddings": embeddings, "prompt_tokens": prompt_tokens, "scores": scores}
 
 
-def record(measured: dict) -> None:
-    """Write the reference (only when asked, from the vLLM-direct engine)."""
+def record(model_dir: Path) -> dict:
+    """Measure vLLM directly (the engine the stand-in backend's engine process runs, without Triton in front) through
+    this project's OpenAI app on a local port, and write the reference."""
+    import asyncio
+
+    from serving_image.engine.vllm_local import VllmLocalEngine
+    from serving_image.http_server import uvicorn_server
+    from serving_image.local_server import ENGINE_ARGS, free_port
+    from serving_image.openai_api.app import create_app
+
+    async def measure_direct() -> dict:
+        engine = await VllmLocalEngine.start(name=MODEL, version="reference", model_path=model_dir,
+                                             tokenizer_path=model_dir, args={**ENGINE_ARGS, "enforce_eager": True},
+                                             tasks=("generate", "embed", "score"))
+        port = free_port()
+        server = uvicorn_server(create_app(engine), "127.0.0.1", port)
+        task = asyncio.create_task(server.serve())
+        try:
+            while not server.started:
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.05)
+            return await asyncio.to_thread(measure, f"http://127.0.0.1:{port}")
+        finally:
+            server.should_exit = True
+            await task
+            await engine.shutdown()
+
+    measured = asyncio.run(measure_direct())
     GOLDEN.parent.mkdir(parents=True, exist_ok=True)
     GOLDEN.write_text(json.dumps(measured, indent=1) + "\n")
-
-
-def should_record() -> bool:
-    return os.environ.get("LLM_SERVING_UPDATE_GOLDEN") == "1"
+    return measured
 
 
 def check(measured: dict) -> None:
-    assert GOLDEN.is_file(), f"{GOLDEN} is missing: record it with LLM_SERVING_UPDATE_GOLDEN=1 (test_openai_api.py)"
+    assert GOLDEN.is_file(), f"{GOLDEN} is missing: record it with python -m tests.serving.embed_score_reference"
     expected = json.loads(GOLDEN.read_text())
     assert measured["prompt_tokens"] == expected["prompt_tokens"]
     for got, want in zip(measured["embeddings"], expected["embeddings"], strict=True):
@@ -70,3 +94,11 @@ def check(measured: dict) -> None:
         assert (got["prompt"], got["candidates"], got["tokens"]) == (want["prompt"], want["candidates"],
                                                                       want["tokens"])
         assert got["logprob"] == pytest.approx(want["logprob"], abs=LOGPROB_ABS), got["prompt"]
+
+
+if __name__ == "__main__":
+    from serving_image.demo_model import ensure_demo_model
+
+    REPO = Path(__file__).resolve().parents[2]
+    record(ensure_demo_model(REPO / ".cache" / "llm-serving" / "models" / "demo-tiny"))
+    print(f"recorded {GOLDEN}")

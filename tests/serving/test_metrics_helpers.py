@@ -1,8 +1,9 @@
 """Helpers shared by the metrics tests: processes that write real prometheus_client multiprocess files, and
 HTTP upstreams that misbehave on purpose.
 
-The misbehaving upstreams stand in for Triton's metrics port, because Triton itself cannot run on this machine
-(no GPU, no Triton build); the well-behaved upstream in the tests is the real `serve_frontend_metrics` server.
+The misbehaving upstreams stand in for Triton's metrics port misbehaving (a real Triton cannot be made to trickle
+bytes or answer 500 on demand); real Triton's metrics through the proxy are tested in test_kserve_startup.py and
+test_openai_embedded.py.
 """
 
 from __future__ import annotations

@@ -130,9 +130,9 @@ def test_dashboard_selects_by_the_kubernetes_labels_and_is_well_formed():
     assert {"datasource", "model", "version"} <= variables
 
 
-def test_triton_names_in_dashboards_and_alerts_are_ones_the_front_ends_export():
+def test_triton_names_in_dashboards_and_alerts_are_ones_triton_exports():
     """vLLM's names are checked against a real engine in test_metrics_vllm.py; Triton's here, against the
-    families that the local front-ends (and Triton) export."""
+    families Triton exports (frontend.FAMILY_NAMES)."""
     texts = panel_expressions(observability.dashboard()) + [
         rule["expr"] for rule in alert_rules()["groups"][0]["rules"]
     ]

@@ -1,14 +1,16 @@
 """The metrics proxy against real prometheus_client multiprocess files and real HTTP upstreams (no engine here:
 `test_metrics_vllm.py` runs the proxy against a real vLLM engine).
 
-The upstream is the real front-end metrics server (`serve_frontend_metrics`) when it should work, and small HTTP
-servers that misbehave on purpose when it should not (they stand in for Triton's metrics port: Triton cannot run
-on this machine).
+The upstream stands in for Triton's metrics port: when it should work, `TritonMetricsStandIn` (Triton's per-model
+families under its names, types and labels) served by the real `serve_exposition`, the server that serves embedded
+Triton's metrics text in the pod; when it should not, small HTTP servers that misbehave on purpose. Real Triton's
+metrics through the proxy are tested in tests/serving/test_kserve_startup.py and test_openai_embedded.py.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import gzip
 import logging
 import subprocess
@@ -16,12 +18,18 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.registry import Collector
 
-from serving_image.metrics.frontend import FrontendMetrics, serve_frontend_metrics
+from serving_image.metrics.exposition import TritonCounter, from_client_metrics, write_text
+from serving_image.metrics.frontend import FAMILY_NAMES, FrontendMetricsServer, serve_exposition
 from serving_image.metrics.multiproc import clear_multiproc_dir
 from serving_image.metrics.proxy import ProxyConfig, main, spawn_proxy, start_proxy
 from tests.serving.test_metrics_helpers import (
@@ -37,6 +45,88 @@ from tests.serving.test_metrics_helpers import (
 
 OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
 
+FAILURE = "nv_inference_request_failure"
+PENDING = "nv_inference_pending_request_count"
+FIRST_RESPONSE = "nv_inference_first_response_histogram_ms"
+COUNTERS = tuple(name for name in FAMILY_NAMES if name not in (FAILURE, PENDING, FIRST_RESPONSE))
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+FIRST_RESPONSE_BUCKETS_MS = (100.0, 500.0, 2000.0, 5000.0)  # Triton's defaults
+
+
+class TritonMetricsStandIn(Collector):
+    """Stands in for Triton's metrics port: one model's per-model families as Triton writes them (its
+    docs/user_guide/metrics.md), holding what the test counts. Triton itself runs where its metrics are tested
+    through the proxy: tests/serving/test_kserve_startup.py and test_openai_embedded.py.
+
+    prometheus_client metric families in a plain `CollectorRegistry`, written in text 0.0.4 by the proxy's own writer:
+    Triton's counters have no `_total` suffix (`nv_inference_request_success{...} 3` under
+    `# TYPE nv_inference_request_success counter`), which prometheus_client's `Counter` and `generate_latest` always
+    add, so they would not be Triton's series (serving_image/metrics/exposition.py)."""
+
+    def __init__(self, model: str, version: str = "1") -> None:
+        self._labels = (model, version)
+        self._lock = threading.Lock()
+        self._counters = dict.fromkeys(COUNTERS, 0.0)
+        self._failures = dict.fromkeys(FAILURE_REASONS, 0.0)
+        self._pending = 0
+        self._first_response_ms: list[float] = []
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def succeeded(self, duration_s: float, first_response_s: float | None = None) -> None:
+        """One successful request, all of it compute (the engine's), as Triton counts it."""
+        with self._lock:
+            for name in ("nv_inference_request_success", "nv_inference_count", "nv_inference_exec_count"):
+                self._counters[name] += 1
+            for name in ("nv_inference_request_duration_us", "nv_inference_compute_infer_duration_us"):
+                self._counters[name] += round(duration_s * 1e6)
+            if first_response_s is not None:
+                self._first_response_ms.append(first_response_s * 1000)
+
+    def failed(self, reason: str) -> None:
+        with self._lock:
+            self._failures[reason] += 1
+
+    @contextlib.contextmanager
+    def pending(self) -> Iterator[None]:
+        with self._lock:
+            self._pending += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            counters, failures, pending = dict(self._counters), dict(self._failures), self._pending
+            first_ms = list(self._first_response_ms)
+        model, version = self._labels
+        for name, value in counters.items():
+            counter = TritonCounter(name, f"Triton's {name}")
+            counter.add_sample(name, {"model": model, "version": version}, value)
+            yield counter
+        failure = TritonCounter(FAILURE, "Number of failed inference requests, all batch sizes")
+        for reason, value in failures.items():
+            failure.add_sample(FAILURE, {"model": model, "reason": reason, "version": version}, value)
+        yield failure
+        gauge = GaugeMetricFamily(PENDING, "Instantaneous number of pending requests", labels=["model", "version"])
+        gauge.add_metric(self._labels, pending)
+        yield gauge
+        if first_ms:  # only once a first response was sent
+            histogram = HistogramMetricFamily(FIRST_RESPONSE, "Duration from request to first response in ms",
+                                              labels=["model", "version"])
+            buckets = [(str(bound), sum(ms <= bound for ms in first_ms)) for bound in FIRST_RESPONSE_BUCKETS_MS]
+            histogram.add_metric(self._labels, [*buckets, ("+Inf", len(first_ms))], sum(first_ms))
+            yield histogram
+
+    def text(self) -> bytes:
+        return write_text(from_client_metrics(self.registry.collect()))
+
+    def serve(self, port: int = 0) -> FrontendMetricsServer:
+        """On the server that serves embedded Triton's metrics text in the pod."""
+        return serve_exposition(self.text, port=port)
+
 
 @pytest.fixture
 def mpdir(tmp_path: Path) -> Path:
@@ -46,11 +136,12 @@ def mpdir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def frontend():
-    metrics = FrontendMetrics()
-    metrics.observe("demo", "1", success=True, duration_s=0.25, queue_s=0.01, compute_infer_s=0.2)
-    metrics.observe("demo", "1", success=False, duration_s=0.01, failure_reason="REJECTED")
-    server = serve_frontend_metrics(metrics, port=0)
+def triton():
+    """The stand-in for Triton's metrics port, after one successful and one rejected request."""
+    metrics = TritonMetricsStandIn("demo")
+    metrics.succeeded(duration_s=0.25, first_response_s=0.05)
+    metrics.failed("REJECTED")
+    server = metrics.serve()
     yield metrics, server
     server.stop()
 
@@ -76,8 +167,8 @@ def _proxy(mpdir: Path, upstream: str | None, **kwargs):
     return start_proxy(ProxyConfig(multiproc_dir=mpdir, upstream_url=upstream, host="127.0.0.1", port=0, **kwargs))
 
 
-def test_merges_multiprocess_files_and_upstream_every_family_once(mpdir, writers, frontend):
-    _, server = frontend
+def test_merges_multiprocess_files_and_upstream_every_family_once(mpdir, writers, triton):
+    _, server = triton
     handle = _proxy(mpdir, server.url)
     try:
         status, content_type, text = get(handle.url)
@@ -96,15 +187,19 @@ def test_merges_multiprocess_files_and_upstream_every_family_once(mpdir, writers
     assert values['nv_inference_request_success{model="demo",version="1"}'] == 1
     assert values['nv_inference_request_failure{model="demo",reason="REJECTED",version="1"}'] == 1
     assert values['nv_inference_request_duration_us{model="demo",version="1"}'] == 250000
+    assert values['nv_inference_pending_request_count{model="demo",version="1"}'] == 0
+    assert values['nv_inference_first_response_histogram_ms_count{model="demo",version="1"}'] == 1
     assert types["nv_inference_request_success"] == "counter"
+    assert types["nv_inference_pending_request_count"] == "gauge"
+    assert types["nv_inference_first_response_histogram_ms"] == "histogram"
     assert values["llm_serving_metrics_upstream_up"] == 1
     # no series twice
     lines = [line for line in text.splitlines() if line and not line.startswith("#")]
     assert len(lines) == len({line.rsplit(" ", 1)[0] for line in lines})
 
 
-def test_openmetrics_by_content_negotiation_parses_with_the_openmetrics_parser(mpdir, writers, frontend):
-    _, server = frontend
+def test_openmetrics_by_content_negotiation_parses_with_the_openmetrics_parser(mpdir, writers, triton):
+    _, server = triton
     handle = _proxy(mpdir, server.url)
     try:
         status, content_type, text = get(handle.url, accept=OPENMETRICS)
@@ -187,9 +282,8 @@ def test_bad_upstream_still_answers_200_with_vllm_metrics_and_upstream_down(mpdi
 
 
 def test_upstream_down_then_back(mpdir, writers, caplog):
-    metrics = FrontendMetrics()
-    metrics.register_model("demo", "1")
-    server = serve_frontend_metrics(metrics, port=0)
+    metrics = TritonMetricsStandIn("demo")
+    server = metrics.serve()
     port = server.port
     handle = _proxy(mpdir, server.url)
     try:
@@ -202,7 +296,7 @@ def test_upstream_down_then_back(mpdir, writers, caplog):
         assert values["llm_serving_metrics_upstream_up"] == 0
         assert values['llm_serving_metrics_upstream_scrape_errors_total{reason="connection"}'] == 1
         assert "Connection refused" in caplog.text
-        server = serve_frontend_metrics(metrics, port=port)
+        server = metrics.serve(port=port)
         values = series(get(handle.url)[2])
         assert values["llm_serving_metrics_upstream_up"] == 1
         assert values['nv_inference_request_success{model="demo",version="1"}'] == 0
@@ -290,11 +384,11 @@ def test_bad_config_names_the_field(tmp_path, kwargs, message):
         ProxyConfig(multiproc_dir=tmp_path, **kwargs)
 
 
-def test_spawned_child_process_serves_the_merge(mpdir, writers, frontend):
+def test_spawned_child_process_serves_the_merge(mpdir, writers, triton):
     """The startup procedure's other way to run it: `python -m serving_image.metrics.proxy` as a child."""
     import socket
 
-    _, server = frontend
+    _, server = triton
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -312,10 +406,10 @@ def test_spawned_child_process_serves_the_merge(mpdir, writers, frontend):
         proc.wait(timeout=10)
 
 
-def test_promtool_check_metrics_finds_no_error_and_no_lint_in_the_proxys_own_names(mpdir, writers, frontend):
+def test_promtool_check_metrics_finds_no_error_and_no_lint_in_the_proxys_own_names(mpdir, writers, triton):
     """promtool parses the whole output. Its lint findings may only be about names the proxy passes through
     (vLLM's colon names, Triton's counters without `_total`), never about the proxy's own metrics."""
-    _, server = frontend
+    _, server = triton
     handle = _proxy(mpdir, server.url)
     try:
         text = get(handle.url)[2]

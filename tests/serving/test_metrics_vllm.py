@@ -8,8 +8,11 @@ every family vLLM's own server exports must come through the proxy. (Checked by 
 server in single-process mode exports the same 39 `vllm:*` families; the extra families there are
 prometheus_client's `*_created` timestamps and process/GC collectors, which have no multiprocess form.)
 
-The upstream is the real front-end metrics server; the test records each request it sends to vLLM in
-`FrontendMetrics`, which is what the platform's KServe/OpenAI front-ends do per request.
+The upstream stands in for Triton's metrics port (vLLM's server runs without Triton here): test_metrics_proxy.py's
+`TritonMetricsStandIn`, Triton's per-model families, served by the real `serve_exposition` as embedded Triton's
+metrics text is in the pod; the test counts in it each request it sends to vLLM, as Triton counts the requests it
+serves. Real Triton's metrics through the proxy are tested in tests/serving/test_kserve_startup.py and
+test_openai_embedded.py.
 """
 
 from __future__ import annotations
@@ -33,11 +36,11 @@ import yaml
 from serving_image.local_server import free_port
 from serving_image.metrics import observability
 from serving_image.metrics.exposition import parse_text
-from serving_image.metrics.frontend import FrontendMetrics, serve_frontend_metrics
 from serving_image.metrics.multiproc import clear_multiproc_dir
 from serving_image.metrics.proxy import ProxyConfig, start_proxy
 from tests.serving.engine_hold import EngineProcesses
 from tests.serving.test_metrics_helpers import get, series, type_lines, wait_for
+from tests.serving.test_metrics_proxy import TritonMetricsStandIn
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -52,20 +55,21 @@ K8S_LABELS = {
 
 
 class Platform:
-    """vLLM's server (the engine), the front-end metrics, the proxy, and an OpenAI client that records requests."""
+    """vLLM's server (the engine), the stand-in for Triton's metrics, the proxy, and an OpenAI client that counts
+    its requests there."""
 
-    def __init__(self, vllm_url: str, engine_pid: int, frontend: FrontendMetrics, upstream_url: str,
+    def __init__(self, vllm_url: str, engine_pid: int, triton: TritonMetricsStandIn, upstream_url: str,
                  proxy_url: str) -> None:
         self.vllm_url = vllm_url
         self.engine_pid = engine_pid
-        self.frontend = frontend
+        self.triton = triton
         self.upstream_url = upstream_url
         self.proxy_url = proxy_url
         self.client = openai.OpenAI(base_url=vllm_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     def complete(self, prompt: str, max_tokens: int = 16) -> None:
-        """One request through the official client, recorded under Triton's names as a front-end records it."""
-        with self.frontend.pending(MODEL, "1"):
+        """One request through the official client, counted under Triton's names as Triton counts it."""
+        with self.triton.pending():
             started = time.monotonic()
             try:
                 stream = self.client.completions.create(
@@ -75,12 +79,9 @@ class Platform:
                 for _ in stream:
                     first = first if first is not None else time.monotonic() - started
             except openai.BadRequestError:
-                self.frontend.observe(MODEL, "1", success=False, duration_s=time.monotonic() - started,
-                                      failure_reason="REJECTED")
+                self.triton.failed("REJECTED")
                 raise
-            elapsed = time.monotonic() - started
-            self.frontend.observe(MODEL, "1", success=True, duration_s=elapsed, compute_infer_s=elapsed,
-                                  first_response_s=first)
+            self.triton.succeeded(duration_s=time.monotonic() - started, first_response_s=first)
 
 
 @pytest.fixture(scope="module")
@@ -110,17 +111,16 @@ def platform(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         except OSError:
             return False
 
-    frontend = FrontendMetrics()
-    frontend.register_model(MODEL, "1")
-    frontend_server = serve_frontend_metrics(frontend, port=0)
+    triton = TritonMetricsStandIn(MODEL)
+    upstream = triton.serve()
     handle = None
     try:
         wait_for(ready, timeout=600, what="vLLM's OpenAI server")
         # The upstream deadline is a guard against a hung upstream (the default 1 s turns a loaded machine's late
         # answer into a scrape without the upstream's families; test_metrics_proxy.py tests the deadline itself).
-        handle = start_proxy(ProxyConfig(multiproc_dir=mpdir, upstream_url=frontend_server.url,
+        handle = start_proxy(ProxyConfig(multiproc_dir=mpdir, upstream_url=upstream.url,
                                          host="127.0.0.1", port=0, upstream_timeout_s=30))
-        platform = Platform(vllm_url, engine.pid, frontend, frontend_server.url, handle.url)
+        platform = Platform(vllm_url, engine.pid, triton, upstream.url, handle.url)
         for i in range(4):
             platform.complete(f"The platform serves model number {i}", max_tokens=8)
         with pytest.raises(openai.BadRequestError):
@@ -129,7 +129,7 @@ def platform(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     finally:
         if handle is not None:
             handle.stop()
-        frontend_server.stop()
+        upstream.stop()
         engine.terminate()
         try:
             engine.wait(timeout=60)

@@ -1,7 +1,7 @@
-"""The `openai` serving mode over Triton embedded in the front-end's process (issue 14): the real entrypoint with
-`LLM_SERVING_OPENAI_ENGINE=triton` (locally an explicit option until the whole OpenAI suite passes against it; the
-image always embeds Triton), the local libtritonserver (2.51) loaded through the project's C API binding, the
-stand-in `vllm` backend and its engine process. Driven by the official `openai` client and NVIDIA's tritonclient.
+"""The `openai` serving mode over Triton embedded in the front-end's process (issue 14): the real entrypoint (the
+image and local runs alike embed Triton), the local libtritonserver (2.51) loaded through the project's C API
+binding, the stand-in `vllm` backend and its engine process. Driven by the official `openai` client and NVIDIA's
+tritonclient; the KServe front-ends on 8000/8001 answer from that same Triton.
 
 One server for the module; the last test drains it with SIGTERM.
 """
@@ -53,7 +53,7 @@ def server(demo_model_dir: Path, tmp_path_factory) -> Server:
     # pipeline (an ensemble) with its steps, named as a Deployment names them (pod_contract.ENV_COMPANION_PACKAGES).
     companions = build_ranker_packages(root / "ranker", version="1.0.0", serving_mode=ServingMode.OPENAI)
     srv = start_server(package, root / "server", extra_env={
-        "LLM_SERVING_OPENAI_ENGINE": "triton", "LLM_SERVING_DRAIN_DELAY_S": str(DRAIN_DELAY_S),
+        "LLM_SERVING_DRAIN_DELAY_S": str(DRAIN_DELAY_S),
         pc.ENV_COMPANION_PACKAGES: pc.COMPANION_SEPARATOR.join(str(p) for p in companions)})
     yield srv
     srv.kill()
@@ -232,6 +232,54 @@ def test_kserve_grpc_is_triton_itself(server):
         client.stop_stream()
         assert result is None and "sampling_parameters.max_tokens" in error.message()
         assert client.is_server_ready()  # a bad request leaves the server ready
+    finally:
+        client.close()
+
+
+def test_several_requests_share_one_stream_and_oversized_messages_are_refused_by_grpc(server):
+    """ModelStreamInfer carries any number of requests on one stream (the front-end's fan-in), each answered to the
+    end with its own final response; a message above the front-end's limit is refused by gRPC itself."""
+    from tritonclient.utils import InferenceServerException
+
+    from serving_image.kserve.triton_grpc import MAX_MESSAGE_BYTES
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports['kserve_grpc']}")
+
+    def inputs(prompt: bytes, max_tokens: int):
+        items = []
+        for name, value, dtype in (("text_input", prompt, "BYTES"), ("stream", True, "BOOL"),
+                                   ("sampling_parameters", json.dumps({"max_tokens": max_tokens,
+                                                                       "ignore_eos": True}).encode(), "BYTES"),
+                                   ("return_num_output_tokens", True, "BOOL")):
+            item = grpcclient.InferInput(name, [1], dtype)
+            item.set_data_from_numpy(np.array([value], dtype=np.object_ if dtype == "BYTES" else np.bool_))
+            items.append(item)
+        return items
+
+    try:
+        responses: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        wanted = {"share-a": 5, "share-b": 3, "share-c": 4}
+        for request_id, max_tokens in wanted.items():
+            client.async_stream_infer(MODEL, inputs(b"Say hello", max_tokens), request_id=request_id,
+                                      enable_empty_final_response=True)
+        tokens = dict.fromkeys(wanted, 0)
+        finals: set[str] = set()
+        while finals != set(wanted):
+            result, error = responses.get(timeout=120)
+            assert error is None, error
+            response = result.get_response()
+            if response.outputs:
+                tokens[response.id] += int(result.as_numpy("num_output_tokens").sum())
+            if response.parameters["triton_final_response"].bool_param:
+                assert response.id not in finals  # one final response per request
+                finals.add(response.id)
+        client.stop_stream()
+        assert tokens == wanted
+        with pytest.raises(InferenceServerException) as huge:
+            client.infer(MODEL, inputs(b"x" * (MAX_MESSAGE_BYTES + 1), 1))
+        assert "RESOURCE_EXHAUSTED" in str(huge.value.status()) or "larger than max" in huge.value.message()
+        assert client.is_server_ready()
     finally:
         client.close()
 

@@ -205,8 +205,7 @@ def test_metrics_proxy_serves_vllm_and_frontend_metrics(server: Server, client: 
     # The front-end counts the request as it ends, which may be just after the client has its answer, and the proxy
     # gives the front-ends' metrics a 1 s deadline, which a loaded machine may miss (that scrape serves vLLM's
     # families alone, by design): wait for a scrape with the front-ends' metrics up (a guard only).
-    # Triton's own count over the embedded server (its model version, "1"); the front-end's under Triton's name
-    # (the package's version) with LLM_SERVING_OPENAI_ENGINE=vllm
+    # Triton's own count over the embedded server (its model version, "1")
     success = re.compile(r'^nv_inference_request_success\{model="demo-tiny",version="[^"]+"\} [1-9]', re.M)
     deadline = time.monotonic() + 60
     while not success.search(body := httpx.get(server.metrics_url, timeout=10).text):

@@ -27,7 +27,7 @@ from tests.serving.engine_hold import EngineProcesses
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 MODEL = "demo-tiny"
-# float32: see tests/serving/test_kserve_server.py (this VM SIGILLs in vLLM's bf16 AMX attention kernel); eager:
+# float32: see docs/local-environment.md (this VM SIGILLs in vLLM's bf16 AMX attention kernel); eager:
 # no graph compilation at start (it dominates the engine's start on 2 cores, and make test's total time).
 ENGINE_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 128 * 1024 * 1024, "dtype": "float32",
                "enforce_eager": True}

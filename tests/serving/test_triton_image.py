@@ -174,22 +174,6 @@ def test_triton_errors_map_to_engine_errors(code, message, kind, param):
         assert error.param == param
 
 
-def test_embedded_triton_is_the_default_and_vllm_an_explicit_local_option(monkeypatch):
-    from serving_image.triton.runtime import OPENAI_ENGINE_ENV, RUNTIME_ENV, embedded_triton_selected
-
-    monkeypatch.delenv(RUNTIME_ENV, raising=False)
-    monkeypatch.delenv(OPENAI_ENGINE_ENV, raising=False)
-    assert embedded_triton_selected()  # locally too, the openai mode embeds Triton by default
-    monkeypatch.setenv(OPENAI_ENGINE_ENV, "vllm")
-    assert not embedded_triton_selected()  # the local option: vLLM in the process
-    monkeypatch.setenv(OPENAI_ENGINE_ENV, "tensorrt")
-    with pytest.raises(ValueError, match=OPENAI_ENGINE_ENV):
-        embedded_triton_selected()
-    monkeypatch.setenv(OPENAI_ENGINE_ENV, "vllm")
-    monkeypatch.setenv(RUNTIME_ENV, "triton")
-    assert embedded_triton_selected()  # the image always embeds Triton
-
-
 # -- standalone mode: the command line (the image's tritonserver and the local one take the same) -----------------
 
 

@@ -1,42 +1,69 @@
-"""The round trip: the OpenAI front-end -> the Triton-remote engine adapter -> the local KServe gRPC server, over the
-real tritonclient wire protocol -> the vLLM engine; checked against the same front-end on the direct engine.
+"""The round trip: the OpenAI front-end -> the Triton-remote engine adapter (RemoteTritonEngine) -> real
+`tritonserver` over the tritonclient gRPC wire protocol (`ModelStreamInfer`) -> the stand-in vllm backend and its
+engine process; checked against a raw KServe call to the same server.
 
-One vLLM engine for the module serves both paths, so at temperature 0 both must produce the same text and the same
-token counts, for completions, chat, streaming, JSON schemas and step-wise constraints. The official `openai`
-client drives both apps in-process (httpx's ASGI transport).
+The KServe server is NVIDIA's tritonserver itself: the session's standalone one (tests/serving/conftest.py,
+`triton_standalone`; nothing here stops it), on the package it was started with (its model id, version, context
+window and tokenizer are read from that package, not assumed). At temperature 0 the OpenAI answer must be what a plain
+tritonclient `stream_infer` of the same prompt gives: the same text and the same prompt and completion token counts,
+for completions, chat (the chat template rendered by the model's tokenizer), JSON schemas, stop strings and the
+step-wise `constraint` extension; log-probabilities are served (NVIDIA's return_logprobs / `logprobs` output), and
+a refusal keeps its meaning (a 400 naming the field). The official `openai` client drives the front-end in-process
+(httpx's ASGI transport).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import jsonschema
+import numpy as np
 import openai
 import pytest
 import pytest_asyncio
+import tritonclient.grpc.aio as grpcaio
 
-from serving_image.local_server import free_port
 from tests.serving.engine_hold import EngineProcesses
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
-# float32: see tests/serving/test_kserve_server.py (this VM SIGILLs in vLLM's bf16 AMX attention kernel).
-ENGINE_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 128 * 1024 * 1024, "enforce_eager": True,
-               "dtype": "float32"}
-MODEL = "demo-tiny"
 # Bounded on purpose (a boolean and a short string): an unbounded integer can run past max_tokens.
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "label": {"type": "string", "maxLength": 10}},
           "required": ["ok", "label"], "additionalProperties": False}
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
+CONSTRAINT = {"kind": "token_dfa", "start": 0, "accept": [2], "edges": [[0, 17, 1], [1, 42, 2], [1, 17, 1]]}
 
 
-class Paths:
-    def __init__(self, direct: openai.AsyncOpenAI, remote: openai.AsyncOpenAI, remote_engine, engine):
-        self.direct = direct
-        self.remote = remote
-        self.remote_engine = remote_engine
-        self.engine = engine
+@dataclass
+class Remote:
+    openai: openai.AsyncOpenAI  # the OpenAI front-end over the remote adapter
+    engine: object  # the RemoteTritonEngine
+    url: str  # Triton's KServe gRPC address
+    model: str  # the package's model id: Triton's model name
+    version: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer_path: Path
+    tokenizer: object  # the package's tokenizer, loaded here (for the chat template and token ids)
+    server: object  # the session's standalone server (serving_image.local_server.Server)
+
+
+@dataclass
+class KServeAnswer:
+    """One raw streamed KServe request's answer, the text of every response joined."""
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    responses: int
+    logprobs: list[dict]  # the backend's `logprobs` positions, when asked for
 
 
 def _client(app) -> openai.AsyncOpenAI:
@@ -44,137 +71,258 @@ def _client(app) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url="http://frontend/v1", api_key="unused", http_client=http, max_retries=0)
 
 
+def _served_package(server, workdir: Path):
+    """The package the standalone server was started on: the entrypoint's first argument
+    (`python -m serving_image.startup PACKAGE ...`, serving_image.local_server._launch)."""
+    from llm_serving.package import open_package
+
+    package = Path(server.proc.args[3])
+    assert server.proc.args[1:3] == ["-m", "serving_image.startup"], server.proc.args
+    return open_package(package, workdir)
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def paths(demo_model_dir):
-    from serving_image.engine.triton_adapter import RemoteTritonEngine
-    from serving_image.engine.vllm_local import VllmLocalEngine
-    from serving_image.kserve.frontends import start_kserve
+async def remote(triton_standalone, tmp_path_factory):
+    # triton_standalone is a synchronous session fixture (the server is a child process): any event loop may use it.
+    from transformers import AutoTokenizer
+
+    from serving_image.engine.triton_adapter import RemoteTritonEngine, model_vocab_size
     from serving_image.openai_api.app import create_app
 
-    engine = await VllmLocalEngine.start(name=MODEL, version="1.0.0", model_path=demo_model_dir,
-                                         tokenizer_path=demo_model_dir, args=dict(ENGINE_ARGS))
-    kserve = await start_kserve(engine, None, host="127.0.0.1", grpc_port=free_port(), http_port=free_port())
-    remote = await RemoteTritonEngine.connect(url=f"127.0.0.1:{kserve.grpc_port}", model_name=MODEL,
-                                              version="1.0.0", tokenizer_path=demo_model_dir,
-                                              max_model_len=engine.info.max_model_len)
-    direct_client, remote_client = _client(create_app(engine)), _client(create_app(remote))
+    package = _served_package(triton_standalone, tmp_path_factory.mktemp("remote-package"))
+    manifest = package.manifest
+    tokenizer_path = package.root / (manifest.engine.tokenizer or manifest.engine.model)
+    max_model_len = int(manifest.engine.args["max_model_len"])
+    url = f"127.0.0.1:{triton_standalone.ports['kserve_grpc']}"
+    engine = await RemoteTritonEngine.connect(url=url, model_name=manifest.model.id, version=manifest.model.version,
+                                              tokenizer_path=tokenizer_path, max_model_len=max_model_len)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
+    client = _client(create_app(engine))
     try:
-        yield Paths(direct_client, remote_client, remote, engine)
+        yield Remote(client, engine, url, manifest.model.id, manifest.model.version, max_model_len,
+                     model_vocab_size(tokenizer_path, tokenizer), tokenizer_path, tokenizer, triton_standalone)
     finally:
-        await direct_client.close()
-        await remote_client.close()
-        await remote.shutdown()
-        await kserve.stop()
+        await client.close()
         await engine.shutdown()
 
 
-async def test_remote_adapter_reports_the_model(paths):
-    assert paths.remote_engine.is_ready()
-    assert paths.remote_engine.info.vocab_size == paths.engine.info.vocab_size  # the model's, not the tokenizer's
-    assert paths.remote_engine.info.eos_token_id == paths.engine.info.eos_token_id
-    assert paths.remote_engine.encode_prompt("hello", add_special_tokens=True) == \
-        paths.engine.encode_prompt("hello", add_special_tokens=True)
-    assert [m.id for m in (await paths.remote.models.list()).data] == [MODEL]
+def _inputs(prompt: str, params: dict, *, logprobs: bool = False) -> list:
+    """The streaming request of the vllm backend's tensor contract (see test_kserve_startup.py): the prompt, streamed,
+    excluded from the output, with every count and the finish reason switched on."""
+    inputs = []
+
+    def add(name: str, datatype: str, value) -> None:
+        item = grpcaio.InferInput(name, [1], datatype)
+        item.set_data_from_numpy(np.array([value], dtype=np.object_ if datatype == "BYTES" else bool))
+        inputs.append(item)
+
+    add("text_input", "BYTES", prompt.encode())
+    add("stream", "BOOL", True)
+    add("exclude_input_in_output", "BOOL", True)
+    add("sampling_parameters", "BYTES", json.dumps(params).encode())
+    for flag in ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
+                 *(("return_logprobs",) if logprobs else ())):
+        add(flag, "BOOL", True)
+    return inputs
+
+
+async def _kserve(remote: Remote, prompt: str, params: dict, *, logprobs: bool = False) -> KServeAnswer:
+    """Stream one request to Triton with tritonclient's asyncio client (ModelStreamInfer), as any KServe client."""
+    client = grpcaio.InferenceServerClient(remote.url)
+    results = []
+
+    async def requests():
+        yield {"model_name": remote.model, "inputs": _inputs(prompt, params, logprobs=logprobs),
+               "request_id": f"raw-{uuid.uuid4().hex[:12]}"}
+        await asyncio.sleep(3600)  # the request side stays open, as a real client's does
+
+    stream = client.stream_infer(requests())
+    try:
+        async for result, error in stream:
+            assert error is None, error
+            results.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        stream.cancel()
+        await client.close()
+    outputs = [r for r in results if r.as_numpy("text_output") is not None]
+    assert outputs, "no response with text_output"
+    positions = [p for r in outputs for p in json.loads(r.as_numpy("logprobs")[0])] if logprobs else []
+    return KServeAnswer(text="".join(r.as_numpy("text_output")[0].decode() for r in outputs),
+                        prompt_tokens=int(outputs[-1].as_numpy("num_input_tokens")[0]),
+                        completion_tokens=sum(int(r.as_numpy("num_output_tokens")[0]) for r in outputs),
+                        finish_reason=outputs[-1].as_numpy("finish_reason")[0].decode(),
+                        responses=len(outputs), logprobs=positions)
+
+
+def _chat_text(remote: Remote, messages: list[dict]) -> str:
+    """The chat prompt as text, rendered by the model's own template (what a KServe client sends Triton)."""
+    return remote.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+async def test_remote_adapter_reports_the_model(remote):
+    engine = remote.engine
+    assert engine.is_ready() and engine.dead_reason is None
+    assert (engine.info.name, engine.info.version) == (remote.model, remote.version)
+    assert engine.info.max_model_len == remote.max_model_len
+    assert engine.info.vocab_size == remote.vocab_size  # the model's (config.json), not the tokenizer's
+    assert engine.info.eos_token_id == remote.tokenizer.eos_token_id
+    assert engine.encode_prompt("hello", add_special_tokens=True) == remote.tokenizer.encode("hello")
+    models = (await remote.openai.models.list()).data
+    assert [m.id for m in models] == [remote.model]
 
 
 @pytest.mark.parametrize("prompt", ["The platform serves", "Client services call every model", "{\"name\":"])
-async def test_completions_match_the_direct_engine(paths, prompt):
-    kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0}
-    direct = await paths.direct.completions.create(**kwargs)
-    remote = await paths.remote.completions.create(**kwargs)
-    assert remote.choices[0].text == direct.choices[0].text
-    assert remote.choices[0].finish_reason == direct.choices[0].finish_reason
-    assert remote.usage.prompt_tokens == direct.usage.prompt_tokens
-    assert remote.usage.completion_tokens == direct.usage.completion_tokens
+async def test_completions_match_a_raw_kserve_call(remote, prompt):
+    completion = await remote.openai.completions.create(model=remote.model, prompt=prompt, max_tokens=24,
+                                                        temperature=0)
+    raw = await _kserve(remote, prompt, {"max_tokens": 24, "temperature": 0})
+    choice = completion.choices[0]
+    assert choice.text == raw.text and choice.text
+    assert choice.finish_reason == raw.finish_reason
+    assert completion.usage.prompt_tokens == raw.prompt_tokens
+    assert completion.usage.completion_tokens == raw.completion_tokens
 
 
-async def test_chat_and_streaming_match(paths):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
-    direct = await paths.direct.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
-                                                        temperature=0)
-    remote = await paths.remote.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
-                                                        temperature=0)
-    assert remote.choices[0].message.content == direct.choices[0].message.content
-    assert remote.usage == direct.usage
-    pieces = []
-    stream = await paths.remote.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
-                                                        temperature=0, stream=True,
-                                                        stream_options={"include_usage": True})
-    usage = None
+async def test_chat_and_streaming_match_a_raw_kserve_call(remote):
+    kwargs = {"model": remote.model, "messages": CHAT, "max_tokens": 20, "temperature": 0}
+    chat = await remote.openai.chat.completions.create(**kwargs)
+    raw = await _kserve(remote, _chat_text(remote, CHAT), {"max_tokens": 20, "temperature": 0})
+    assert chat.choices[0].message.content == raw.text and raw.text
+    assert chat.choices[0].finish_reason == raw.finish_reason
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (raw.prompt_tokens, raw.completion_tokens)
+    pieces, usage = [], None
+    stream = await remote.openai.chat.completions.create(**kwargs, stream=True,
+                                                         stream_options={"include_usage": True})
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             pieces.append(chunk.choices[0].delta.content)
         usage = chunk.usage or usage
-    # (How many chunks: one per engine output, and vLLM merges those its consumer has not taken yet, so a loaded
-    # machine may see few. That outputs come through before the end: test_remote_adapter_streams_before_the_end.)
+    # (How many chunks: one per Triton response, and the engine merges outputs its consumer has not taken yet, so a
+    # loaded machine may see few. That outputs come through before the end: test_remote_adapter_streams_before_the_end;
+    # httpx's ASGI transport hands the client the body only once the app is done, so it cannot show it here.)
     assert pieces
-    assert "".join(pieces) == direct.choices[0].message.content
-    assert usage.completion_tokens == direct.usage.completion_tokens
+    assert "".join(pieces) == raw.text
+    assert (usage.prompt_tokens, usage.completion_tokens) == (raw.prompt_tokens, raw.completion_tokens)
 
 
-async def test_remote_adapter_streams_before_the_end(paths):
-    """The remote adapter passes each output on as the engine makes it, not once the request is done. Forced: the
-    engine is held (SIGSTOP) from the first output on, so the request is still running when it is checked."""
+async def test_remote_adapter_streams_before_the_end(remote):
+    """The remote adapter passes each of Triton's responses on as it arrives, not once the request is done. Forced:
+    the engine (vLLM's processes under the backend's engine host) is held (SIGSTOP) from the first output on, and the
+    client then leaves; the engine host logs that it aborted the request in the engine, which it does only for a
+    request still running there, so the first output reached this side before the request's end."""
     from serving_image.engine.base import EngineRequest, SamplingSpec
 
-    engine = EngineProcesses.in_this_process()
-    stream = paths.remote_engine.generate(EngineRequest("remote-stream", "long",
-                                                        SamplingSpec(max_tokens=400, ignore_eos=True)))
+    server = remote.server
+    request_id = f"remote-stream-{uuid.uuid4().hex[:8]}"
+    vllm = EngineProcesses.of(server.proc.pid, remote.model)
+    log_start = len(server.log())
+    max_tokens = remote.max_model_len - 16  # long enough never to end before the hold, whatever the machine
+    stream = remote.engine.generate(EngineRequest(request_id, "long",
+                                                  SamplingSpec(max_tokens=max_tokens, ignore_eos=True)))
+    held = False
     try:
-        first = await anext(stream)
-        engine.hold()
-        assert not first.finished
-        assert paths.engine._llm.output_processor.has_unfinished_requests(), "the request ended before its output"
+        first = await asyncio.wait_for(anext(stream), timeout=120)
+        vllm.hold()
+        held = True
+        assert not first.finished and first.choices
+        await stream.aclose()  # the client leaves: the adapter cancels its stream, Triton the request
+        submitted = re.search(rf"request (\S+) \(client id '{request_id}'\) submitted to the engine",
+                              server.log()[log_start:])
+        assert submitted, f"the request never reached the engine:\n{server.log()[-3000:]}"
+        aborted = f"request {submitted.group(1)} aborted in the engine (its client cancelled it)"
+        deadline = asyncio.get_running_loop().time() + 60
+        while aborted not in server.log()[log_start:]:
+            assert asyncio.get_running_loop().time() < deadline, (
+                f"the request was not running in the engine when its client left:\n{server.log()[-3000:]}")
+            await asyncio.sleep(0.05)
     finally:
-        engine.release()
-        await stream.aclose()  # the client leaves: the request is aborted
-    for _ in range(600):  # a guard only
-        if not paths.engine._llm.output_processor.has_unfinished_requests():
-            break
-        await asyncio.sleep(0.1)
-    assert not paths.engine._llm.output_processor.has_unfinished_requests()
+        if held:
+            vllm.release()
+        await stream.aclose()
+    after = await remote.openai.completions.create(model=remote.model, prompt="hi", max_tokens=3, temperature=0)
+    assert after.usage.completion_tokens <= 3  # the engine serves on
 
 
-async def test_json_schema_and_stop_through_kserve(paths):
+async def test_json_schema_and_stop_through_kserve(remote):
+    from serving_image.triton.pins import load_pins
+
+    key = load_pins().pinned.structured_outputs_key  # what the adapter sends, read by the backend of this release
     fmt = {"type": "json_schema", "json_schema": {"name": "item", "schema": SCHEMA}}
     for i in range(3):
         messages = [{"role": "user", "content": f"item {i}"}]
-        direct = await paths.direct.chat.completions.create(model=MODEL, messages=messages, max_tokens=120,
-                                                            temperature=0, response_format=fmt)
-        remote = await paths.remote.chat.completions.create(model=MODEL, messages=messages, max_tokens=120,
-                                                            temperature=0, response_format=fmt)
-        assert remote.choices[0].message.content == direct.choices[0].message.content
-        assert remote.choices[0].finish_reason == "stop"
-        jsonschema.validate(json.loads(remote.choices[0].message.content), SCHEMA)
-    direct = await paths.direct.completions.create(model=MODEL, prompt="The platform", max_tokens=40,
-                                                   temperature=0, stop=["e"])
-    remote = await paths.remote.completions.create(model=MODEL, prompt="The platform", max_tokens=40,
-                                                   temperature=0, stop=["e"])
-    assert remote.choices[0].text == direct.choices[0].text and "e" not in remote.choices[0].text
+        chat = await remote.openai.chat.completions.create(model=remote.model, messages=messages, max_tokens=120,
+                                                           temperature=0, response_format=fmt)
+        raw = await _kserve(remote, _chat_text(remote, messages),
+                            {"max_tokens": 120, "temperature": 0, key: json.dumps({"json": SCHEMA})})
+        content = chat.choices[0].message.content
+        assert content == raw.text
+        assert chat.choices[0].finish_reason == "stop" == raw.finish_reason
+        jsonschema.validate(json.loads(content), SCHEMA)
+    completion = await remote.openai.completions.create(model=remote.model, prompt="The platform", max_tokens=40,
+                                                        temperature=0, stop=["e"])
+    raw = await _kserve(remote, "The platform", {"max_tokens": 40, "temperature": 0, "stop": ["e"]})
+    assert completion.choices[0].text == raw.text and "e" not in raw.text
+    assert completion.choices[0].finish_reason == raw.finish_reason
+    assert completion.usage.completion_tokens == raw.completion_tokens
 
 
-async def test_constraint_through_kserve(paths):
-    constraint = {"kind": "token_dfa", "start": 0, "accept": [2], "edges": [[0, 17, 1], [1, 42, 2], [1, 17, 1]]}
-    kwargs = {"model": MODEL, "prompt": "constrained", "max_tokens": 12, "temperature": 1.0, "seed": None,
-              "extra_body": {"constraint": constraint}}
-    remote = await paths.remote.completions.create(**kwargs)
-    ids = paths.engine.encode_prompt(remote.choices[0].text, add_special_tokens=False)
-    assert ids[:1] == [17] and set(ids) <= {17, 42}, ids
-    assert ids[-1] == 42 or remote.choices[0].finish_reason == "length"
+async def test_constraint_through_kserve(remote):
+    """The step-wise constraint (an OpenAI extension) reaches the engine as SamplingParams.extra_args.constraint."""
+    greedy = await remote.openai.completions.create(model=remote.model, prompt="constrained", max_tokens=12,
+                                                    temperature=0, extra_body={"constraint": CONSTRAINT})
+    raw = await _kserve(remote, "constrained", {"max_tokens": 12, "temperature": 0,
+                                                "extra_args": {"constraint": CONSTRAINT}})
+    assert greedy.choices[0].text == raw.text
+    assert greedy.usage.completion_tokens == raw.completion_tokens
+    sampled = await remote.openai.completions.create(model=remote.model, prompt="constrained", max_tokens=12,
+                                                     temperature=1.0, seed=None,
+                                                     extra_body={"constraint": CONSTRAINT})
+    for completion in (greedy, sampled):
+        ids = remote.tokenizer.encode(completion.choices[0].text, add_special_tokens=False)
+        assert ids[:1] == [17] and set(ids) <= {17, 42}, ids
+        assert ids[-1] == 42 or completion.choices[0].finish_reason == "length"
 
 
-async def test_refusals_keep_their_meaning_through_kserve(paths):
-    with pytest.raises(openai.BadRequestError) as direct:
-        await paths.direct.completions.create(model=MODEL, prompt="hi", max_tokens=100000)
-    with pytest.raises(openai.BadRequestError) as remote:
-        await paths.remote.completions.create(model=MODEL, prompt="hi", max_tokens=100000)
-    assert "max_tokens" in str(direct.value) and "max_tokens" in str(remote.value)
-    # This project's own KServe front-end (the LLM_SERVING_OPENAI_ENGINE=vllm option) produces no log probabilities:
-    # its refusal of NVIDIA's return_logprobs reaches the OpenAI client as a 400 naming `logprobs` (through real
-    # Triton they are served: tests/serving/test_openai_embedded.py)
-    with pytest.raises(openai.BadRequestError) as remote:
-        await paths.remote.completions.create(model=MODEL, prompt="hi", max_tokens=4, logprobs=2)
-    assert "logprobs" in str(remote.value) and remote.value.body["param"] == "logprobs"
+async def test_logprobs_are_served_through_triton(remote):
+    """OpenAI logprobs ride NVIDIA's return_logprobs input and `logprobs` output: through real Triton they are
+    served, the same as a raw KServe call's."""
+    completion = await remote.openai.completions.create(model=remote.model, prompt="hello", max_tokens=4,
+                                                        temperature=0, logprobs=2)
+    raw = await _kserve(remote, "hello", {"max_tokens": 4, "temperature": 0, "logprobs": 2}, logprobs=True)
+    choice = completion.choices[0]
+    logprobs = choice.logprobs
+    assert logprobs is not None and choice.text == raw.text
+    assert len(logprobs.tokens) == completion.usage.completion_tokens == raw.completion_tokens == len(raw.logprobs)
+    assert "".join(logprobs.tokens) == choice.text
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+    # the sampled token's log-probability is the first entry of each of the backend's positions
+    expected = [float(next(iter(position.values()))["logprob"]) for position in raw.logprobs]
+    assert logprobs.token_logprobs == pytest.approx(expected, abs=1e-4)
+
+
+async def test_refusals_keep_their_meaning_through_kserve(remote):
+    from serving_image.engine.triton_adapter import RemoteTritonEngine
+    from serving_image.openai_api.app import create_app
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        await remote.openai.completions.create(model=remote.model, prompt="hi", max_tokens=100000)
+    assert "max_tokens" in str(refused.value) and refused.value.body["param"] == "max_tokens"
+    # The front-end refused that one itself (it knows the context window). An adapter told a larger window lets it
+    # through: Triton's backend refuses it (sampling_parameters.max_tokens, on the gRPC stream), and the adapter
+    # turns that back into a 400 naming max_tokens.
+    unaware = await RemoteTritonEngine.connect(url=remote.url, model_name=remote.model, version=remote.version,
+                                               tokenizer_path=remote.tokenizer_path,
+                                               max_model_len=10 * 100000)
+    client = _client(create_app(unaware))
+    try:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.completions.create(model=remote.model, prompt="hi", max_tokens=100000)
+    finally:
+        await client.close()
+        await unaware.shutdown()
+    assert "max_tokens" in str(refused.value) and refused.value.body["param"] == "max_tokens"
     # and the path still works afterwards
-    ok = await paths.remote.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0)
+    ok = await remote.openai.completions.create(model=remote.model, prompt="hi", max_tokens=3, temperature=0)
     assert ok.usage.completion_tokens <= 3

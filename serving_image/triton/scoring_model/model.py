@@ -34,8 +34,6 @@ its response.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import threading
 import uuid
 
@@ -82,38 +80,24 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(
                 f"${wire.ENGINE_PYTHON_ENV} is not set: the scoring model runs its engine with the interpreter it "
                 "names (the startup procedure sets it; see docs/kserve.md, \"Embeddings and scoring through Triton\")")
-        self.process, self._socket, self._reader, first = wire.spawn_engine(python, model_json, self.model_name,
-                                                                            str(args["model_version"]))
-        if first is None or first.get("op") != "ready":
-            code = self.process.wait()
-            detail = first.get("error") if first else f"the engine process exited with status {code}"
-            self._socket.close()
-            raise pb_utils.TritonModelException(f"[score] Failed to start engine: {detail}")
+        self._engine = wire.EngineConnection(python, model_json, self.model_name, str(args["model_version"]))
+        failure = self._engine.start_failure()
+        if failure is not None:
+            raise pb_utils.TritonModelException(f"[score] Failed to start engine: {failure}")
+        self.process, first = self._engine.process, self._engine.first
         if "generate" not in first["info"].get("tasks", ()):
             raise pb_utils.TritonModelException("[score] the engine is not a generation engine: scoring reads the "
                                                 "generative model's prompt log-probabilities")
         self.logger.log_info(f"[score] engine ready for {self.model_name}: {first['info']} (pid {self.process.pid})")
-        self._write_lock = threading.Lock()
         self._lock = threading.Lock()
         self._senders: dict[str, object] = {}
         self._dead: str | None = None
         self._closing = False
-        self._thread = threading.Thread(target=self._read_loop, name="score-reader", daemon=True)
-        self._thread.start()
+        self._engine.start_reading(self._on_message, self._engine_died, name="score-reader")
 
     def finalize(self):
         self._closing = True
-        try:
-            self._socket.shutdown(socket.SHUT_WR)  # the engine process drains, shuts vLLM down and exits
-        except OSError:
-            pass
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self._thread.join(timeout=10)
-        self._socket.close()
+        self._engine.close()
 
     @staticmethod
     def _error(sender, message: str, code) -> None:
@@ -137,37 +121,22 @@ class TritonPythonModel:
             with self._lock:
                 self._senders[request_id] = sender
             try:
-                data = wire.encode({"op": "score", "id": request_id, "prompt": prompt, "candidates": candidates})
-                with self._write_lock:
-                    self._socket.sendall(data)
+                self._engine.send({"op": "score", "id": request_id, "prompt": prompt, "candidates": candidates})
             except OSError as exc:
                 with self._lock:
                     self._senders.pop(request_id, None)
                 self._error(sender, f"the engine process is gone: {exc}", pb_utils.TritonError.UNAVAILABLE)
         return None  # answered through each request's response sender, by the reader thread
 
-    def _read_loop(self) -> None:
-        while True:
-            try:
-                message = wire.read_message(self._reader)
-            except (OSError, ValueError) as exc:
-                message, reason = None, f"engine connection failed: {exc}"
-            else:
-                reason = f"the engine process exited (status {self.process.poll()})"
-            if message is None:
-                self._engine_died(reason)
-                return
-            if message.get("op") == "dead":
-                self._engine_died(message.get("error", "the engine died"))
-                continue
-            with self._lock:
-                sender = self._senders.pop(message.get("id"), None)
-            if sender is None:
-                continue
-            try:
-                self._answer(sender, message)
-            except Exception as exc:  # one sender failing (its client gone) must not stop the others' answers
-                self.logger.log_warn(f"[score] answering request {message.get('id')} failed: {exc}")
+    def _on_message(self, message: dict) -> None:
+        with self._lock:
+            sender = self._senders.pop(message["id"], None)
+        if sender is None:
+            return
+        try:
+            self._answer(sender, message)
+        except Exception as exc:  # one sender failing (its client gone) must not stop the others' answers
+            self.logger.log_warn(f"[score] answering request {message['id']} failed: {exc}")
 
     def _answer(self, sender, message: dict) -> None:
         if "error" in message:

@@ -22,6 +22,8 @@ import json
 import socket
 import struct
 import subprocess
+import threading
+from collections.abc import Callable
 
 HEADER = struct.Struct("<I")
 MAX_MESSAGE = 256 * 1024 * 1024
@@ -68,7 +70,7 @@ def spawn_engine(python: str, model_json: str, model_name: str, model_version: s
     """Start the engine process on one end of a Unix socket pair and wait for its first message. Returns
     (process, socket, reader, first message); the first message is None when the process ended before saying
     anything. The caller checks that it is {"op": "ready"}. Shared by the stand-in vllm backend's models and the
-    platform's scoring model (serving_image/triton/scoring_model)."""
+    platform's scoring model (serving_image/triton/scoring_model), through EngineConnection."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     command = [python, "-m", ENGINE_MODULE, "--model-json", model_json, "--fd", str(theirs.fileno()),
                "--model-name", model_name, "--model-version", model_version]
@@ -76,3 +78,72 @@ def spawn_engine(python: str, model_json: str, model_name: str, model_version: s
     theirs.close()
     reader = ours.makefile("rb")
     return process, ours, reader, read_message(reader)
+
+
+class EngineConnection:
+    """One engine process and the socket to it, as a Python-backend model holds it (the stand-in vllm backend's
+    models and the platform's scoring model): start, send, a reader thread, stop.
+
+    Ordering rules: `send` may be called from any thread (one writer at a time); `on_message` and `on_dead` run on
+    the reader thread, one call at a time, in the order the engine wrote; `on_dead` is called when the engine says
+    it died, when the connection ends (the process exited), and when `on_message` raises (a message the model cannot
+    read: the engine is unusable, and dying loudly beats a reader gone silent with every request waiting forever).
+    `close` makes the engine drain and exit, and returns once the reader has stopped."""
+
+    def __init__(self, python: str, model_json: str, model_name: str, model_version: str):
+        self.process, self._socket, self._reader, self.first = spawn_engine(python, model_json, model_name,
+                                                                            model_version)
+        self._write_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start_failure(self) -> str | None:
+        """None when the engine said it is ready; else why it did not (the process is reaped, the socket closed)."""
+        if self.first is not None and self.first.get("op") == "ready":
+            return None
+        code = self.process.wait()
+        self._socket.close()
+        return self.first.get("error") if self.first else f"the engine process exited with status {code}"
+
+    def send(self, message: dict) -> None:
+        """Raises OSError when the engine process is gone."""
+        data = encode(message)
+        with self._write_lock:
+            self._socket.sendall(data)
+
+    def start_reading(self, on_message: Callable[[dict], None], on_dead: Callable[[str], None], name: str) -> None:
+        def read_loop() -> None:
+            while True:
+                try:
+                    message = read_message(self._reader)
+                except (OSError, ValueError) as exc:
+                    message, reason = None, f"engine connection failed: {exc}"
+                else:
+                    reason = f"the engine process exited (status {self.process.poll()})"
+                if message is None:
+                    on_dead(reason)
+                    return
+                if message.get("op") == "dead":
+                    on_dead(message.get("error", "the engine died"))
+                    continue
+                try:
+                    on_message(message)
+                except Exception as exc:  # noqa: BLE001 - see the class's docstring
+                    on_dead(f"unreadable message from the engine process ({type(exc).__name__}: {exc})")
+                    return
+
+        self._thread = threading.Thread(target=read_loop, name=name, daemon=True)
+        self._thread.start()
+
+    def close(self, timeout_s: float = 60) -> None:
+        try:
+            self._socket.shutdown(socket.SHUT_WR)  # the engine process drains, shuts vLLM down and exits
+        except OSError:  # the engine closed its end already: nothing left to tell it
+            pass
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._socket.close()

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import threading
 import time
 import uuid
@@ -301,24 +299,16 @@ class TritonPythonModel:
                 f"${wire.ENGINE_PYTHON_ENV} is not set: the stand-in vllm backend runs its engine with the "
                 ".venv-serving interpreter it names (the startup procedure sets it; see "
                 "docs/local-environment.md, \"Triton locally\")")
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        command = [python, "-m", wire.ENGINE_MODULE, "--model-json", model_json, "--fd", str(theirs.fileno()),
-                   "--model-name", self.model_name, "--model-version", str(args["model_version"])]
-        self.process = subprocess.Popen(command, pass_fds=(theirs.fileno(),))  # its log goes where Triton's goes
-        theirs.close()
-        self._socket = ours
-        self._reader = ours.makefile("rb")
-        self._write_lock = threading.Lock()
+        self._engine = wire.EngineConnection(python, model_json, self.model_name, str(args["model_version"]))
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._dead: str | None = None
         self._closing = False
-        first = wire.read_message(self._reader)
-        if first is None or first.get("op") != "ready":
-            code = self.process.wait()
-            detail = first.get("error") if first else f"the engine process exited with status {code}"
-            self._socket.close()
-            raise pb_utils.TritonModelException(f"[vllm] Failed to start engine: {detail}")
+        failure = self._engine.start_failure()
+        if failure is not None:
+            raise pb_utils.TritonModelException(f"[vllm] Failed to start engine: {failure}")
+        self.process = self._engine.process
+        first = self._engine.first
         self.info = first["info"]
         # What the engine serves: ["generate"], or ["embed"] for a pooling model (model.json `runner: pooling`).
         self.tasks = tuple(self.info.get("tasks", ("generate",)))
@@ -327,8 +317,7 @@ class TritonPythonModel:
         # to a sender after its final response.
         self._respond_lock = threading.Lock()
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._read_loop, name="vllm-stand-in-reader", daemon=True)
-        self._thread.start()
+        self._engine.start_reading(self._on_message, self._engine_died, name="vllm-stand-in-reader")
         self._watcher = threading.Thread(target=self._watch_cancellations, name="vllm-stand-in-cancel", daemon=True)
         self._watcher.start()
 
@@ -336,25 +325,13 @@ class TritonPythonModel:
         self.logger.log_info("[vllm] Issuing finalize to vllm backend")
         self._closing = True
         self._stopped.set()
-        try:
-            self._socket.shutdown(socket.SHUT_WR)  # the engine process drains, shuts vLLM down and exits
-        except OSError:
-            pass
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self._thread.join(timeout=10)
+        self._engine.close()
         self._watcher.join(timeout=10)
-        self._socket.close()
 
     # -- requests ----------------------------------------------------------------------------------------------
 
     def _send(self, message: dict) -> None:
-        data = wire.encode(message)
-        with self._write_lock:
-            self._socket.sendall(data)
+        self._engine.send(message)
 
     @staticmethod
     def _error(sender, message: str, code) -> None:
@@ -417,27 +394,6 @@ class TritonPythonModel:
             with self._lock:
                 self._requests.pop(request_id, None)
             self._error(sender, f"the engine process is gone: {exc}", pb_utils.TritonError.UNAVAILABLE)
-
-    def _read_loop(self) -> None:
-        while True:
-            try:
-                message = wire.read_message(self._reader)
-            except (OSError, ValueError) as exc:
-                message, reason = None, f"engine connection failed: {exc}"
-            else:
-                reason = f"the engine process exited (status {self.process.poll()})"
-            if message is None:
-                self._engine_died(reason)
-                return
-            if message.get("op") == "dead":
-                self._engine_died(message.get("error", "the engine died"))
-                continue
-            try:
-                self._on_message(message)
-            except Exception as exc:  # noqa: BLE001 - a message this backend cannot read: the engine is unusable
-                # Dying loudly beats a reader thread gone silently, which left every request waiting forever.
-                self._engine_died(f"unreadable message from the engine process ({type(exc).__name__}: {exc})")
-                return
 
     def _on_message(self, message: dict) -> None:
         with self._respond_lock:
