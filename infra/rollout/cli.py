@@ -81,7 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-requests", type=float, default=GateThresholds.min_requests)
     parser.add_argument("--bake", type=float, default=0.0, help="seconds to wait before each gate")
     parser.add_argument("--idle-window", default="7d", help="versioned: no request in this range means idle")
-    parser.add_argument("--runner", choices=["automation", "mock"], default="automation")
+    parser.add_argument("--runner", choices=["automation", "mock", "rehearsal"], default="automation",
+                        help="rehearsal: the mock runner's updates carried out by `make rehearse` on real pods and a "
+                             "real proxy (its --control socket)")
+    parser.add_argument("--control", type=Path, help="rehearsal runner: the rehearsal's control socket")
     parser.add_argument("--store-endpoint", default=None,
                         help="an S3-compatible endpoint holding the stacks' buckets (e.g. the rehearsal's): `start` "
                              "checks the package's replicas and I/O fingerprint there with any runner (the "
@@ -107,8 +110,18 @@ def _runner(args: argparse.Namespace, policy_gate: PolicyGate | None):
 
         return AutomationRunner(args.project, on_output=lambda line: console.print(line, markup=False,
                                                                                      highlight=False, end=""))
-    from infra.rollout.runner import MockRunner
+    from infra.rollout.runner import MockRunner, RehearsalRunner
 
+    if args.runner == "rehearsal":
+        if args.control is None or args.config_dir is None:
+            raise RolloutError("--runner rehearsal needs --control (the rehearsal's socket) and --config-dir (the "
+                               "rehearsal's copy of the stack files)")
+        if args.mock_never_ready:
+            raise RolloutError("--mock-never-ready does not apply to --runner rehearsal: its pods are real")
+        return RehearsalRunner(args.config_dir, args.state_dir, args.control, project_dir=args.project,
+                               policy_gate=policy_gate)
+    if args.control is not None:
+        raise RolloutError("--control only applies to --runner rehearsal")
     if policy_gate is None:
         console.print("[yellow]warning:[/] no policy gate: the mock runner's updates are not checked against the "
                       "policy pack (`llm-serving rollout` checks them)")

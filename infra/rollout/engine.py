@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 DEPLOYMENT = "kubernetes:apps/v1:Deployment"
 SERVICE = "kubernetes:core/v1:Service"
@@ -77,6 +77,39 @@ class UpdateError(RuntimeError):
     pass
 
 
+class Cluster(Protocol):
+    """What carries out each step of an update (the Kubernetes provider and the cluster behind it).
+
+    `apply_update` decides the order (Pulumi's) and calls these one at a time: `apply` creates or updates one
+    resource and, for a Deployment, waits as the provider's await logic does and returns how many of its pods are
+    ready (the step failed when fewer than its replicas); `delete` removes one resource the program no longer
+    registers. `SimulatedCluster` plays them on the recorded state; the rehearsal's cluster (llm_serving_cli/
+    rehearsal/cluster.py, reached through infra.rollout.runner.RehearsalRunner) runs real pods and a real proxy."""
+
+    def apply(self, node: Node, previous: LiveResource | None) -> int: ...
+
+    def delete(self, resource: LiveResource) -> None: ...
+
+
+@dataclass(frozen=True)
+class SimulatedCluster:
+    """Every pod becomes ready at once, except those of the (model id, version) pairs `faults` names."""
+
+    faults: Faults = Faults()
+
+    def apply(self, node: Node, previous: LiveResource | None) -> int:
+        if node.type != DEPLOYMENT:
+            return 0
+        want = _replicas(node.inputs)
+        if identity(node) in self.faults.never_ready and want > 0:
+            # The new pods never pass their readiness probe; pods of this version that were ready stay ready.
+            return min(previous.ready, want) if previous is not None else 0
+        return want
+
+    def delete(self, resource: LiveResource) -> None:
+        return None
+
+
 def _replicas(inputs: dict) -> int:
     value = (inputs.get("spec") or {}).get("replicas")
     return int(value) if value is not None else 1
@@ -107,8 +140,10 @@ def _scale(live: Live, node: Node) -> int:
 
 
 def apply_update(live: Live, desired: Iterable[Node], faults: Faults = Faults(),
-                 observe: Callable[[Live, str], None] | None = None) -> UpdateOutcome:
-    """Bring `live` (changed in place) toward `desired` as `pulumi up` would; see the module docstring."""
+                 observe: Callable[[Live, str], None] | None = None, cluster: Cluster | None = None) -> UpdateOutcome:
+    """Bring `live` (changed in place) toward `desired` as `pulumi up` would; see the module docstring. Each step is
+    carried out by `cluster` (default: SimulatedCluster(faults))."""
+    cluster = cluster if cluster is not None else SimulatedCluster(faults)
     nodes = {n.key: n for n in desired}
     for node in nodes.values():
         missing = sorted(d for d in node.deps if d not in nodes)
@@ -127,17 +162,8 @@ def apply_update(live: Live, desired: Iterable[Node], faults: Faults = Faults(),
         key = min(runnable, key=lambda k: (-_scale(live, nodes[k]), k))
         node = nodes[key]
         verb = "create" if key not in live else "update"
-        ready = 0
-        failed = False
-        if node.type == DEPLOYMENT:
-            want = _replicas(node.inputs)
-            ident = identity(node)
-            if ident in faults.never_ready and want > 0:
-                # The new pods never pass their readiness probe; pods of this version that were ready stay ready.
-                ready = min(live[key].ready, want) if key in live else 0
-                failed = ready < want
-            else:
-                ready = want
+        ready = cluster.apply(node, live.get(key))
+        failed = node.type == DEPLOYMENT and ready < _replicas(node.inputs)
         live[key] = LiveResource(node.type, node.name, node.inputs, ready)
         pending.discard(key)
         outcome.steps.append(f"{verb} {key}")
@@ -155,6 +181,7 @@ def apply_update(live: Live, desired: Iterable[Node], faults: Faults = Faults(),
     order = sorted(doomed, key=lambda k: (0 if live[k].type in ROUTE_TYPES else 1 if live[k].type != DEPLOYMENT
                                           else 2, k))
     for key in order:
+        cluster.delete(live[key])
         del live[key]
         outcome.steps.append(f"delete {key}")
         if observe:

@@ -10,6 +10,8 @@
   update it asks its `PolicyGate` (when given one), as `pulumi up --policy-pack` would.
 - `GraphRunner`: the same engine on `infra.rollout.graph.model_graph` of the config file's models, without running
   the program: fast enough for property tests over thousands of updates.
+- `RehearsalRunner`: the mock runner's program run and update order, each step carried out by the production
+  rehearsal (`make rehearse`) on real pods and a real proxy, over its control socket (infra.rollout.remote).
 """
 
 from __future__ import annotations
@@ -128,6 +130,10 @@ class _SimulatedRunner:
     def desired(self, stack: str) -> tuple[list[Node], dict]:
         raise NotImplementedError
 
+    def cluster(self, stack: str) -> engine.Cluster:
+        """What carries out the update's steps: the simulation (with this stack's injected faults)."""
+        return engine.SimulatedCluster(self.faults.get(stack, Faults()))
+
     def live(self, stack: str) -> Live:
         path = self._state_file(stack)
         if not path.is_file():
@@ -162,7 +168,10 @@ class _SimulatedRunner:
 
         for model in {i[0] for r in live.values() if (i := engine.identity(r))}:
             peaks[model] = sum(engine.model_replicas(live, model).values())
-        outcome = engine.apply_update(live, nodes, self.faults.get(stack, Faults()), observe)
+        try:
+            outcome = engine.apply_update(live, nodes, observe=observe, cluster=self.cluster(stack))
+        except engine.UpdateError as err:  # a step the cluster could not carry out: the update stops there
+            outcome = engine.UpdateOutcome(ok=False, message=str(err))
         previous = json.loads(self._state_file(stack).read_text())["outputs"]
         self._save(stack, live, outputs if outcome.ok else previous)
         return UpResult(stack, ok=outcome.ok, message=outcome.message, outputs=outputs if outcome.ok else previous,
@@ -216,6 +225,22 @@ class MockRunner(_SimulatedRunner):
             if blocking:
                 raise PolicyBlocked("; ".join(blocking))
         return nodes_of_run(run), run.outputs
+
+
+class RehearsalRunner(MockRunner):
+    """The mock runner's update (the real program under the mock runtime, Pulumi's order, the policy gate), each step
+    carried out by the rehearsal's cluster: real pods that must pass their probes, a real proxy whose routes change.
+    The stack as its file stands when the rollout begins is what the rehearsal brought up (prepare records it)."""
+
+    def __init__(self, config_dir: Path, state_dir: Path, control: Path, project_dir: Path | None = None,
+                 policy_gate: PolicyGate | None = None):
+        super().__init__(config_dir, state_dir, project_dir=project_dir, policy_gate=policy_gate)
+        self.control = Path(control)
+
+    def cluster(self, stack: str) -> engine.Cluster:
+        from infra.rollout.remote import RemoteCluster
+
+        return RemoteCluster(self.control)
 
 
 class GraphRunner(_SimulatedRunner):

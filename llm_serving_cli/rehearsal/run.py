@@ -36,11 +36,14 @@ from rich.live import Live
 from rich.table import Table
 
 from llm_serving import dockerfile
-from llm_serving_cli.rehearsal import observe, podspec, render, storage, substitutions, traffic
+from llm_serving_cli.rehearsal import observe, podspec, proxy, render, scenarios, storage, substitutions, traffic
+from llm_serving_cli.rehearsal import report as rehearsal_report
+from llm_serving_cli.rehearsal.cluster import RehearsalCluster
 from llm_serving_cli.rehearsal.kubelet import PodRunner
 from llm_serving_cli.rehearsal.net import Network, service_address
 from llm_serving_cli.rehearsal.services import Endpoint, ServiceProxy
 from llm_serving_cli.rehearsal.substitutions import REPO_ROOT
+from llm_serving_cli.rehearsal.tls import CertificateAuthority
 
 DEFAULT_STACK = "dev-us-east-1"
 DOCKERFILE = REPO_ROOT / "serving_image" / "Dockerfile"
@@ -71,6 +74,12 @@ class Rehearsal:
         self.result = traffic.TrafficResult()
         self.notes: list[str] = []
         self.python = substitutions.serving_python()
+        self.plans_for = None  # set by plans(): a rendered Deployment -> its pods' plans
+        self.pod_count = 0  # pods created so far: the next pod's network index
+        self.tasks: list[asyncio.Task] = []
+        self.with_scenarios = True
+        self.gateway: proxy.HAProxy | None = None
+        self.storage_facts: dict[str, Any] = {}
 
     # -- setup -------------------------------------------------------------------------------------------------
 
@@ -106,6 +115,7 @@ class Rehearsal:
             packages = storage.package_versions(rendered.models, demo, self.workdir / "packages",
                                                 rendered.model_prefix)
         store_uri = f"s3://{home}/{rendered.model_prefix.rstrip('/')}"
+        self.storage_facts = {"demo": demo, "store_uri": store_uri, "home": home, "region": region}
         for uri, package in packages.items():
             record = storage.publish(package, store_uri, self.store)
             if record["model_cache_uri"] != uri:
@@ -117,6 +127,8 @@ class Rehearsal:
             self.console.print(f"replicated {copied} objects {home} -> {region}")
         (dra,) = rendered.of_type(render.DRA)
         fsx = self.workdir / "fsx"
+        self.storage_facts["dra"] = dra["inputs"]
+        self.storage_facts["fsx"] = fsx
         count = storage.fsx_import(self.store, dra["inputs"]["dataRepositoryPath"], dra["inputs"]["fileSystemPath"],
                                    fsx)
         self.console.print(f"FSx: {count} objects of {dra['inputs']['dataRepositoryPath']} at "
@@ -144,9 +156,13 @@ class Rehearsal:
             path.chmod(0o777)  # an emptyDir: writable by the pod's user (and its fsGroup)
             return path
 
+        def plans_for(deployment: dict[str, Any]) -> list[podspec.PodPlan]:
+            return podspec.pod_plans(deployment, image, claims, scratch, bin_dir, stand_in)
+
+        self.plans_for = plans_for  # the rollout scenarios' new Deployments get their pods the same way
         plans = []
         for dep in rendered.model_deployments():
-            plans += podspec.pod_plans(dep, image, claims, scratch, bin_dir, stand_in)
+            plans += plans_for(dep)
         node_groups = [{"name": g["inputs"].get("nodeGroupName") or g["name"], **g["inputs"]}
                        for g in rendered.of_type(render.NODE_GROUP)]
         for g in node_groups:  # the provider's taint effect spelling, as the kubelet sees it
@@ -195,6 +211,19 @@ class Rehearsal:
 
     # -- the run -----------------------------------------------------------------------------------------------
 
+    def add_pod(self, plan: podspec.PodPlan, on_change=lambda: None) -> PodRunner:
+        """A pod for `plan` in a network namespace of its own (not started yet)."""
+        namespace, address = self.net.create_pod(self.pod_count)
+        self.pod_count += 1
+        self._mountpoints([plan])
+        runner = PodRunner(plan, address, self._launch({plan.name: namespace}), self.workdir / "logs",
+                           on_change=on_change)
+        self.runners.append(runner)
+        return runner
+
+    def start_pod(self, runner: PodRunner) -> None:
+        self.tasks.append(asyncio.create_task(runner.run(), name=runner.plan.name))
+
     def table(self) -> Table:
         table = Table(title=f"rehearsal of {self.stack}")
         for column in ("pod", "address", "phase", "ready after s", "restarts", "last event"):
@@ -226,12 +255,8 @@ class Rehearsal:
         tmp.replace(path)
 
     async def run_async(self, rendered: render.Rendered, plans: list[podspec.PodPlan]) -> int:
-        namespace_of = {}
-        for i, plan in enumerate(plans):
-            namespace_of[plan.name], address = self.net.create_pod(i)
-            self.runners.append(PodRunner(plan, address, self._launch(namespace_of), self.workdir / "logs"))
         (self.workdir / "logs").mkdir(exist_ok=True)
-        self._mountpoints(plans)
+        runners = [self.add_pod(plan) for plan in plans]
         for j, service in enumerate(rendered.model_services()):
             address = service_address(j)
             self.net.add_service_address(address)
@@ -251,7 +276,8 @@ class Rehearsal:
         self.prometheus.start()
         self.console.print(f"Prometheus {self.prometheus.url}: {len(jobs)} scrape job(s) from the PodMonitor")
 
-        tasks = [asyncio.create_task(r.run(), name=r.plan.name) for r in self.runners]
+        for runner in runners:
+            self.start_pod(runner)
         budget = max(podspec.startup_budget_s(p.probes.get("startup")) for p in plans) + 60
         deadline = time.monotonic() + budget
         with Live(self.table(), console=self.console, refresh_per_second=2, transient=False) as live:
@@ -281,21 +307,102 @@ class Rehearsal:
         ready = sum(r.status.ready for r in self.runners)
         for failure in self.result.failures[:10]:
             self.console.print(f"[red]request failed[/] {failure}", markup=True)
+        results: list[scenarios.ScenarioResult] = []
+        if self.with_scenarios and not not_ready and self.result.failed == 0:
+            results = await self._scenarios(rendered, targets)
         await self.stop_pods()
-        for task in tasks:
+        if self.gateway is not None:
+            self.gateway.stop()
+        for task in self.tasks:
             task.cancel()
         self.console.print(self.table())
-        self.console.print(f"rehearsal: {ready} pods ready, {self.result.requests} requests, "
-                           f"{self.result.failed} failed", markup=False, highlight=False)
-        return 0 if not not_ready and self.result.failed == 0 else 1
+        requests = self.result.requests + sum(r.requests for r in results)
+        failed = self.result.failed + sum(r.failed for r in results)
+        for result in results:
+            self.console.print(result.line, markup=False, highlight=False)
+        final = f"rehearsal: {ready} pods ready, {requests} requests, {failed} failed"
+        self.console.print(final, markup=False, highlight=False)
+        if results:
+            path = rehearsal_report.write(results, self.stack, final, REPO_ROOT / "build" / "rehearsal")
+            self.console.print(f"report: {path}")
+        return 0 if not not_ready and failed == 0 and all(r.ok for r in results) else 1
+
+    # -- the rollout scenarios (issue 17) ----------------------------------------------------------------------
+
+    def _start_gateway(self, rendered: render.Rendered, targets: Path) -> tuple[RehearsalCluster, int, Any]:
+        """The Gateway's listeners as a real HAProxy with the rehearsal's CA and certificate, over the rendered
+        routes and the Ready pods; the cluster that carries out the rollout's steps."""
+        gw_dir = self.workdir / "gateway"
+        gw_dir.mkdir()
+        ca = CertificateAuthority.create(gw_dir / "ca")
+        domain = rendered.config["llm-serving:serving"]["domain"]
+        certificate = ca.issue([f"*.{domain}", f"*.grpc.{domain}"], gw_dir / "tls")
+        port = _free_port()
+        settings = proxy.Settings(binds={443: ("127.0.0.1", port)}, admin_socket=gw_dir / "admin.sock",
+                                  certificate=certificate.pem_path)
+        self.gateway = proxy.HAProxy(gw_dir)
+        cluster = RehearsalCluster(rendered.resources, self.runners, self.plans_for, self.add_pod, self.start_pod,
+                                   self.gateway, settings, on_pods_changed=lambda: self._write_targets(targets))
+        self.gateway.start(cluster.proxy_config())
+        self.console.print(f"gateway: HAProxy on 127.0.0.1:{port} for the listeners on 443 (*.{domain}, "
+                           f"*.grpc.{domain}), TLS from the rehearsal's CA")
+        return cluster, port, ca
+
+    def _publish(self, model: dict[str, Any], version: str, engine_overrides: dict | None) -> dict[str, str]:
+        """Package `version` of `model` as a model developer would, publish it to the rehearsal's S3 and let the FSx
+        association import it; returns the rollout's version entry (package URI, I/O fingerprint)."""
+        from llm_serving.package import PackageSpec, build_package, open_package
+
+        facts = self.storage_facts
+        out = self.workdir / "packages"
+        if engine_overrides:
+            args = {**storage.REHEARSAL_ENGINE_ARGS, **engine_overrides}
+            path = build_package(PackageSpec(facts["demo"], model["id"], version, engine_args=args),
+                                 out / f"{model['id']}-{version}.tar.gz")
+        else:
+            path = storage.build_version(model, version, out, demo_model=facts["demo"])
+        record = storage.publish(path, facts["store_uri"], self.store)
+        if facts["region"] != facts["home"]:
+            storage.replicate(self.store, facts["home"], facts["region"], "models/")
+        storage.fsx_import(self.store, facts["dra"]["dataRepositoryPath"], facts["dra"]["fileSystemPath"],
+                           facts["fsx"])
+        fingerprint = open_package(path, out / "verify" / version).manifest.model.io_fingerprint
+        self.console.print(f"published {model['id']} {version} -> {record['model_cache_uri']}")
+        return {"package": record["model_cache_uri"], "ioFingerprint": fingerprint}
+
+    async def _scenarios(self, rendered: render.Rendered, targets: Path) -> list[scenarios.ScenarioResult]:
+        cluster, port, ca = self._start_gateway(rendered, targets)
+        control = self.workdir / "control.sock"
+        server = await cluster.serve(control)
+        ctx = scenarios.Context(self.stack, self.workdir, cluster, control, self.prometheus.url, port,
+                                rendered.config["llm-serving:serving"]["domain"], ca.httpx_verify(), self.console,
+                                self._publish)
+        ctx.copy_stacks()
+        red_black = next((m for m in rendered.models if m.get("strategy") == "red-black"), None)
+        results = []
+        try:
+            if red_black is None:
+                self.console.print(f"[yellow]{self.stack} has no red-black model: no red-black scenario[/]")
+            else:
+                major, minor, *_ = str(red_black["active"]).split(".")
+                good, bad = f"{major}.{int(minor) + 1}.0", f"{major}.{int(minor) + 2}.0"
+                for name, run in (("red-black", lambda: scenarios.red_black(ctx, red_black["id"], good)),
+                                  ("rollback", lambda: scenarios.rollback(ctx, red_black["id"], bad))):
+                    self.console.rule(f"scenario: {name}")
+                    result = await run()
+                    self.console.print(result.line, markup=False, highlight=False)
+                    results.append(result)
+        finally:
+            server.close()
+        return results
 
     async def _traffic(self, rendered: render.Rendered) -> None:
         jobs = []
-        for proxy, service in self.proxies:
+        for service_proxy, service in self.proxies:
             labels = service["inputs"]["metadata"].get("labels") or {}
             ports = {p["name"]: int(p["port"]) for p in service["inputs"]["spec"]["ports"]}
-            jobs.append(traffic.drive(proxy.name, proxy.address, ports, labels.get("app.kubernetes.io/name", "?"),
-                                      self.result))
+            jobs.append(traffic.drive(service_proxy.name, service_proxy.address, ports,
+                                      labels.get("app.kubernetes.io/name", "?"), self.result))
         with self.console.status("traffic through every Service"):
             await asyncio.gather(*jobs)
         self.console.print(f"traffic: {self.result.requests} requests, {self.result.failed} failed")
@@ -348,9 +455,11 @@ class Rehearsal:
         for runner in self.runners:
             runner.kill_now()
         loop_free = [p for p, _ in self.proxies]
-        for proxy in loop_free:
-            for server in proxy.servers:
+        for service_proxy in loop_free:
+            for server in service_proxy.servers:
                 server.close()
+        if self.gateway is not None:
+            self.gateway.stop()
         if self.prometheus is not None:
             self.prometheus.stop()
         if self.store is not None:
@@ -367,9 +476,12 @@ class Rehearsal:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llm-serving rehearse", description=__doc__.splitlines()[0])
     parser.add_argument("--stack", default=DEFAULT_STACK, help=f"a stack in stacks/ (default {DEFAULT_STACK})")
+    parser.add_argument("--no-scenarios", action="store_true",
+                        help="bring the stack up and drive traffic only, without the rollout scenarios")
     args = parser.parse_args(argv)
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
     rehearsal = Rehearsal(args.stack, console)
+    rehearsal.with_scenarios = not args.no_scenarios
 
     async def body() -> int:
         rendered = rehearsal.prepare()

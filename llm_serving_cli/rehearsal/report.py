@@ -1,0 +1,64 @@
+"""`build/rehearsal/report.md` and its plot: what each rollout scenario did to the route weights, the Ready pods per
+version and the requests, second by second, and the lines `make rehearse` printed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from llm_serving_cli.rehearsal.scenarios import ScenarioResult
+
+
+def plot(results: list[ScenarioResult], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 3, figsize=(15, 3.4 * len(results)), squeeze=False)
+    for row, result in zip(axes, results, strict=True):
+        times = [s.at for s in result.samples]
+        versions = sorted({v for s in result.samples for v in (*s.weights, *s.ready)})
+        for version in versions:
+            row[0].step(times, [s.weights.get(version, 0) for s in result.samples], where="post", label=version)
+            row[1].step(times, [s.ready.get(version, 0) for s in result.samples], where="post", label=version)
+        row[0].set_title(f"{result.name}: route weight per version")
+        row[0].set_ylim(-5, 105)
+        row[1].set_title(f"{result.name}: Ready pods per version (peak {result.peak_pods}, bound {result.bound})")
+        row[1].axhline(result.bound, color="grey", linestyle=":", linewidth=1)
+        row[2].plot(times, [s.requests - s.failed for s in result.samples], label="succeeded")
+        row[2].plot(times, [s.failed for s in result.samples], label="failed", color="tab:red")
+        row[2].set_title(f"{result.name}: requests (cumulative)")
+        for ax in row:
+            ax.set_xlabel("seconds")
+            ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def write(results: list[ScenarioResult], stack: str, final_line: str, out_dir: Path) -> Path:
+    image = plot(results, out_dir / "rollouts.png")
+    lines = [f"# Rehearsal of {stack}: rollouts under load", "",
+             f"Written by `make rehearse` on {time.strftime('%Y-%m-%d %H:%M:%S %Z')}.", "", "```"]
+    lines += [r.line for r in results] + [final_line, "```", "",
+                                          "| scenario | requests | failed | peak pods | planner's bound (replicas + "
+                                          "surge) | result |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+    lines += [f"| {r.name} | {r.requests} | {r.failed} | {r.peak_pods} | {r.bound} | {'ok' if r.ok else 'FAILED'} |"
+              for r in results]
+    lines += ["", f"![route weights, Ready pods and requests over time]({image.name})", ""]
+    for r in results:
+        lines += [f"## {r.name}", ""]
+        for report in r.reports:
+            for stack_report in report.get("stacks", []):
+                lines.append(f"- `rollout {report.get('action')}`: {stack_report.get('status')} "
+                             f"{stack_report.get('before', '')} -> {stack_report.get('after', '')} "
+                             f"{stack_report.get('detail', '')}".rstrip())
+        if r.failures:
+            lines += ["", "Failed requests (first ten):", ""] + [f"- {f}" for f in r.failures]
+        lines.append("")
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path
