@@ -6,6 +6,11 @@ Triton, and the serving tests' session Triton (tests/serving/conftest.py) does t
 at packaging, with the interpreter that has xgboost: `.venv-triton`'s python with the Python backend stub's package
 directory on PYTHONPATH (serving_image/triton/local_install.py); training is deterministic (fixed seed and data, one
 thread), so the same sources give the same booster and the same package version.
+
+The ranker has a second I/O contract, for the rehearsal's versioned rollout (docs/rehearsal.md): `build_ranker(...,
+rank=True)` packages the same model with one more output, `rank` (INT32 [n, 1], each row's position by descending
+score among its request's rows), appended to examples/ranker/config.pbtxt at packaging; the model computes it when its
+config declares it. Same inputs, so an old-format request is answered by both; another I/O fingerprint.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import hashlib
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 from llm_serving.manifest import Backend, ServingMode
@@ -27,6 +33,20 @@ RELEVANCE_ID = "ranker-relevance"
 PIPELINE_ID = "ranker-pipeline"
 BOOSTER_FILE = "ranker.json"
 N_FEATURES = 8
+RANK_OUTPUT = "rank"
+# The output `build_ranker(..., rank=True)` appends to the example's config.pbtxt (protobuf text format: a repeated
+# field given again adds to it), computed by examples/ranker/model/model.py when declared.
+RANK_OUTPUT_PBTXT = f"""
+# The demo ranker's second I/O contract (llm_serving_cli/demo_packages.py, rank=True): each row's 1-based position by
+# descending score among the request's rows.
+output [
+  {{
+    name: "{RANK_OUTPUT}"
+    data_type: TYPE_INT32
+    dims: [ 1 ]
+  }}
+]
+"""
 
 
 class TrainingError(RuntimeError):
@@ -72,6 +92,24 @@ def _sources_digest(*extra: Path) -> str:
     return digest.hexdigest()[:10]
 
 
+def ranker_config(*, rank: bool = False) -> str:
+    """The ranker's config.pbtxt: examples/ranker's, and with `rank` its extra output appended."""
+    text = (RANKER_EXAMPLE / "config.pbtxt").read_text()
+    return text + RANK_OUTPUT_PBTXT if rank else text
+
+
+def build_ranker(out: Path, version: str, *, weights: Path, rank: bool = False,
+                 serving_mode: ServingMode = ServingMode.STANDALONE, model_id: str = RANKER_ID) -> Path:
+    """The ranker's package at `out` (a directory, or a `.tar.gz`) from a trained booster's directory `weights`
+    (train_ranker); with `rank`, the second I/O contract (one more output, the same inputs)."""
+    with tempfile.TemporaryDirectory(prefix="ranker-config-") as tmp:
+        config = Path(tmp) / "config.pbtxt"
+        config.write_text(ranker_config(rank=rank))
+        return build_package(PackageSpec(weights, model_id, version, backend=Backend.PYTHON,
+                                         serving_mode=serving_mode, python_model=RANKER_EXAMPLE / "model",
+                                         config_pbtxt=config), out)
+
+
 def build_ranker_packages(out: Path, *, version: str | None = None, packed: bool = False,
                           serving_mode: ServingMode = ServingMode.STANDALONE) -> list[Path]:
     """Train the ranker and build its four packages under `out`: the ranker (Python backend, its booster as
@@ -89,8 +127,7 @@ def build_ranker_packages(out: Path, *, version: str | None = None, packed: bool
 
     python = dict(backend=Backend.PYTHON, serving_mode=serving_mode)
     packages = [
-        build_package(PackageSpec(weights, RANKER_ID, version, python_model=RANKER_EXAMPLE / "model",
-                                  config_pbtxt=RANKER_EXAMPLE / "config.pbtxt", **python), target(RANKER_ID)),
+        build_ranker(target(RANKER_ID), version, weights=weights, serving_mode=serving_mode),
         build_package(PackageSpec(None, FEATURES_ID, version, python_model=pipeline / "features" / "model.py",
                                   config_pbtxt=pipeline / "features" / "config.pbtxt", **python), target(FEATURES_ID)),
         build_package(PackageSpec(None, RELEVANCE_ID, version, python_model=pipeline / "relevance" / "model.py",

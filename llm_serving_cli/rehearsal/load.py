@@ -105,3 +105,29 @@ async def run_load(port: int, host: str, model: str, verify, stop: asyncio.Event
                     pass
 
     await asyncio.gather(*(client_loop(i) for i in range(clients)))
+
+
+async def run_kserve_load(port: int, host: str, model: str, body: dict, outputs: list[str], verify,
+                          stop: asyncio.Event, result: LoadResult, pause_s: float = 0.3) -> None:
+    """One client sending KServe v2 `infer` (JSON) through the gateway until `stop`; an answer must be 200 and hold
+    every output in `outputs` (a request that names outputs gets exactly those)."""
+    url = f"https://127.0.0.1:{port}/v2/models/{model}/infer"
+    async with httpx.AsyncClient(verify=verify, timeout=60) as client:
+        while not stop.is_set():
+            error = ""
+            try:
+                response = await client.post(url, json=body, headers={"Host": host},
+                                             extensions={"sni_hostname": host})
+                if response.status_code != 200:
+                    error = f"HTTP {response.status_code}: {response.text[:200]}"
+                else:
+                    got = {o["name"] for o in response.json().get("outputs") or []}
+                    if missing := [o for o in outputs if o not in got]:
+                        error = f"outputs {missing} missing from the answer (got {sorted(got)})"
+            except (httpx.HTTPError, json.JSONDecodeError) as err:
+                error = f"{type(err).__name__}: {err}"
+            result.outcomes.append(Outcome(time.monotonic() - result.started, not error, False, error))
+            try:
+                await asyncio.wait_for(stop.wait(), pause_s)
+            except TimeoutError:
+                pass

@@ -379,19 +379,26 @@ class Rehearsal:
                                 self._publish)
         ctx.copy_stacks()
         red_black = next((m for m in rendered.models if m.get("strategy") == "red-black"), None)
+        versioned = next((m for m in rendered.models if m.get("strategy") == "versioned"), None)
+        runs = []
+        if red_black is None:
+            self.console.print(f"[yellow]{self.stack} has no red-black model: no red-black scenarios[/]")
+        else:
+            good, bad = _next_minor(str(red_black["active"]), 1), _next_minor(str(red_black["active"]), 2)
+            runs += [("red-black", lambda: scenarios.red_black(ctx, red_black["id"], good)),
+                     ("rollback", lambda: scenarios.rollback(ctx, red_black["id"], bad))]
+        if versioned is None:
+            self.console.print(f"[yellow]{self.stack} has no versioned model: no versioned scenario[/]")
+        else:
+            newest = str(versioned["versions"][-1]["version"])
+            runs.append(("versioned", lambda: scenarios.versioned(ctx, versioned["id"], _next_minor(newest, 1))))
         results = []
         try:
-            if red_black is None:
-                self.console.print(f"[yellow]{self.stack} has no red-black model: no red-black scenario[/]")
-            else:
-                major, minor, *_ = str(red_black["active"]).split(".")
-                good, bad = f"{major}.{int(minor) + 1}.0", f"{major}.{int(minor) + 2}.0"
-                for name, run in (("red-black", lambda: scenarios.red_black(ctx, red_black["id"], good)),
-                                  ("rollback", lambda: scenarios.rollback(ctx, red_black["id"], bad))):
-                    self.console.rule(f"scenario: {name}")
-                    result = await run()
-                    self.console.print(result.line, markup=False, highlight=False)
-                    results.append(result)
+            for name, run in runs:
+                self.console.rule(f"scenario: {name}")
+                result = await run()
+                self.console.print(result.line, markup=False, highlight=False)
+                results.append(result)
         finally:
             server.close()
         return results
@@ -471,6 +478,11 @@ class Rehearsal:
                     shutil.rmtree(path)
                 else:
                     path.unlink()
+
+
+def _next_minor(version: str, step: int) -> str:
+    major, minor, *_ = version.split(".")
+    return f"{major}.{int(minor) + step}.0"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,11 @@ through the gateway:
 
 - red-black of the LLM from its active version to a new one, to completion;
 - red-black to a candidate that crashes on start: the update fails (its pods never get Ready), the rollout rolls
-  the stack back, and the old version serves all traffic again.
+  the stack back, and the old version serves all traffic again;
+- versioned: a new (id, version) whose I/O contract changes (the ranker's extra output) is served beside the old
+  one, each on its own hostname; old-format requests keep succeeding on the old version while new-format requests
+  (asking for the new output) succeed on the new one; once the old version's consumers have moved (its load stops)
+  and it has served nothing for the idle window, `rollout advance` removes it, never the newest.
 
 Each scenario runs the real `llm-serving rollout` (in .venv-infra) with `--runner rehearsal`: every update is
 rendered by the program under the mock runtime and carried out here, step by step, by cluster.RehearsalCluster over
@@ -27,7 +31,7 @@ from rich.console import Console
 
 from llm_serving_cli.rehearsal import render
 from llm_serving_cli.rehearsal.cluster import NAME_LABEL, VERSION_LABEL, RehearsalCluster
-from llm_serving_cli.rehearsal.load import LoadResult, run_load
+from llm_serving_cli.rehearsal.load import LoadResult, run_kserve_load, run_load
 from llm_serving_cli.rehearsal.substitutions import REPO_ROOT
 
 INFRA_CLI = REPO_ROOT / ".venv-infra" / "bin" / "llm-serving"
@@ -35,6 +39,7 @@ STEPS = "50,100"
 SURGE = 1
 GATE_WINDOW = "1m"
 BAKE_S = 20  # after each update, before the gate reads Prometheus: a few scrapes of the candidate under load
+IDLE_WINDOW_S = 30  # versioned: a version with no request in this window is idle (production's default is 7d)
 
 
 @dataclass
@@ -88,8 +93,8 @@ async def rollout(ctx: Context, action: str, model_id: str, *extra: str) -> dict
     argv = [str(INFRA_CLI), "rollout", action, model_id, "--stacks", ctx.stack, "--runner", "rehearsal",
             "--control", str(ctx.control), "--config-dir", str(ctx.config_dir),
             "--state-dir", str(ctx.workdir / "rollout-state"), "--prometheus", f"{ctx.stack}={ctx.prometheus_url}",
-            "--steps", STEPS, "--surge", str(SURGE), "--window", GATE_WINDOW, "--bake", str(BAKE_S), "--json",
-            *extra]
+            "--steps", STEPS, "--surge", str(SURGE), "--window", GATE_WINDOW, "--bake", str(BAKE_S),
+            "--idle-window", f"{IDLE_WINDOW_S}s", "--json", *extra]
     ctx.console.print(f"[cyan]$[/] llm-serving rollout {action} {model_id} {' '.join(extra)}", highlight=False)
     proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=sys.stderr,
                                                 cwd=REPO_ROOT)
@@ -218,3 +223,109 @@ async def rollback(ctx: Context, model_id: str, bad_version: str) -> ScenarioRes
             f"{load.requests} requests, {load.failed} failed")
     return ScenarioResult("rollback", line, back and load.failed == 0 and peak <= bound, load.requests, load.failed,
                           peak, bound, samples, load.failures(), reports)
+
+
+def _version_host(ctx: Context, model_id: str, version: str) -> str | None:
+    """The HTTP hostname of one version's route (a versioned model), from the live HTTPRoutes."""
+    for (type_, _name), inputs in ctx.cluster.objects.items():
+        labels = (inputs.get("metadata") or {}).get("labels") or {}
+        if (type_ == "kubernetes:gateway.networking.k8s.io/v1:HTTPRoute" and labels.get(NAME_LABEL) == model_id
+                and labels.get(VERSION_LABEL) == version):
+            return ((inputs.get("spec") or {}).get("hostnames") or [None])[0]
+    return None
+
+
+async def _metadata(ctx: Context, host: str, model_id: str) -> dict[str, Any]:
+    import httpx
+
+    async with httpx.AsyncClient(verify=ctx.verify, timeout=30) as client:
+        response = await client.get(f"https://127.0.0.1:{ctx.gateway_port}/v2/models/{model_id}",
+                                    headers={"Host": host}, extensions={"sni_hostname": host})
+    response.raise_for_status()
+    return response.json()
+
+
+def _infer_body(metadata: dict[str, Any], outputs: list[str] | None = None) -> dict[str, Any]:
+    from llm_serving_cli.rehearsal.traffic import example_inputs
+
+    arrays = example_inputs(metadata)
+    body: dict[str, Any] = {"inputs": [{"name": t["name"], "shape": list(arrays[t["name"]].shape),
+                                        "datatype": t["datatype"], "data": arrays[t["name"]].ravel().tolist()}
+                                       for t in metadata["inputs"]]}
+    if outputs:
+        body["outputs"] = [{"name": name} for name in outputs]
+    return body
+
+
+async def versioned(ctx: Context, model_id: str, new_version: str) -> ScenarioResult:
+    model = _model_config(ctx, model_id)
+    old_version = str(model["versions"][-1]["version"])
+    entry = ctx.publish(model, new_version, None)
+    ctx.cluster.pods.reset_peaks()
+    old_host = _version_host(ctx, model_id, old_version)
+    if old_host is None:
+        raise RuntimeError(f"{model_id} {old_version}: no route of its own (is {model_id} versioned?)")
+    old_meta = await _metadata(ctx, old_host, model_id)
+    old_outputs = [t["name"] for t in old_meta["outputs"]]
+    old_load, new_load = LoadResult(), LoadResult()
+    stop_old, stop_new, stop_samples = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    samples: list[Sample] = []
+    reports: list[dict[str, Any]] = []
+    tasks = [asyncio.create_task(run_kserve_load(ctx.gateway_port, old_host, model_id, _infer_body(old_meta),
+                                                 old_outputs, ctx.verify, stop_old, old_load))]
+
+    async def sampler() -> None:
+        started = time.monotonic()
+        while not stop_samples.is_set():
+            _, ready = _versions_view(ctx, model_id)
+            weights = {v: 100 for v in ready}  # each version owns its hostname: all of that hostname's traffic
+            requests, failed = old_load.requests + new_load.requests, old_load.failed + new_load.failed
+            samples.append(Sample(time.monotonic() - started, weights, ready, requests, failed))
+            if len(samples) % 5 == 1:
+                ctx.console.print(f"  [dim]{samples[-1].at:6.0f}s[/] ready {ready or '-'}  old-format requests "
+                                  f"{old_load.requests} ({old_load.failed} failed), new-format {new_load.requests} "
+                                  f"({new_load.failed} failed)", highlight=False)
+            await asyncio.sleep(1)
+
+    tasks.append(asyncio.create_task(sampler()))
+    outcome = "not started"
+    try:
+        await asyncio.sleep(5)
+        report = await rollout(ctx, "start", model_id, "--version", new_version, "--package", entry["package"],
+                               "--io-fingerprint", entry["ioFingerprint"])
+        reports.append(report)
+        new_host = _version_host(ctx, model_id, new_version)
+        if not report["ok"] or new_host is None:
+            outcome = report["stacks"][0]["status"]
+        else:
+            new_meta = await _metadata(ctx, new_host, model_id)
+            added = [t["name"] for t in new_meta["outputs"] if t["name"] not in old_outputs]
+            tasks.append(asyncio.create_task(run_kserve_load(ctx.gateway_port, new_host, model_id,
+                                                             _infer_body(new_meta, old_outputs + added),
+                                                             old_outputs + added, ctx.verify, stop_new, new_load)))
+            await asyncio.sleep(20)  # both versions served at once
+            busy = await rollout(ctx, "advance", model_id)  # the old version still has consumers: kept
+            reports.append(busy)
+            stop_old.set()  # its consumers moved to the new version
+            await asyncio.sleep(IDLE_WINDOW_S + 30)  # past the idle window, with a scrape or two to spare
+            idle = await rollout(ctx, "advance", model_id)
+            reports.append(idle)
+            await asyncio.sleep(5)
+            kept = _version_host(ctx, model_id, new_version) is not None
+            removed = _version_host(ctx, model_id, old_version) is None
+            both = (added and busy["stacks"][0]["status"] != "removed idle" and idle["stacks"][0]["status"]
+                    == "removed idle" and kept and removed and old_load.requests > 0 and new_load.requests > 0)
+            outcome = "both served" if both else (f"new outputs {added}, then {busy['stacks'][0]['status']}, "
+                                                  f"{idle['stacks'][0]['status']}")
+    finally:
+        stop_old.set()
+        stop_new.set()
+        stop_samples.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    requests, failed = old_load.requests + new_load.requests, old_load.failed + new_load.failed
+    line = (f"versioned {model_id} {old_version} + {new_version}: {outcome}; {requests} requests, "
+            f"{failed} failed")
+    bound = 2 * int(model["replicas"])  # each version its replicas while both are served (no surge: no swap)
+    peak = ctx.cluster.pods.peak.get(model_id, 0)
+    return ScenarioResult("versioned", line, outcome == "both served" and failed == 0 and peak <= bound, requests,
+                          failed, peak, bound, samples, old_load.failures(5) + new_load.failures(5), reports)

@@ -1,6 +1,7 @@
 """The model store and the model cache of a rehearsal: moto's S3 server holding the stack's buckets, every (model,
-version) of the stack packaged from the demo model and published there by `llm-serving publish`, and FSx's data
-repository association realised as a directory (the objects under its dataRepositoryPath, at its fileSystemPath)."""
+version) of the stack packaged from a demo model of its kind (the demo LLM, the demo ranker) and published there by
+`llm-serving publish`, and FSx's data repository association realised as a directory (the objects under its
+dataRepositoryPath, at its fileSystemPath)."""
 
 from __future__ import annotations
 
@@ -51,27 +52,72 @@ def start_store() -> Store:
     return Store(f"http://{host}:{port}", server)
 
 
-def package_versions(models: list[dict[str, Any]], demo_model: Path, out: Path,
+# What the rehearsal packages for a (model, version), by the model's kind: an LLM (`vllm`) from the demo LLM, with
+# the (id, version); a Python-backend model (`python`) is the demo ranker (llm_serving_cli/demo_packages.py), its
+# plain I/O (features -> score) at every version but those below, which have its second I/O contract (one more
+# output, `rank`): the dev stack's ranker runs 1.0.0 and the versioned rollout scenario publishes 1.1.0.
+RANKER_RANK_VERSIONS = frozenset({"1.1.0"})
+
+
+def package_source(model: dict[str, Any], version: str) -> str:
+    """What the rehearsal packages `version` of `model` (a stack's model entry) from, chosen by the model's kind and
+    the version; another kind is refused, naming the model and the version."""
+    kind = model["kind"]
+    if kind == "vllm":
+        return "the demo LLM (a vLLM package)"
+    if kind == "python":
+        return ("the demo ranker with its second I/O contract (features -> score, rank)"
+                if version in RANKER_RANK_VERSIONS else "the demo ranker (features -> score)")
+    raise StorageError(f"{model['id']} {version}: the rehearsal packages LLMs (kind vllm, from the demo LLM) and "
+                       f"Python-backend models (kind python, from the demo ranker); {model['id']} is kind {kind}")
+
+
+def build_version(model: dict[str, Any], version: str, out: Path, *, demo_model: Path | None = None) -> Path:
+    """The package of `version` of `model` (a stack's model entry; the version listed there or not yet: a rollout
+    publishes the new version before `llm-serving rollout start` names it), from `package_source`, built as
+    `<out>/<id>-<version>.tar.gz`. The ranker's booster is trained once per `out` (deterministically)."""
+    from llm_serving.package import PackageSpec, build_package
+
+    package_source(model, version)
+    model_id = model["id"]
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / f"{model_id}-{version}.tar.gz"
+    if model["kind"] == "vllm":
+        if demo_model is None:
+            raise StorageError(f"{model_id} {version}: an LLM (kind vllm) is packaged from the demo LLM; none given")
+        return build_package(PackageSpec(demo_model, model_id, version, engine_args=REHEARSAL_ENGINE_ARGS), target)
+    from llm_serving_cli import demo_packages
+
+    weights = out / "ranker-weights"
+    if not (weights / demo_packages.BOOSTER_FILE).is_file():
+        demo_packages.train_ranker(weights)
+    return demo_packages.build_ranker(target, version, weights=weights, rank=version in RANKER_RANK_VERSIONS,
+                                      model_id=model_id)
+
+
+def package_versions(models: list[dict[str, Any]], demo_model: Path | None, out: Path,
                      model_prefix: str = "models/") -> dict[str, Path]:
-    """A package per package URI the stack names (normally one per (model id, version)), from the demo model, with
-    the id and version of that URI; its I/O fingerprint must be the one the stack declares."""
-    from llm_serving.package import PackageSpec, build_package, open_package
+    """A package per package URI the stack names (normally one per (model id, version)), built by `build_version`
+    with the version of that URI; its I/O fingerprint must be the one the stack declares."""
+    from llm_serving.package import open_package
     from llm_serving.pod_contract import parse_package_uri
 
-    out.mkdir(parents=True, exist_ok=True)
     built: dict[str, Path] = {}
     for model in models:
         for entry in model["versions"]:
             if entry["package"] in built:
                 continue
             _, model_id, version = parse_package_uri(entry["package"], model_prefix)
-            path = build_package(PackageSpec(demo_model, model_id, version, engine_args=REHEARSAL_ENGINE_ARGS),
-                                 out / f"{model_id}-{version}.tar.gz")
+            if model_id != model["id"]:
+                raise StorageError(f"{model['id']} {entry['version']}: the package URI {entry['package']} names "
+                                   f"another model ({model_id})")
+            path = build_version(model, version, out, demo_model=demo_model)
             fingerprint = open_package(path, out / "verify").manifest.model.io_fingerprint
             if fingerprint != entry["ioFingerprint"]:
                 raise StorageError(f"{model['id']} {entry['version']}: the stack declares ioFingerprint "
-                                   f"{entry['ioFingerprint']}, a vLLM package of this platform has {fingerprint}: "
-                                   "the rehearsal cannot package that I/O from the demo model")
+                                   f"{entry['ioFingerprint']}, but the package the rehearsal builds for {model_id} "
+                                   f"{version} from {package_source(model, version)} has {fingerprint}: the "
+                                   "rehearsal cannot package that I/O")
             built[entry["package"]] = path
     return built
 

@@ -1,6 +1,9 @@
-"""Requests to every model through its Service, as a client service would send them, counted and checked:
-KServe v2 gRPC (ServerReady, ModelReady, a streamed generation on ModelStreamInfer, with NVIDIA's tritonclient),
-KServe v2 HTTP (health, `generate`) and the OpenAI API (models, completions, chat)."""
+"""Requests to every model through its Service, as a client service would send them, counted and checked. An LLM
+(the model's KServe metadata names the input `text_input`, §3.3): KServe v2 gRPC (ServerReady, ModelReady, a streamed
+generation on ModelStreamInfer, with NVIDIA's tritonclient), KServe v2 HTTP (health, `generate`) and the OpenAI API
+(models, completions, chat). Any other model (a Python-backend model such as the ranker, served by Triton alone):
+KServe v2 gRPC (ServerReady, ModelReady, a unary ModelInfer) and HTTP (health, `infer`), with inputs made from its
+metadata's declared tensors and every declared output checked in the answer."""
 
 from __future__ import annotations
 
@@ -41,10 +44,17 @@ async def drive(service: str, address: str, ports: dict[str, int], model_id: str
         result.record(f"{service} {what}", ok, "" if ok else f"HTTP {response.status_code}: {response.text[:300]}")
         return response if ok else None
 
-    if pc.KSERVE_GRPC_PORT_NAME in ports:
-        await asyncio.to_thread(_grpc, service, f"{address}:{ports[pc.KSERVE_GRPC_PORT_NAME]}", model_id, result)
     kserve = f"http://{address}:{ports[pc.KSERVE_HTTP_PORT_NAME]}"
     async with httpx.AsyncClient(timeout=timeout) as client:
+        metadata = await call(client, "KServe model metadata", "GET", f"{kserve}/v2/models/{model_id}")
+        if metadata is None:
+            return
+        declared = metadata.json()
+        if "text_input" not in {t["name"] for t in declared.get("inputs", [])}:
+            await _tensor_model(service, address, ports, model_id, declared, result, client, call)
+            return
+        if pc.KSERVE_GRPC_PORT_NAME in ports:
+            await asyncio.to_thread(_grpc, service, f"{address}:{ports[pc.KSERVE_GRPC_PORT_NAME]}", model_id, result)
         await call(client, "KServe ready", "GET", f"{kserve}{pc.READY_PATH}")
         body = {"text_input": "Hello", "exclude_input_in_output": True,
                 "sampling_parameters": json.dumps({"max_tokens": 8})}
@@ -65,6 +75,81 @@ async def drive(service: str, address: str, ports: dict[str, int], model_id: str
         jobs.append(call(client, "OpenAI chat", "POST", f"{openai}/v1/chat/completions",
                          json={"model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}))
         await asyncio.gather(*jobs)
+
+
+_NUMPY = {"FP32": "float32", "FP64": "float64", "FP16": "float16", "INT8": "int8", "INT16": "int16",
+          "INT32": "int32", "INT64": "int64", "UINT8": "uint8", "UINT32": "uint32", "UINT64": "uint64", "BOOL": "bool"}
+
+
+def example_inputs(declared: dict, rows: int = 3) -> dict[str, object]:
+    """Arrays for a model's declared inputs (its KServe metadata): a variable dimension (-1, the batch) as `rows`,
+    numeric values in [0, 1), fixed. BYTES inputs and other types cannot be made up: ValueError, naming the input."""
+    import numpy as np
+
+    rng = np.random.default_rng(17)
+    arrays = {}
+    for tensor in declared.get("inputs", []):
+        if tensor["datatype"] not in _NUMPY:
+            raise ValueError(f"input {tensor['name']!r} is {tensor['datatype']}: the rehearsal makes up numeric "
+                             "inputs only")
+        shape = [rows if int(d) < 0 else int(d) for d in tensor["shape"]]
+        arrays[tensor["name"]] = rng.random(shape).astype(_NUMPY[tensor["datatype"]])
+    return arrays
+
+
+async def _tensor_model(service: str, address: str, ports: dict[str, int], model_id: str, declared: dict,
+                        result: TrafficResult, client: httpx.AsyncClient, call) -> None:
+    """A model that is not an LLM: a unary infer over gRPC and HTTP with its declared inputs; every declared output
+    must be in the answer."""
+    try:
+        arrays = example_inputs(declared)
+    except ValueError as exc:
+        result.record(f"{service} KServe infer", False, str(exc))
+        return
+    outputs = [t["name"] for t in declared.get("outputs", [])]
+    if pc.KSERVE_GRPC_PORT_NAME in ports:
+        await asyncio.to_thread(_grpc_infer, service, f"{address}:{ports[pc.KSERVE_GRPC_PORT_NAME]}", model_id,
+                                arrays, outputs, result)
+    kserve = f"http://{address}:{ports[pc.KSERVE_HTTP_PORT_NAME]}"
+    await call(client, "KServe ready", "GET", f"{kserve}{pc.READY_PATH}")
+    body = {"inputs": [{"name": name, "shape": list(a.shape), "datatype": t["datatype"], "data": a.ravel().tolist()}
+                       for (name, a), t in zip(arrays.items(), declared["inputs"], strict=True)]}
+    answer = await call(client, "KServe infer", "POST", f"{kserve}/v2/models/{model_id}/infer", json=body)
+    if answer is not None:
+        missing = sorted(set(outputs) - {o["name"] for o in answer.json().get("outputs", [])})
+        if missing:
+            result.record(f"{service} KServe infer outputs", False, f"declared outputs {missing} not in the answer")
+
+
+def _grpc_infer(service: str, url: str, model_id: str, arrays: dict, outputs: list[str],
+                result: TrafficResult) -> None:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        for what, probe in (("KServe gRPC ServerReady", client.is_server_ready),
+                            ("KServe gRPC ModelReady", lambda: client.is_model_ready(model_id))):
+            try:
+                ok = bool(probe())
+                result.record(f"{service} {what}", ok, "" if ok else "answered not ready")
+            except InferenceServerException as exc:
+                result.record(f"{service} {what}", False, str(exc))
+        inputs = []
+        for name, array in arrays.items():
+            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        try:
+            answer = client.infer(model_id, inputs)
+        except InferenceServerException as exc:
+            result.record(f"{service} KServe gRPC ModelInfer", False, str(exc))
+            return
+        missing = [name for name in outputs if answer.as_numpy(name) is None]
+        result.record(f"{service} KServe gRPC ModelInfer", not missing,
+                      f"declared outputs {missing} not in the answer" if missing else "")
+    finally:
+        client.close()
 
 
 def _grpc(service: str, url: str, model_id: str, result: TrafficResult) -> None:

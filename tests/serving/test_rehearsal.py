@@ -17,7 +17,7 @@ import pytest
 
 from llm_serving import dockerfile
 from llm_serving import pod_contract as pc
-from llm_serving_cli.rehearsal import kubelet, observe, podspec, render, storage, substitutions
+from llm_serving_cli.rehearsal import kubelet, observe, podspec, render, storage, substitutions, traffic
 from llm_serving_cli.rehearsal.kubelet import PodRunner, ProbeState, backoff_s
 from llm_serving_cli.rehearsal.launcher import _hidden_ancestor, mount_order
 from llm_serving_cli.rehearsal.podspec import PodPlan, Probe
@@ -33,23 +33,57 @@ def dev() -> render.Rendered:
     return render.render("dev-us-east-1")
 
 
-def _plans(rendered: render.Rendered, tmp_path: Path) -> list[PodPlan]:
+def _model(dep: dict) -> str:
+    return dep["inputs"]["metadata"]["labels"]["app.kubernetes.io/name"]
+
+
+def _plans(rendered: render.Rendered, tmp_path: Path, model: str | None = None) -> list[PodPlan]:
+    """The pods' plans of every model Deployment, or of `model`'s."""
     def scratch(pod: str, volume: str) -> Path:
         return tmp_path / pod / volume
 
     plans = []
     for dep in rendered.model_deployments():
-        plans += podspec.pod_plans(dep, IMAGE, {"model-cache": str(tmp_path / "fsx")}, scratch, tmp_path / "bin",
-                                   tmp_path / "nvidia_entrypoint.sh")
+        if model is None or _model(dep) == model:
+            plans += podspec.pod_plans(dep, IMAGE, {"model-cache": str(tmp_path / "fsx")}, scratch,
+                                       tmp_path / "bin", tmp_path / "nvidia_entrypoint.sh")
     return plans
+
+
+def _chat_plan(rendered: render.Rendered, tmp_path: Path) -> PodPlan:
+    """The first pod of the dev stack's LLM (chat-small, two replicas)."""
+    return _plans(rendered, tmp_path, "chat-small")[0]
+
+
+def _node_groups(rendered: render.Rendered) -> list[dict]:
+    """The node groups as the rehearsal reports placement against them (run.py)."""
+    groups = [{"name": g["name"], **g["inputs"]} for g in rendered.of_type(render.NODE_GROUP)]
+    for g in groups:
+        g["taints"] = [{**t, "effect": "NoSchedule"} for t in g.get("taints") or []]
+    return groups
 
 
 # -- from the rendered Deployment to the pod's process ---------------------------------------------------------
 
 
+def test_the_dev_stack_holds_what_the_rollout_scenarios_roll(dev, tmp_path):
+    """A red-black LLM at two replicas and a versioned CPU model (the demo ranker) at one, each pod a plan."""
+    models = {m["id"]: m for m in dev.models}
+    assert (models["chat-small"]["strategy"], models["chat-small"]["replicas"]) == ("red-black", 2)
+    ranker = models["ranker"]
+    assert (ranker["kind"], ranker["strategy"], ranker["replicas"], "gpu" in ranker) == ("python", "versioned", 1,
+                                                                                          False)
+    assert [v["version"] for v in ranker["versions"]] == ["1.0.0"]
+    assert sorted(p.name for p in _plans(dev, tmp_path)) == [
+        "chat-small-1-0-0-0", "chat-small-1-0-0-1", "ranker-1-0-0-0"]
+    (plan,) = _plans(dev, tmp_path, "ranker")
+    line = podspec.placement_report(plan, _node_groups(dev))
+    assert "would land on eks-cpu-cpu (c7i.xlarge)" in line and "GPU" not in line
+
+
 def test_the_pod_runs_the_images_entrypoint_with_exactly_the_rendered_env(dev, tmp_path):
-    (plan,) = _plans(dev, tmp_path)
-    (dep,) = dev.model_deployments()
+    plan = _chat_plan(dev, tmp_path)
+    (dep,) = [d for d in dev.model_deployments() if _model(d) == "chat-small"]
     container = dep["inputs"]["spec"]["template"]["spec"]["containers"][0]
     rendered = {e["name"]: e["value"] for e in container["env"]}
     assert plan.argv == list(IMAGE.entrypoint) and plan.argv[0] == pc.NVIDIA_ENTRYPOINT
@@ -69,7 +103,7 @@ def test_the_pod_runs_the_images_entrypoint_with_exactly_the_rendered_env(dev, t
 
 
 def test_the_pods_volumes_are_bound_at_their_mount_paths(dev, tmp_path):
-    (plan,) = _plans(dev, tmp_path)
+    plan = _chat_plan(dev, tmp_path)
     mounts = {m.target: m for m in plan.mounts}
     cache = mounts[pc.MODEL_CACHE_MOUNT]
     assert (cache.kind, cache.source, cache.read_only) == ("bind", str(tmp_path / "fsx"), True)
@@ -83,7 +117,7 @@ def test_the_pods_volumes_are_bound_at_their_mount_paths(dev, tmp_path):
 
 
 def test_probes_and_termination_are_the_rendered_ones(dev, tmp_path):
-    (plan,) = _plans(dev, tmp_path)
+    plan = _chat_plan(dev, tmp_path)
     startup = plan.probes["startup"]
     assert (startup.path, startup.port, startup.period_s, startup.failure_threshold) == (
         pc.READY_PATH, pc.PORTS[pc.KSERVE_HTTP_PORT_NAME], 10, 30)  # loadTimeSeconds 300 / period 10
@@ -93,11 +127,9 @@ def test_probes_and_termination_are_the_rendered_ones(dev, tmp_path):
 
 
 def test_placement_is_reported_against_the_node_group(dev, tmp_path):
-    (plan,) = _plans(dev, tmp_path)
-    groups = [{"name": "gpu-l4", **g["inputs"], "taints": [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]}
-              for g in dev.of_type(render.NODE_GROUP) if "gpu" in g["name"]]
-    line = podspec.placement_report(plan, groups)
-    assert "would land on gpu-l4 (g6.2xlarge, g6.4xlarge)" in line
+    plan = _chat_plan(dev, tmp_path)
+    line = podspec.placement_report(plan, _node_groups(dev))
+    assert "would land on eks-gpu-l4 (g6.2xlarge, g6.4xlarge);" in line
     assert "1 GPU(s) requested, none can be granted on this machine" in line
     assert "no node group" in podspec.placement_report(plan, [{"name": "system", "labels": {}}])
 
@@ -349,15 +381,91 @@ def test_fsx_presents_the_associations_objects_at_its_path(tmp_path):
         server.stop()
 
 
-def test_the_stacks_fingerprint_must_be_the_packages(tmp_path):
+def _fake_llm(tmp_path: Path) -> Path:
+    """A directory the packager takes for a Hugging Face model (the vLLM package's I/O does not depend on it)."""
     model = tmp_path / "hf"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (model / "model.safetensors").write_bytes(b"\0" * 64)
-    models = [{"id": "m", "versions": [{"version": "1", "ioFingerprint": "sha256:" + "0" * 64,
-                                        "package": "s3://b/models/model-cache/m/1/"}]}]
-    with pytest.raises(storage.StorageError, match="the stack declares ioFingerprint sha256:0+, a vLLM package"):
-        storage.package_versions(models, model, tmp_path / "out")
+    return model
+
+
+def _entry(model_id: str, version: str, fingerprint: str) -> dict:
+    return {"version": version, "ioFingerprint": fingerprint,
+            "package": pc.package_uri("b", "models/", model_id, version)}
+
+
+def test_the_package_builder_is_chosen_by_the_models_kind_and_version(dev, tmp_path):
+    """An LLM from the demo LLM; a Python-backend model from the demo ranker, its 1.1.0 with the second I/O contract
+    (one more output, the same inputs); the dev stack's packages are built with the stack's fingerprints, and a
+    version the stack does not list yet is built the same way (what a rollout publishes before it starts)."""
+    from llm_serving.package import open_package
+    from llm_serving.tensor_contract import VLLM_IO_FINGERPRINT, pbtxt_io
+
+    models = {m["id"]: m for m in dev.models}
+    chat, ranker = models["chat-small"], models["ranker"]
+    assert storage.package_source(chat, "1.1.0") == "the demo LLM (a vLLM package)"
+    assert storage.package_source(ranker, "1.0.0") == "the demo ranker (features -> score)"
+    assert "second I/O contract" in storage.package_source(ranker, "1.1.0")
+    with pytest.raises(storage.StorageError, match="ranker-pipeline 2.0.0: the rehearsal packages .* is kind ensemble"):
+        storage.package_source({"id": "ranker-pipeline", "kind": "ensemble"}, "2.0.0")
+
+    out, demo = tmp_path / "packages", _fake_llm(tmp_path)
+    built = storage.package_versions(dev.models, demo, out)  # the stack's fingerprints match
+    assert sorted(built) == sorted(v["package"] for m in dev.models for v in m["versions"])
+    manifests = {uri: open_package(path, tmp_path / "verify").manifest for uri, path in built.items()}
+    by_id = {m.model.id: m for m in manifests.values()}
+    assert (by_id["chat-small"].model.backend, by_id["chat-small"].model.io_fingerprint) == ("vllm",
+                                                                                             VLLM_IO_FINGERPRINT)
+    assert (by_id["ranker"].model.backend, by_id["ranker"].model.version) == ("python", "1.0.0")
+
+    newer = open_package(storage.build_version(ranker, "1.1.0", out), tmp_path / "verify").manifest
+    assert (newer.model.id, newer.model.version) == ("ranker", "1.1.0")
+    assert newer.model.io_fingerprint != by_id["ranker"].model.io_fingerprint
+    unpacked = tmp_path / "verify" / "ranker-1.1.0"
+    inputs, outputs = pbtxt_io((unpacked / newer.python.config_pbtxt).read_text())
+    old_inputs, old_outputs = pbtxt_io((tmp_path / "verify" / "ranker-1.0.0" / "python" / "config.pbtxt").read_text())
+    assert inputs == old_inputs  # an old-format request is one of the new version's too
+    assert [t.name for t in outputs] == [t.name for t in old_outputs] + ["rank"]
+    # the same booster: one training per package directory
+    assert (unpacked / "weights" / "ranker.json").read_bytes() == \
+        (tmp_path / "verify" / "ranker-1.0.0" / "weights" / "ranker.json").read_bytes()
+    llm = open_package(storage.build_version(chat, "1.1.0", out, demo_model=demo),
+                       tmp_path / "verify").manifest
+    assert (llm.model.id, llm.model.version, llm.model.io_fingerprint) == ("chat-small", "1.1.0", VLLM_IO_FINGERPRINT)
+    with pytest.raises(storage.StorageError, match="chat-small 1.1.0: an LLM .* from the demo LLM; none given"):
+        storage.build_version(chat, "1.1.0", out)
+
+
+def test_the_stacks_fingerprint_must_be_the_packages(tmp_path):
+    """A stack whose ioFingerprint is not the one of the package the rehearsal builds for that (model, version) is
+    refused, naming the model, the version, both fingerprints and what was built."""
+    zeros = "sha256:" + "0" * 64
+    models = [{"id": "m", "kind": "vllm", "versions": [_entry("m", "1", zeros)]}]
+    with pytest.raises(storage.StorageError, match=r"m 1: the stack declares ioFingerprint sha256:0+, but the package "
+                                                   r"the rehearsal builds for m 1 from the demo LLM \(a vLLM package\) "
+                                                   r"has sha256:[0-9a-f]{64}"):
+        storage.package_versions(models, _fake_llm(tmp_path), tmp_path / "out")
+    # the ranker's 1.1.0 declared with 1.0.0's fingerprint (the plain ranker's): its I/O has `rank` too
+    plain = "sha256:774af0a9332f6e734a8577fb021fdb3399a95fcfa46caa044fb6e94474c7af50"
+    models = [{"id": "ranker", "kind": "python", "versions": [_entry("ranker", "1.0.0", plain),
+                                                              _entry("ranker", "1.1.0", plain)]}]
+    with pytest.raises(storage.StorageError, match=r"ranker 1.1.0: the stack declares ioFingerprint sha256:774af0a9.*"
+                                                   r"from the demo ranker with its second I/O contract"):
+        storage.package_versions(models, None, tmp_path / "ranker")
+    models = [{"id": "ranker", "kind": "python", "versions": [_entry("other", "1.0.0", plain)]}]
+    with pytest.raises(storage.StorageError, match="ranker 1.0.0: the package URI .* names another model"):
+        storage.package_versions(models, None, tmp_path / "ranker")
+
+
+def test_made_up_inputs_follow_the_models_declared_tensors():
+    declared = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [-1, 8]}],
+                "outputs": [{"name": "score", "datatype": "FP32", "shape": [-1, 1]}]}
+    (features,) = traffic.example_inputs(declared, rows=3).values()
+    assert features.shape == (3, 8) and str(features.dtype) == "float32"
+    assert (traffic.example_inputs(declared)["features"] == features).all()  # fixed
+    with pytest.raises(ValueError, match="input 'text' is BYTES"):
+        traffic.example_inputs({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1]}]})
 
 
 def test_a_volume_that_would_hide_the_checkout_is_mounted_last_and_carries_it():

@@ -32,6 +32,7 @@ from llm_serving_cli.demo_packages import (
     booster_predictions,
 )
 from serving_image.triton.repository import RepositoryError, resolve_ensembles
+from tests.serving.conftest import RANKER_RANK_ID
 
 LLM = "demo-tiny"
 PIPELINE_CONFIG = RANKER_EXAMPLE / "pipeline" / "config.pbtxt"
@@ -64,7 +65,7 @@ def _package(packages, model_id):
 def test_one_client_sees_every_kind_ready(triton_standalone):
     client = _grpc(triton_standalone)
     index = {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}
-    for model in (LLM, RANKER_ID, PIPELINE_ID, FEATURES_ID, RELEVANCE_ID):
+    for model in (LLM, RANKER_ID, PIPELINE_ID, FEATURES_ID, RELEVANCE_ID, RANKER_RANK_ID):
         assert index[model]["state"] == "READY", index
         assert client.is_model_ready(model)
     assert client.get_model_config(PIPELINE_ID, as_json=True)["config"]["platform"] == "ensemble"
@@ -133,6 +134,44 @@ def test_io_fingerprint_fixed_at_packaging_is_what_the_server_reports(triton_sta
 
     served = io_fingerprint(specs(config["input"]), specs(config["output"]))
     assert _package(ranker_packages, model_id).manifest.model.io_fingerprint == served
+
+
+def test_the_second_contracts_fingerprint_is_what_the_server_reports(triton_standalone, ranker_rank_package):
+    config = _http(triton_standalone).get_model_config(RANKER_RANK_ID)
+    specs = [tuple(TensorSpec(e["name"], e["data_type"].removeprefix("TYPE_"), tuple(e["dims"]),
+                              bool(e.get("optional"))) for e in config[key]) for key in ("input", "output")]
+    assert open_package(ranker_rank_package).manifest.model.io_fingerprint == io_fingerprint(*specs)
+
+
+def test_the_rankers_second_io_contract_answers_old_format_requests_and_adds_rank(triton_standalone, ranker_packages,
+                                                                                ranker_rank_package):
+    """The ranker's 1.1.0 (served here as ranker-rank beside the plain ranker, the same booster): the same inputs, so
+    a request of the old format is answered, with the same scores; its extra output `rank` is there only on it."""
+    features = _features(_raw_batch(7))
+    inputs = [grpcclient.InferInput("features", list(features.shape), "FP32")]
+    inputs[0].set_data_from_numpy(features)
+    client = _grpc(triton_standalone)
+    old = client.infer(RANKER_ID, inputs)
+    new = client.infer(RANKER_RANK_ID, inputs)
+    scores = old.as_numpy("score").reshape(-1)
+    np.testing.assert_array_equal(new.as_numpy("score").reshape(-1), scores)
+    rank = new.as_numpy("rank")
+    assert rank.dtype == np.int32 and rank.shape == (len(features), 1)
+    assert rank.reshape(-1).tolist() == [sorted(scores.tolist(), reverse=True).index(s) + 1 for s in scores.tolist()]
+    assert old.as_numpy("rank") is None  # the plain ranker has no such output ...
+    with pytest.raises(InferenceServerException, match="rank"):  # ... and refuses to be asked for it
+        client.infer(RANKER_ID, inputs, outputs=[grpcclient.InferRequestedOutput("rank")])
+    # an old-format client that asks for `score` only gets just that from the new version
+    only = client.infer(RANKER_RANK_ID, inputs, outputs=[grpcclient.InferRequestedOutput("score")])
+    assert only.as_numpy("rank") is None and only.as_numpy("score") is not None
+    # HTTP, JSON tensors: ranks are per request, not per server batch
+    http_inputs = [httpclient.InferInput("features", [2, N_FEATURES], "FP32")]
+    http_inputs[0].set_data_from_numpy(features[:2], binary_data=False)
+    assert sorted(_http(triton_standalone).infer(RANKER_RANK_ID, http_inputs).as_numpy("rank").reshape(-1)) == [1, 2]
+    plain, ranked = _package(ranker_packages, RANKER_ID).manifest, open_package(ranker_rank_package).manifest
+    assert plain.model.io_fingerprint != ranked.model.io_fingerprint
+    config = _http(triton_standalone).get_model_config(RANKER_RANK_ID)
+    assert [o["name"] for o in config["output"]] == ["score", "rank"]
 
 
 def test_ensemble_answers_as_one_model(triton_standalone, ranker_packages):

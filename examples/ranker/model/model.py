@@ -4,6 +4,10 @@ Triton's dynamic batcher hands `execute` several requests at once; their `featur
 scored together with one `Booster.inplace_predict` and split back per request as `score` ([n, 1] FP32). xgboost comes
 from the stub's environment (the Python backend's directory, where the Makefile's triton-env installs it beside the
 stub's numpy < 2). The booster file is `ranker.json` in the package's weights (config parameter `weights_dir`).
+
+When config.pbtxt also declares the output `rank` (INT32 [n, 1]; the demo's second I/O contract, version 1.1.0 in
+llm_serving_cli/demo_packages.py), each response carries it too: every row's 1-based position among its request's rows
+by descending score, ties in row order.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import triton_python_backend_utils as pb_utils
 import xgboost as xgb
 
 MODEL_FILE = "ranker.json"
+RANK_OUTPUT = "rank"
 
 
 def _error(message: str) -> pb_utils.InferenceResponse:
@@ -39,6 +44,7 @@ class TritonPythonModel:
         if self.booster.num_features() != self.n_features:
             raise ValueError(f"ranker: the booster takes {self.booster.num_features()} features, config.pbtxt "
                              f"declares {self.n_features}")
+        self.with_rank = any(o["name"] == RANK_OUTPUT for o in config["output"])
 
     def _rows(self, request) -> np.ndarray:
         tensor = pb_utils.get_input_tensor_by_name(request, "features")
@@ -67,6 +73,18 @@ class TritonPythonModel:
             scores = np.asarray(self.booster.inplace_predict(np.concatenate(batch)), dtype=np.float32).reshape(-1, 1)
             start = 0
             for i, count in owners:
-                responses[i] = pb_utils.InferenceResponse([pb_utils.Tensor("score", scores[start:start + count])])
+                mine = scores[start:start + count]
+                tensors = [pb_utils.Tensor("score", mine)]
+                if self.with_rank:
+                    tensors.append(pb_utils.Tensor(RANK_OUTPUT, ranks(mine)))
+                responses[i] = pb_utils.InferenceResponse(tensors)
                 start += count
         return responses
+
+
+def ranks(scores: np.ndarray) -> np.ndarray:
+    """[n, 1] scores -> [n, 1] INT32: each row's 1-based position by descending score, ties in row order."""
+    order = np.argsort(-scores.reshape(-1), kind="stable")
+    out = np.empty(len(order), dtype=np.int32)
+    out[order] = np.arange(1, len(order) + 1, dtype=np.int32)
+    return out.reshape(-1, 1)
