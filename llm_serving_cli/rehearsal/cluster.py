@@ -40,6 +40,9 @@ ROUTE_TYPES = (proxy.HTTP_ROUTE, proxy.GRPC_ROUTE)
 NAME_LABEL = "app.kubernetes.io/name"
 VERSION_LABEL = "app.kubernetes.io/version"
 CRASH_LOOP_RESTARTS = 3  # a pod restarted this often while its Deployment's step waits: the step fails
+# Kubernetes' default progressDeadlineSeconds: how long a Deployment may make no progress before it is reported as
+# failed, which ends the Kubernetes provider's await (the program sets none).
+PROGRESS_DEADLINE_S = 600
 
 
 class ClusterError(RuntimeError):
@@ -53,6 +56,10 @@ def _template(inputs: dict[str, Any]) -> Any:
 def _replicas(inputs: dict[str, Any]) -> int:
     value = (inputs.get("spec") or {}).get("replicas")
     return int(value) if value is not None else 1
+
+
+def _k8s_name(inputs: dict[str, Any], default: str) -> str:
+    return (inputs.get("metadata") or {}).get("name") or default
 
 
 def _is_model_deployment(type_: str, inputs: dict[str, Any]) -> bool:
@@ -145,9 +152,11 @@ class RehearsalCluster:
     # -- steps -------------------------------------------------------------------------------------------------
 
     async def apply(self, type_: str, name: str, inputs: dict[str, Any]) -> int:
+        """`name` is the resource's Pulumi name; pods belong to the Deployment's Kubernetes name (metadata.name)."""
         key = (type_, name)
         previous = self.objects.get(key)
         if _is_model_deployment(type_, inputs):
+            name = _k8s_name(inputs, name)
             if previous is not None and _template(previous) != _template(inputs):
                 raise ClusterError(f"Deployment {name}: its pod template changed; the rehearsal starts and stops "
                                    "pods, it does not roll a template in place")
@@ -168,6 +177,7 @@ class RehearsalCluster:
     async def delete(self, type_: str, name: str, inputs: dict[str, Any]) -> None:
         previous = self.objects.pop((type_, name), None)
         if previous is not None and _is_model_deployment(type_, previous):
+            name = _k8s_name(previous, name)
             await self._stop([r for r in self.runners if r.plan.deployment == name])
             self.events.append(f"Deployment {name}: deleted")
         elif type_ in ROUTE_TYPES or type_ == render.SERVICE:
@@ -192,13 +202,15 @@ class RehearsalCluster:
                 self.start_pod(runner)
                 current.append(runner)
             self.pod_changed()
-        return await self._await_ready(current, want)
+        deadline = float((inputs.get("spec") or {}).get("progressDeadlineSeconds") or PROGRESS_DEADLINE_S)
+        return await self._await_ready(current, want, deadline)
 
-    async def _await_ready(self, pods: list[PodRunner], want: int) -> int:
-        """The provider's await: until every pod is Ready, or a pod crash-loops, or the probes' budget is spent."""
+    async def _await_ready(self, pods: list[PodRunner], want: int, deadline_s: float) -> int:
+        """The provider's await: until every pod is Ready, or a pod crash-loops, or the Deployment's progress
+        deadline passes (and never before its probes' startup budget is spent)."""
         if not pods:
             return 0
-        budget = max(startup_budget_s(p.plan.probes.get("startup")) for p in pods) + 60
+        budget = max([deadline_s, *(startup_budget_s(p.plan.probes.get("startup")) + 60 for p in pods)])
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
         while loop.time() < deadline:

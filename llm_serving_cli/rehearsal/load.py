@@ -87,8 +87,9 @@ async def _one(client: httpx.AsyncClient, url: str, host: str, model: str, promp
 
 
 async def run_load(port: int, host: str, model: str, verify, stop: asyncio.Event, result: LoadResult,
-                   clients: int = 2, pause_s: float = 0.2) -> None:
-    """Until `stop` is set; each client waits `pause_s` between requests (a bounded load)."""
+                   clients: int = 2, pause_s: float = 1.0) -> None:
+    """Until `stop` is set; each client waits `pause_s` between requests (a bounded load: on the 2-core machine a
+    new pod's engine must still start while the old ones serve it)."""
     url = f"https://127.0.0.1:{port}/v1/completions"
 
     async def client_loop(index: int) -> None:
@@ -108,7 +109,7 @@ async def run_load(port: int, host: str, model: str, verify, stop: asyncio.Event
 
 
 async def run_kserve_load(port: int, host: str, model: str, body: dict, outputs: list[str], verify,
-                          stop: asyncio.Event, result: LoadResult, pause_s: float = 0.3) -> None:
+                          stop: asyncio.Event, result: LoadResult, pause_s: float = 1.0) -> None:
     """One client sending KServe v2 `infer` (JSON) through the gateway until `stop`; an answer must be 200 and hold
     every output in `outputs` (a request that names outputs gets exactly those)."""
     url = f"https://127.0.0.1:{port}/v2/models/{model}/infer"

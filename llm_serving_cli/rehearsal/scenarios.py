@@ -108,11 +108,12 @@ async def rollout(ctx: Context, action: str, model_id: str, *extra: str) -> dict
 
 def _versions_view(ctx: Context, model_id: str) -> tuple[dict[str, int], dict[str, int]]:
     """The HTTPRoute's weight and the Ready pods of each version of `model_id`, from the live objects."""
-    services = {}
-    for (type_, name), inputs in ctx.cluster.objects.items():
-        labels = (inputs.get("metadata") or {}).get("labels") or {}
+    services = {}  # the Services' Kubernetes names (what backendRefs name) -> version
+    for (type_, _name), inputs in ctx.cluster.objects.items():
+        metadata = inputs.get("metadata") or {}
+        labels = metadata.get("labels") or {}
         if type_ == render.SERVICE and labels.get(NAME_LABEL) == model_id and VERSION_LABEL in labels:
-            services[name] = labels[VERSION_LABEL]
+            services[metadata.get("name")] = labels[VERSION_LABEL]
     weights: dict[str, int] = {}
     for (type_, _name), inputs in ctx.cluster.objects.items():
         if type_ != "kubernetes:gateway.networking.k8s.io/v1:HTTPRoute":

@@ -48,8 +48,8 @@ class EngineProcesses:
         """The vLLM engine's processes under a server. Over Triton (embedded, or a standalone tritonserver) the
         engine is vLLM's processes under the stand-in backend's engine host (serving_image/triton/engine_host.py,
         under the backend's stub), the host of `model`'s Triton model or the only one; the host itself stays running,
-        as the vLLM front-end in the server's process does otherwise. With vLLM in the server's process,
-        every descendant but Python's multiprocessing resource tracker (not part of the engine)."""
+        as the vLLM front-end in the server's process does otherwise. With vLLM in the server's process (vLLM's own
+        server), every descendant but Python's multiprocessing resource tracker (not part of the engine)."""
         descendants = psutil.Process(server_pid).children(recursive=True)
         hosts = [p for p in descendants if _is_engine_host(p, model)]
         if len(hosts) > 1:

@@ -98,8 +98,8 @@ class Harness:
         self.haproxy.workdir.mkdir()
         settings = proxy.Settings(binds={443: ("127.0.0.1", self.port)}, admin_socket=workdir / "gw" / "admin.sock",
                                   certificate=certificate.pem_path)
-        resources = [GATEWAY, {"type": render.SERVICE, "name": "chat-1", "inputs": _service("1")},
-                     {"type": ROUTE, "name": "chat", "inputs": _route({"1": 100})}]
+        resources = [GATEWAY, {"type": render.SERVICE, "name": "chat-1-Service", "inputs": _service("1")},
+                     {"type": ROUTE, "name": "chat-HTTPRoute", "inputs": _route({"1": 100})}]
         self.cluster = RehearsalCluster(resources, self.runners, self.plans_for, self.add_pod, self.start_pod,
                                         self.haproxy, settings)
         self.haproxy.start(self.cluster.proxy_config())
@@ -138,11 +138,13 @@ class Harness:
         self.tasks.append(asyncio.create_task(runner.run()))
 
     async def step(self, type_: str, name: str, inputs: dict) -> int:
-        """One rollout step as the RehearsalRunner sends it (the blocking client in a thread)."""
-        return await asyncio.to_thread(self.remote.apply, Node(type_, name, inputs), None)
+        """One rollout step as the RehearsalRunner sends it (the blocking client in a thread). The resource's Pulumi
+        name is not its Kubernetes name, as the program's are not (`<name>-deployment`)."""
+        return await asyncio.to_thread(self.remote.apply, Node(type_, f"{name}-{type_.rsplit(':', 1)[-1]}", inputs),
+                                       None)
 
     async def delete(self, type_: str, name: str, inputs: dict) -> None:
-        await asyncio.to_thread(self.remote.delete, LiveResource(type_, name, inputs))
+        await asyncio.to_thread(self.remote.delete, LiveResource(type_, f"{name}-{type_.rsplit(':', 1)[-1]}", inputs))
 
     async def get(self) -> httpx.Response:
         async with httpx.AsyncClient(verify=self.ca.httpx_verify(), timeout=10) as client:
