@@ -38,6 +38,11 @@ def interpreter_home(python: Path) -> Path:
 IMAGE_ENV_OVERRIDES: dict[str, str] = {
     # The image runs Triton in-process with the release's vLLM on GPUs; here the engine is vLLM's CPU build.
     pc.ENV_RUNTIME: "local",
+    # vLLM's CPU build binds each engine's OpenMP threads to cores of its own choosing ("auto": on this 2-core machine
+    # every engine takes core 0 and reserves core 1), so the rehearsal's several engine pods all ran on one core and
+    # a new pod's engine took minutes to start while the others served. Here the pods share the machine's cores as
+    # the kernel schedules them; in production each pod has its node's CPUs and GPU to itself.
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 }
 
 NVIDIA_ENTRYPOINT_STAND_IN = """#!/bin/sh
@@ -65,6 +70,9 @@ def substitutions(python: Path | None = None) -> list[Substitution]:
                      f"{pc.ENV_RUNTIME}=local (the local Triton 2.51 in-process, the stand-in vllm backend, vllm-cpu)",
                      "the release's Triton, its backends and CUDA are in the image only"),
         Substitution("the image's PATH", "PATH with the serving environment's python3 first", "no image"),
+        Substitution("a node's CPUs for each pod's engine", "VLLM_CPU_OMP_THREADS_BIND=nobind: the engines of every "
+                     "pod share this machine's cores (vLLM's CPU build binds each engine to core 0 otherwise)",
+                     "several engine pods on one 2-core machine"),
         Substitution("GPUs (nvidia.com/gpu requests and limits)", "none: reported against the node group, not granted",
                      "no GPU here"),
         Substitution("the model bucket (S3) and its replication", "moto's S3 server in the rehearsal's network "
