@@ -79,8 +79,7 @@ class VllmEngine(_Strict):
     args: dict[str, Any] = Field(default_factory=dict)
     # What the model serves: "generate" (completions, chat), "embed" (/v1/embeddings, a pooling engine on the same
     # weights) and "score" (/v1/score, prefill-only scoring: through Triton a Python-backend model of the platform's
-    # own with an engine of its own, docs/kserve.md "Embeddings and scoring through Triton"). vLLM in the process
-    # also scores for a package without "score" (its generation engine reads prompt log-probabilities).
+    # own with an engine of its own, docs/kserve.md "Embeddings and scoring through Triton").
     tasks: list[Literal["generate", "embed", "score"]] = Field(default_factory=lambda: ["generate"], min_length=1)
 
     @field_validator("tasks")
