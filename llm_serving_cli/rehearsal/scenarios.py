@@ -171,6 +171,12 @@ def _model_config(ctx: Context, model_id: str) -> dict[str, Any]:
     raise RuntimeError(f"{ctx.stack}: no model {model_id}")
 
 
+async def _start(ctx: Context, model_id: str, version: str, entry: dict[str, str]) -> dict[str, Any]:
+    """`llm-serving rollout start` of a published version (its package URI and I/O fingerprint)."""
+    return await rollout(ctx, "start", model_id, "--version", version, "--package", entry["package"],
+                         "--io-fingerprint", entry["ioFingerprint"])
+
+
 async def red_black(ctx: Context, model_id: str, to_version: str) -> ScenarioResult:
     model = _model_config(ctx, model_id)
     from_version = str(model["active"])
@@ -179,8 +185,7 @@ async def red_black(ctx: Context, model_id: str, to_version: str) -> ScenarioRes
     reports: list[dict[str, Any]] = []
 
     async def body() -> str:
-        report = await rollout(ctx, "start", model_id, "--version", to_version, "--package", entry["package"],
-                               "--io-fingerprint", entry["ioFingerprint"])
+        report = await _start(ctx, model_id, to_version, entry)
         reports.append(report)
         for _ in range(len(STEPS.split(",")) + 1):
             status = report["stacks"][0]["status"]
@@ -210,8 +215,7 @@ async def rollback(ctx: Context, model_id: str, bad_version: str) -> ScenarioRes
     reports: list[dict[str, Any]] = []
 
     async def body() -> str:
-        report = await rollout(ctx, "start", model_id, "--version", bad_version, "--package", entry["package"],
-                               "--io-fingerprint", entry["ioFingerprint"])
+        report = await _start(ctx, model_id, bad_version, entry)
         reports.append(report)
         return report["stacks"][0]["status"]
 
@@ -292,8 +296,7 @@ async def versioned(ctx: Context, model_id: str, new_version: str) -> ScenarioRe
     outcome = "not started"
     try:
         await asyncio.sleep(5)
-        report = await rollout(ctx, "start", model_id, "--version", new_version, "--package", entry["package"],
-                               "--io-fingerprint", entry["ioFingerprint"])
+        report = await _start(ctx, model_id, new_version, entry)
         reports.append(report)
         new_host = _version_host(ctx, model_id, new_version)
         if not report["ok"] or new_host is None:
