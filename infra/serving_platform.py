@@ -164,7 +164,11 @@ class ServingPlatform(pulumi.ComponentResource):
             kind="BackendTrafficPolicy",
             metadata={"name": GATEWAY_NAME, "namespace": ns_name, "labels": platform_labels("gateway")},
             spec={"targetRefs": gateway_ref,
-                  "timeout": {"http": {"connectionIdleTimeout": f"{pc.GATEWAY_UPSTREAM_IDLE_TIMEOUT_S}s"}}},
+                  "timeout": {"http": {"connectionIdleTimeout": f"{pc.GATEWAY_UPSTREAM_IDLE_TIMEOUT_S}s"}},
+                  # A failed attempt is retried on another pod (llm_serving/pod_contract.py says which and why).
+                  "retry": {"numRetries": pc.GATEWAY_RETRIES,
+                            "retryOn": {"triggers": list(pc.GATEWAY_RETRY_TRIGGERS),
+                                        "httpStatusCodes": list(pc.GATEWAY_RETRY_STATUS_CODES)}}},
             opts=gateway_opts)
         client_policy = k8s.apiextensions.CustomResource(
             f"{name}-gateway-client-traffic", api_version="gateway.envoyproxy.io/v1alpha1",

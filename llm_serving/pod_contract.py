@@ -45,6 +45,20 @@ GATEWAY_UPSTREAM_IDLE_TIMEOUT_S = 60
 NLB_TCP_IDLE_TIMEOUT_S = 350
 GATEWAY_CLIENT_IDLE_TIMEOUT_S = 300
 
+# -- retries at the gateway (issue 17) -----------------------------------------------------------------------------
+# A request a pod could not serve is retried by the Gateway on another pod before the client sees a failure: a
+# connection refused or reset before any answer (a pod that died or is going away) and the server-side statuses
+# 500, 502, 503 and 504 (a candidate that serves errors, a pod that is not ready yet or draining). The answer is
+# retried only before its first byte reaches the client (a stream is never restarted) and every retry goes to another
+# pod (Envoy Gateway adds the `previous_hosts` predicate to its retry policy; HAProxy's `option redispatch 1` in the
+# rehearsal). Never a 4xx: the request itself is wrong and would fail everywhere. Inference has no side effects to
+# repeat; the cost of a retry is the capacity it takes, bounded by GATEWAY_RETRIES. The rollout gate still sees every
+# failed attempt (Triton counts it on the pod that failed it), so a candidate that serves errors is rolled back while
+# clients see none of them.
+GATEWAY_RETRIES = 2
+GATEWAY_RETRY_STATUS_CODES = (500, 502, 503, 504)
+GATEWAY_RETRY_TRIGGERS = ("connect-failure", "reset", "retriable-status-codes")  # Envoy Gateway's RetryOn triggers
+
 # -- the user (non-root; above the host's system and user ranges) -------------------------------------------------
 RUN_AS_UID = 10001
 USER_NAME = "serving"

@@ -11,7 +11,8 @@ step comes here over the control socket, one at a time, and returns when it is d
   count are terminated as Kubernetes terminates them (out of the endpoints at once, preStop, SIGTERM, the grace
   period). A changed pod template is refused by name: the scenarios never change one in place;
 - an HTTPRoute or GRPCRoute: its backendRefs and weights go to the real proxy (proxy.py), weights in place through
-  HAProxy's runtime API, anything else with a seamless reload;
+  HAProxy's runtime API, anything else with a seamless reload; the Gateway's BackendTrafficPolicy (its retries)
+  goes there too;
 - any other resource (Services, PodMonitors, ScaledObjects, ...) is recorded: the proxy reads Services' selectors,
   the rest changes nothing here;
 - a delete: a Deployment's pods are terminated, a route leaves the proxy.
@@ -131,7 +132,8 @@ class RehearsalCluster:
 
     def proxy_config(self) -> proxy.ProxyConfig:
         routes = proxy.routes_from_rendered(self._resources(*ROUTE_TYPES))
-        return proxy.render_config(self.gateway, routes, self.endpoints(), self.settings)
+        retry = proxy.retry_from_rendered(self._resources(proxy.BACKEND_TRAFFIC_POLICY), self.gateway)
+        return proxy.render_config(self.gateway, routes, self.endpoints(), self.settings, retry)
 
     async def refresh_proxy(self) -> None:
         """Bring the proxy to the live routes and Ready pods; one apply at a time, each from the state as it is when
@@ -168,7 +170,7 @@ class RehearsalCluster:
             self.events.append(f"Deployment {name}: {ready}/{_replicas(inputs)} ready")
             return ready
         self.objects[key] = inputs
-        if type_ in ROUTE_TYPES or type_ == render.SERVICE:
+        if type_ in (*ROUTE_TYPES, render.SERVICE, proxy.BACKEND_TRAFFIC_POLICY):
             await self.refresh_proxy()
             if type_ in ROUTE_TYPES:
                 self.events.append(f"{type_.rsplit(':', 1)[-1]} {name}: {self._weights(inputs)}")
@@ -180,7 +182,7 @@ class RehearsalCluster:
             name = _k8s_name(previous, name)
             await self._stop([r for r in self.runners if r.plan.deployment == name])
             self.events.append(f"Deployment {name}: deleted")
-        elif type_ in ROUTE_TYPES or type_ == render.SERVICE:
+        elif type_ in (*ROUTE_TYPES, render.SERVICE, proxy.BACKEND_TRAFFIC_POLICY):
             await self.refresh_proxy()
 
     @staticmethod

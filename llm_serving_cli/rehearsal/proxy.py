@@ -44,6 +44,18 @@ Applying a change (`HAProxy.apply`), without dropping a connection:
   reload is the rehearsal's artifact (Envoy takes route and endpoint changes over xDS without draining), and this
   keeps it from failing requests that production would not fail. gRPC (HTTP/2) connections are kept alive.
 
+Retries (the Gateway's BackendTrafficPolicy, `retry_from_rendered`): Envoy Gateway's `retry` becomes, in every
+backend, `retries <numRetries>`, `retry-on` with HAProxy's names for the triggers (`connect-failure` -> conn-failure,
+`reset` -> empty-response (the pod closed or reset the connection without an answer), `retriable-status-codes` ->
+the `httpStatusCodes`, `5xx`, `gateway-error`) and `option redispatch 1`, so that every retry goes to another server
+when there is one, as Envoy Gateway's retry policy does (its `previous_hosts` predicate). HAProxy retries only before
+any byte of the answer went to the client, as Envoy does. What HAProxy cannot do is refused by name: gRPC-status
+triggers (the status comes in trailers, after the answer began), `retriable-4xx`, `refused-stream`,
+`reset-before-request`, status codes outside HAProxy's `retry-on` list, a per-retry timeout or back-off. A policy's
+`timeout` section (idle connection timeouts, pod_contract.py) is connection management, which HAProxy does its own
+way here (`timeout server`, one request per HTTP/1.1 client connection): read, not realised. Without a policy a
+failed attempt is the client's failure (`retries 0`), as with Envoy's default route.
+
 The runtime API alone cannot add a backend or a `use_backend` rule, and its `add server`/`del server` refuse a server
 that still holds idle connections (HTTP/2 backends always do), hence the reload for structural changes.
 """
@@ -66,6 +78,7 @@ from typing import Any
 GATEWAY = "kubernetes:gateway.networking.k8s.io/v1:Gateway"
 HTTP_ROUTE = "kubernetes:gateway.networking.k8s.io/v1:HTTPRoute"
 GRPC_ROUTE = "kubernetes:gateway.networking.k8s.io/v1:GRPCRoute"
+BACKEND_TRAFFIC_POLICY = "kubernetes:gateway.envoyproxy.io/v1alpha1:BackendTrafficPolicy"
 MAX_WEIGHT = 256  # HAProxy's largest server weight
 _W = "\x00W:{}\x00"  # a weight's placeholder in the skeleton
 
@@ -234,6 +247,79 @@ def routes_from_rendered(resources: Iterable[Mapping[str, Any]]) -> list[Route]:
     return [route_from_rendered(r) for r in resources if r.get("type") in (HTTP_ROUTE, GRPC_ROUTE)]
 
 
+@dataclass(frozen=True)
+class RetryPolicy:
+    """A Gateway-wide retry policy, in HAProxy's terms."""
+
+    retries: int
+    retry_on: tuple[str, ...]  # HAProxy's `retry-on` keywords and status codes
+    source: str  # the BackendTrafficPolicy it comes from
+
+
+ENVOY_DEFAULT_RETRIES = 2  # Envoy Gateway's numRetries when the policy gives none
+_HAPROXY_RETRY_STATUSES = frozenset({401, 403, 404, 408, 425, 500, 501, 502, 503, 504})  # what `retry-on` accepts
+_TRIGGER_STATUSES = {"5xx": (500, 501, 502, 503, 504), "gateway-error": (502, 503, 504)}
+_TRIGGER_KEYWORDS = {"connect-failure": ("conn-failure",), "reset": ("empty-response",)}
+_POLICY_KEYS = {"targetRefs", "targetRef", "retry", "timeout"}
+
+
+def retry_from_rendered(resources: Iterable[Mapping[str, Any]], gateway: Gateway) -> RetryPolicy | None:
+    """The retry policy of the BackendTrafficPolicy attached to `gateway` (None when there is none, or it has no
+    `retry`); a policy attached to anything else, or asking for what HAProxy cannot do, is refused by name."""
+    found: list[RetryPolicy] = []
+    for resource in resources:
+        if resource.get("type") != BACKEND_TRAFFIC_POLICY:
+            continue
+        name = _meta_name(resource)
+        spec = _spec(resource)
+        extra = sorted(set(spec) - _POLICY_KEYS)
+        if extra:
+            raise ProxyConfigError(f"BackendTrafficPolicy {name}: {', '.join(extra)} not realised (retry only)")
+        targets = spec.get("targetRefs") or ([spec["targetRef"]] if spec.get("targetRef") else [])
+        if not targets or any(t.get("kind") != "Gateway" or t.get("name") != gateway.name for t in targets):
+            raise ProxyConfigError(f"BackendTrafficPolicy {name}: only a policy attached to Gateway {gateway.name} "
+                                   f"is realised (targets {[(t.get('kind'), t.get('name')) for t in targets]})")
+        retry = spec.get("retry")
+        if retry is None:
+            continue
+        unknown = sorted(set(retry) - {"numRetries", "retryOn"})
+        if unknown:
+            raise ProxyConfigError(f"BackendTrafficPolicy {name}: retry.{', retry.'.join(unknown)} not realised "
+                                   "(HAProxy has no per-retry timeout or back-off)")
+        retry_on = retry.get("retryOn") or {}
+        triggers = list(retry_on.get("triggers") or [])
+        statuses = [int(c) for c in retry_on.get("httpStatusCodes") or []]
+        keywords: list[str] = []
+        for trigger in triggers:
+            if trigger in _TRIGGER_KEYWORDS:
+                keywords += _TRIGGER_KEYWORDS[trigger]
+            elif trigger in _TRIGGER_STATUSES:
+                statuses += _TRIGGER_STATUSES[trigger]
+            elif trigger != "retriable-status-codes":
+                raise ProxyConfigError(f"BackendTrafficPolicy {name}: retry trigger {trigger!r} is not realised "
+                                       "(connect-failure, reset, retriable-status-codes, 5xx, gateway-error)")
+        if statuses and "retriable-status-codes" not in triggers and not set(triggers) & set(_TRIGGER_STATUSES):
+            raise ProxyConfigError(f"BackendTrafficPolicy {name}: httpStatusCodes without the "
+                                   "retriable-status-codes trigger retry nothing in Envoy; refused as a likely mistake")
+        if "retriable-status-codes" in triggers and not retry_on.get("httpStatusCodes"):
+            raise ProxyConfigError(f"BackendTrafficPolicy {name}: retriable-status-codes without httpStatusCodes")
+        refused = sorted(set(statuses) - _HAPROXY_RETRY_STATUSES)
+        if refused:
+            raise ProxyConfigError(f"BackendTrafficPolicy {name}: HAProxy cannot retry on status {refused} "
+                                   f"(it can on {sorted(_HAPROXY_RETRY_STATUSES)})")
+        if not keywords and not statuses:
+            raise ProxyConfigError(f"BackendTrafficPolicy {name}: a retry policy without a trigger")
+        count = int(retry.get("numRetries", ENVOY_DEFAULT_RETRIES))
+        if count < 0:
+            raise ProxyConfigError(f"BackendTrafficPolicy {name}: numRetries {count} is negative")
+        ordered = tuple(dict.fromkeys(keywords)) + tuple(str(c) for c in sorted(set(statuses)))
+        found.append(RetryPolicy(count, ordered, name))
+    if len(found) > 1:
+        raise ProxyConfigError(f"Gateway {gateway.name}: {len(found)} BackendTrafficPolicies with a retry "
+                               f"({', '.join(p.source for p in found)}); Envoy Gateway would take the oldest")
+    return found[0] if found else None
+
+
 def endpoints_for_service(service: Mapping[str, Any], pods: Iterable[Any]) -> dict[tuple[str, int], list[Endpoint]]:
     """A rendered Service's ports -> its Ready pods' addresses. `pods`: objects with `pod`, `address` and `ports`
     (container port numbers by name), as services.Endpoint; a named targetPort is resolved per pod."""
@@ -320,8 +406,10 @@ def server_weights(shares: Sequence[tuple[int, int]]) -> list[int]:
     return [max(1, round(r * MAX_WEIGHT / top)) if r else 0 for r in raw]
 
 
-def render_config(gateway: Gateway, routes: Sequence[Route], endpoints: Endpoints, settings: Settings) -> ProxyConfig:
-    """HAProxy's configuration for `routes` on `gateway`, the backends being the pods in `endpoints`."""
+def render_config(gateway: Gateway, routes: Sequence[Route], endpoints: Endpoints, settings: Settings,
+                  retry: RetryPolicy | None = None) -> ProxyConfig:
+    """HAProxy's configuration for `routes` on `gateway`, the backends being the pods in `endpoints`; with `retry`,
+    a failed attempt is retried on another pod (the module's "Retries")."""
     by_port: dict[int, list[Listener]] = {}
     for li in gateway.listeners:
         by_port.setdefault(li.port, []).append(li)
@@ -344,7 +432,7 @@ def render_config(gateway: Gateway, routes: Sequence[Route], endpoints: Endpoint
                 backend = _ident(f"{route.kind.lower()}.{route.name}.{i}")
                 if backend not in used_names:
                     used_names.add(backend)
-                    lines, rule_weights = _backend(backend, route, rule, endpoints, settings)
+                    lines, rule_weights = _backend(backend, route, rule, endpoints, settings, retry)
                     backends.append(lines)
                     weights.update(rule_weights)
                     shares[backend] = {ref.service: ref.weight for ref in rule.backends}
@@ -367,7 +455,7 @@ def render_config(gateway: Gateway, routes: Sequence[Route], endpoints: Endpoint
            "    mode http",
            *(["    log global", "    option httplog"] if settings.access_log else []),
            "    option forwardfor",
-           "    retries 0  # a request the pod did not answer is a failure, as with Envoy's default route",
+           "    retries 0  # without a retry policy a failed attempt is the client's failure, as with Envoy's",
            f"    timeout connect {settings.timeout_connect_s}s",
            f"    timeout client {settings.timeout_client_s}s",
            f"    timeout server {settings.timeout_server_s}s",
@@ -406,8 +494,8 @@ def render_config(gateway: Gateway, routes: Sequence[Route], endpoints: Endpoint
     return ProxyConfig(text, skeleton, weights, settings.admin_socket, shares)
 
 
-def _backend(name: str, route: Route, rule: Rule, endpoints: Endpoints,
-             settings: Settings) -> tuple[str, dict[tuple[str, str], int]]:
+def _backend(name: str, route: Route, rule: Rule, endpoints: Endpoints, settings: Settings,
+             retry: RetryPolicy | None) -> tuple[str, dict[tuple[str, str], int]]:
     proto = " proto h2" if route.grpc else ""
     servers: list[tuple[str, str, int]] = []  # (server name, address:port, ref index)
     shares = []
@@ -420,6 +508,10 @@ def _backend(name: str, route: Route, rule: Rule, endpoints: Endpoints,
             servers.append((_ident(f"{ref.service}.{pod.pod}.{pod.port}"), f"{pod.address}:{pod.port}", k))
     per_ref = server_weights(shares)
     lines = [f"backend {name}  # route {route.name}", "    balance roundrobin"]
+    if retry is not None:
+        lines += [f"    retries {retry.retries}  # BackendTrafficPolicy {retry.source}",
+                  f"    retry-on {' '.join(retry.retry_on)}",
+                  "    option redispatch 1  # every retry on another server, when there is one"]
     weights = {}
     seen: set[str] = set()
     for server, address, k in servers:

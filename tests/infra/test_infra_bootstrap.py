@@ -186,6 +186,23 @@ def test_gateway_closes_idle_connections_before_the_pod_and_the_nlb_do(stack):
     assert int(downstream.removesuffix("s")) < pc.NLB_TCP_IDLE_TIMEOUT_S
 
 
+
+def test_gateway_retries_a_failed_attempt_on_another_pod_never_a_client_error(stack):
+    """Issue 17: the Gateway-wide BackendTrafficPolicy retries a refused or reset connection and the server-side
+    statuses (a candidate that serves errors, a pod not ready or draining), never a 4xx, a bounded number of times;
+    the values are the pod contract's, which the rehearsal's proxy realises from this same object."""
+    from llm_serving import pod_contract as pc
+
+    run, _ = stack
+    (backend,) = run.of_type("kubernetes:gateway.envoyproxy.io/v1alpha1:BackendTrafficPolicy")
+    retry = backend.inputs["spec"]["retry"]
+    assert retry["numRetries"] == pc.GATEWAY_RETRIES
+    assert set(retry["retryOn"]["triggers"]) == {"connect-failure", "reset", "retriable-status-codes"}
+    codes = retry["retryOn"]["httpStatusCodes"]
+    assert codes == list(pc.GATEWAY_RETRY_STATUS_CODES) and 503 in codes
+    assert all(500 <= code < 600 for code in codes)
+    assert 1 <= retry["numRetries"] <= 3  # bounded: a retry storm would take the capacity the rollout needs
+
 # -- routes wait for their controller (issue 18, scope 2) ---------------------------------------------------------
 
 

@@ -104,6 +104,7 @@ class Pod:
     def __init__(self, name: str):
         self.name = name
         self.counts: Counter[str] = Counter()
+        self.fail_status: int | None = None  # set: every HTTP request is answered with this status (a bad pod)
         self._lock = threading.Lock()
         pod = self
 
@@ -114,6 +115,15 @@ class Pod:
                 length = int(self.headers.get("Content-Length") or 0)
                 if length:
                     self.rfile.read(length)
+                if pod.fail_status is not None:
+                    pod._count("http-failed")
+                    body = b'{"error": "this pod serves errors"}'
+                    self.send_response(pod.fail_status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
                 pod._count("http")
                 body = json.dumps({"pod": pod.name, "path": self.path, "host": self.headers["Host"]}).encode()
                 self.send_response(200)
@@ -264,8 +274,25 @@ def running(workdir, certificate, ca, request):
 
 
 def render(resources: list[dict], endpoints: dict, cfg: Settings) -> proxy.ProxyConfig:
-    return proxy.render_config(proxy.gateway_from_rendered(resources), proxy.routes_from_rendered(resources),
-                               endpoints, cfg)
+    gateway = proxy.gateway_from_rendered(resources)
+    return proxy.render_config(gateway, proxy.routes_from_rendered(resources), endpoints, cfg,
+                               proxy.retry_from_rendered(resources, gateway))
+
+
+def retry_policy_resource(**retry) -> dict:
+    """The Gateway-wide BackendTrafficPolicy as infra/serving_platform.py renders it, from the same contract
+    (llm_serving.pod_contract); `retry` replaces its retry section."""
+    from llm_serving import pod_contract as pc
+
+    section = retry or {"numRetries": pc.GATEWAY_RETRIES,
+                        "retryOn": {"triggers": list(pc.GATEWAY_RETRY_TRIGGERS),
+                                    "httpStatusCodes": list(pc.GATEWAY_RETRY_STATUS_CODES)}}
+    return {"type": proxy.BACKEND_TRAFFIC_POLICY, "name": "platform-gateway-backend-traffic", "inputs": {
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1", "kind": "BackendTrafficPolicy",
+        "metadata": {"name": "llm-serving", "namespace": "llm-serving"},
+        "spec": {"targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "llm-serving"}],
+                 "timeout": {"http": {"connectionIdleTimeout": f"{pc.GATEWAY_UPSTREAM_IDLE_TIMEOUT_S}s"}},
+                 "retry": section}}}
 
 
 # -- the translation --------------------------------------------------------------------------------------------
@@ -324,6 +351,45 @@ def test_what_the_proxy_does_not_realise_is_named(change, message, tmp_path, cer
     resources = [gateway_resource(), *route_resources("chat", "chat", [("chat-1-0", 100)])]
     change(resources)
     with pytest.raises(ProxyConfigError, match=message):
+        render(resources, {}, settings(tmp_path, certificate, 8443))
+
+
+def test_the_gateways_retry_policy_becomes_haproxys_retries_on_another_server(tmp_path, certificate):
+    resources = [gateway_resource(), *route_resources("chat", "chat", [("chat-1-0", 50), ("chat-2-0", 50)]),
+                 retry_policy_resource()]
+    config = render(resources, {}, settings(tmp_path, certificate, 8443))
+    backends = config.text.count("\nbackend ") - 1  # every route rule's backend, not no-route's
+    assert backends == 3
+    assert config.text.count("\n    retries 2  # BackendTrafficPolicy llm-serving\n") == backends
+    assert config.text.count("\n    retry-on conn-failure empty-response 500 502 503 504\n") == backends
+    assert config.text.count("\n    option redispatch 1") == backends
+    assert "    retries 0" in config.text  # the defaults: no retry where no policy says so
+    HAProxy(tmp_path).check(config.text)
+    without = render(resources[:-1], {}, settings(tmp_path, certificate, 8443))
+    assert "retry-on" not in without.text
+
+
+@pytest.mark.parametrize(("retry", "message"), [
+    ({"numRetries": 2, "retryOn": {"triggers": ["unavailable"]}}, "retry trigger 'unavailable' is not realised"),
+    ({"numRetries": 2, "retryOn": {"triggers": ["retriable-status-codes"], "httpStatusCodes": [505]}},
+     r"cannot retry on status \[505\]"),
+    ({"numRetries": 2, "retryOn": {"triggers": ["retriable-status-codes"]}}, "without httpStatusCodes"),
+    ({"numRetries": 2, "retryOn": {"httpStatusCodes": [503]}}, "without the retriable-status-codes trigger"),
+    ({"numRetries": 2, "retryOn": {"triggers": ["reset"]}, "perRetry": {"timeout": "1s"}}, "retry.perRetry"),
+])
+def test_what_haproxy_cannot_retry_is_named(retry, message, tmp_path, certificate):
+    resources = [gateway_resource(), *route_resources("chat", "chat", [("chat-1-0", 100)]),
+                 retry_policy_resource(**retry)]
+    with pytest.raises(ProxyConfigError, match=message):
+        render(resources, {}, settings(tmp_path, certificate, 8443))
+
+
+def test_a_policy_attached_elsewhere_is_named(tmp_path, certificate):
+    policy = retry_policy_resource()
+    policy["inputs"]["spec"]["targetRefs"] = [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute",
+                                               "name": "chat-http"}]
+    resources = [gateway_resource(), *route_resources("chat", "chat", [("chat-1-0", 100)]), policy]
+    with pytest.raises(ProxyConfigError, match="only a policy attached to Gateway llm-serving"):
         render(resources, {}, settings(tmp_path, certificate, 8443))
 
 
@@ -544,3 +610,30 @@ def test_a_configuration_haproxy_refuses_leaves_the_running_one(running, pods):
     with gw.http() as client:
         assert gw.get(client, f"chat.{DOMAIN}", "/v1/models").json()["pod"] == "pod-a"
     assert subprocess.run(["haproxy", "-c", "-q", "-f", str(haproxy.config_path)]).returncode == 0
+
+
+def test_a_pod_that_serves_errors_is_retried_on_another_and_the_client_sees_none(running, workdir, certificate):
+    """A red-black split at 50/50 whose candidate pod answers every request with a 503 (its own pods here, so the
+    module's pods stay healthy): with the Gateway's retry policy every request succeeds on the healthy pod, while
+    the bad pod did get its share (each of its failures was retried elsewhere); without the policy, its share
+    fails. HAProxy's round robin on one thread alternates the two servers, so both counts are exact."""
+    haproxy, cfg, gw = running
+    good, bad = Pod("pod-good"), Pod("pod-bad")
+    bad.fail_status = 503
+    try:
+        endpoints = merge(good.endpoints("chat-1-0"), bad.endpoints("chat-2-0"))
+        routes = [gateway_resource(), *route_resources("chat", "chat", [("chat-1-0", 50), ("chat-2-0", 50)])]
+        haproxy.start(render([*routes, retry_policy_resource()], endpoints, cfg))
+        with gw.http() as client:
+            answers = [gw.get(client, f"chat.{DOMAIN}", "/v1/completions") for _ in range(10)]
+        assert [a.status_code for a in answers] == [200] * 10
+        assert {a.json()["pod"] for a in answers} == {"pod-good"}
+        assert good.counts["http"] == 10 and bad.counts["http-failed"] >= 4, (good.counts, bad.counts)
+        assert haproxy.apply(render(routes, endpoints, cfg)) == "reload"  # the policy removed
+        haproxy.wait_drained()
+        with gw.http() as client:
+            statuses = [gw.get(client, f"chat.{DOMAIN}", "/v1/completions").status_code for _ in range(10)]
+        assert statuses.count(503) >= 4 and statuses.count(200) >= 4, statuses
+    finally:
+        good.close()
+        bad.close()
