@@ -70,9 +70,10 @@ def _train_py(args: list[str], stdin: str | None = None) -> str:
     return done.stdout
 
 
-def train_ranker(weights: Path) -> Path:
-    """Train the ranker into `weights` (a new directory) and return the booster file."""
-    _train_py([str(weights)])
+def train_ranker(weights: Path, *, features: int | None = None) -> Path:
+    """Train the ranker into `weights` (a new directory) and return the booster file; with `features` (more than the
+    ranker's N_FEATURES) a booster its config does not fit: every request fails (examples/ranker/train.py)."""
+    _train_py([str(weights), *(["--features", str(features)] if features is not None else [])])
     return weights / BOOSTER_FILE
 
 

@@ -207,7 +207,10 @@ def main(argv: list[str] | None = None, *, policy_gate: PolicyGate | None = None
                                     args.min_requests)
         options = Options(args.steps, args.surge, thresholds, args.bake, args.idle_window, args.first_wave)
         rollout = Rollout(runner, args.model, stacks, options,
-                          gate=None if args.no_gate else prometheus_gate(clients, thresholds), prometheus=clients,
+                          gate=None if args.no_gate else prometheus_gate(
+                              clients, thresholds,
+                              lambda stack, model_id: StackFile.load(runner.config_path(stack)).model(model_id).kind),
+                          prometheus=clients,
                           on_event=lambda msg: console.print(f"[cyan]>[/] {msg}", highlight=False),
                           # Against the real buckets for a real rollout, or any reachable store given; the mock
                           # runner's stacks have no buckets otherwise.

@@ -1,7 +1,7 @@
 """The analysis gate between rollout steps, and the idle-version check, read from Prometheus' HTTP API
 (`GET /api/v1/query`, instant queries). Series are selected by the §3.10 labels as the platform's scrape config
 keeps them (`app_kubernetes_io_name`, `app_kubernetes_io_version`), with the metric names of §3.8 (Triton's request
-counters; vLLM's end-to-end latency histogram).
+counters; vLLM's end-to-end latency histogram for an LLM, Triton's request duration for the other kinds).
 """
 
 from __future__ import annotations
@@ -83,10 +83,20 @@ def error_ratio_query(model_id: str, version: str, window: str) -> str:
     return f"{failures} / ({successes} + {failures})"
 
 
-def latency_query(model_id: str, version: str, window: str, quantile: float) -> str:
+def latency_query(model_id: str, version: str, window: str, quantile: float, kind: str = "vllm") -> str:
+    """An LLM's (kind vllm) `quantile` of vLLM's end-to-end latency histogram; any other kind (no vLLM engine in its
+    pod, so no histogram) Triton's mean request duration over the window, in seconds: Triton exports cumulative
+    duration counters and no latency quantiles."""
     s = _sel(model_id, version)
-    buckets = f"rate(vllm:e2e_request_latency_seconds_bucket{{{s}}}[{window}])"
-    return f"histogram_quantile({quantile}, sum by (le) ({buckets}))"
+    if kind == "vllm":
+        buckets = f"rate(vllm:e2e_request_latency_seconds_bucket{{{s}}}[{window}])"
+        return f"histogram_quantile({quantile}, sum by (le) ({buckets}))"
+    return (f"sum(rate(nv_inference_request_duration_us{{{s}}}[{window}])) / "
+            f"sum(rate(nv_inference_request_success{{{s}}}[{window}])) / 1e6")
+
+
+def latency_label(kind: str, quantile: float) -> str:
+    return f"p{quantile * 100:g} latency" if kind == "vllm" else "mean latency"
 
 
 @dataclass(frozen=True)
@@ -115,24 +125,28 @@ class GateResult:
                 + ("" if self.passed else f" ({self.reason})"))
 
 
-def analyze(client: PrometheusClient, model_id: str, version: str, t: GateThresholds) -> GateResult:
-    """Does `version` of `model_id` serve within the thresholds over the last `t.window`?"""
+def analyze(client: PrometheusClient, model_id: str, version: str, t: GateThresholds,
+            kind: str = "vllm") -> GateResult:
+    """Does `version` of `model_id` (a model of `kind`, which says where its latency comes from: latency_query) serve
+    within the thresholds over the last `t.window`?"""
     requests = client.scalar(requests_query(model_id, version, t.window))
     if requests is None or requests < t.min_requests:
         return GateResult(False, requests, None, None,
                           f"{requests or 0:.0f} requests in {t.window}, fewer than the {t.min_requests:g} needed to "
                           f"judge {model_id} {version}")
     ratio = client.scalar(error_ratio_query(model_id, version, t.window))
-    latency = client.scalar(latency_query(model_id, version, t.window, t.quantile))
+    latency = client.scalar(latency_query(model_id, version, t.window, t.quantile, kind))
     reasons = []
     if ratio is None:
         reasons.append(f"no error-ratio data for {model_id} {version}")
     elif ratio > t.max_error_ratio:
         reasons.append(f"error ratio {ratio:.2%} above {t.max_error_ratio:.2%}")
     if latency is None:
-        reasons.append(f"no latency histogram (vllm:e2e_request_latency_seconds) for {model_id} {version}")
+        source = ("histogram (vllm:e2e_request_latency_seconds)" if kind == "vllm"
+                  else "data (Triton's nv_inference_request_duration_us)")
+        reasons.append(f"no latency {source} for {model_id} {version}")
     elif latency > t.max_latency_s:
-        reasons.append(f"p{t.quantile * 100:g} latency {latency:.2f}s above {t.max_latency_s:g}s")
+        reasons.append(f"{latency_label(kind, t.quantile)} {latency:.2f}s above {t.max_latency_s:g}s")
     return GateResult(not reasons, requests, ratio, latency, "; ".join(reasons))
 
 

@@ -94,9 +94,11 @@ def waves(stacks: list[str], first: int = 1) -> list[list[str]]:
 GateFn = Callable[[str, str, str], GateResult]  # (stack, model id, version) -> verdict
 
 
-def prometheus_gate(clients: dict[str, PrometheusClient], thresholds: GateThresholds) -> GateFn:
+def prometheus_gate(clients: dict[str, PrometheusClient], thresholds: GateThresholds,
+                    kind_of: Callable[[str, str], str] = lambda stack, model_id: "vllm") -> GateFn:
+    """The gate on each stack's Prometheus; `kind_of(stack, model id)` is the model's kind (its latency's source)."""
     def gate(stack: str, model_id: str, version: str) -> GateResult:
-        return analyze(clients[stack], model_id, version, thresholds)
+        return analyze(clients[stack], model_id, version, thresholds, kind_of(stack, model_id))
 
     return gate
 

@@ -47,6 +47,7 @@ from llm_serving_cli.rehearsal.tls import CertificateAuthority
 
 DEFAULT_STACK = "dev-us-east-1"
 DOCKERFILE = REPO_ROOT / "serving_image" / "Dockerfile"
+SCENARIOS = ("red-black", "rollback", "rollback-errors", "versioned")  # the rollout scenarios, in the order they run
 CRASH_LOOP_RESTARTS = 3  # a pod restarted this often without getting Ready fails the rehearsal
 
 
@@ -78,6 +79,7 @@ class Rehearsal:
         self.pod_count = 0  # pods created so far: the next pod's network index
         self.tasks: list[asyncio.Task] = []
         self.with_scenarios = True
+        self.only_scenarios: tuple[str, ...] = ()  # empty: every scenario the stack allows
         self.gateway: proxy.HAProxy | None = None
         self.storage_facts: dict[str, Any] = {}
 
@@ -348,19 +350,15 @@ class Rehearsal:
                            f"*.grpc.{domain}), TLS from the rehearsal's CA")
         return cluster, port, ca
 
-    def _publish(self, model: dict[str, Any], version: str, engine_overrides: dict | None) -> dict[str, str]:
-        """Package `version` of `model` as a model developer would, publish it to the rehearsal's S3 and let the FSx
-        association import it; returns the rollout's version entry (package URI, I/O fingerprint)."""
-        from llm_serving.package import PackageSpec, build_package, open_package
+    def _publish(self, model: dict[str, Any], version: str, defect: str | None) -> dict[str, str]:
+        """Package `version` of `model` (with a storage.DEFECTS mistake built in, or none) as a model developer
+        would, publish it to the rehearsal's S3 and let the FSx association import it; returns the rollout's version
+        entry (package URI, I/O fingerprint)."""
+        from llm_serving.package import open_package
 
         facts = self.storage_facts
         out = self.workdir / "packages"
-        if engine_overrides:
-            args = {**storage.REHEARSAL_ENGINE_ARGS, **engine_overrides}
-            path = build_package(PackageSpec(facts["demo"], model["id"], version, engine_args=args),
-                                 out / f"{model['id']}-{version}.tar.gz")
-        else:
-            path = storage.build_version(model, version, out, demo_model=facts["demo"])
+        path = storage.build_version(model, version, out, demo_model=facts["demo"], defect=defect)
         record = storage.publish(path, facts["store_uri"], self.store)
         if facts["region"] != facts["home"]:
             storage.replicate(self.store, facts["home"], facts["region"], "models/")
@@ -378,20 +376,35 @@ class Rehearsal:
                                 rendered.config["llm-serving:serving"]["domain"], ca.httpx_verify(), self.console,
                                 self._publish)
         ctx.copy_stacks()
-        red_black = next((m for m in rendered.models if m.get("strategy") == "red-black"), None)
+        def red_black_of(kind: str) -> dict[str, Any] | None:
+            return next((m for m in rendered.models if m.get("strategy") == "red-black" and m["kind"] == kind), None)
+
+        red_black, erroring = red_black_of("vllm"), red_black_of(storage.DEFECTS["serves-errors"])
         versioned = next((m for m in rendered.models if m.get("strategy") == "versioned"), None)
         runs = []
         if red_black is None:
-            self.console.print(f"[yellow]{self.stack} has no red-black model: no red-black scenarios[/]")
+            self.console.print(f"[yellow]{self.stack} has no red-black LLM: no red-black and crash rollback "
+                               "scenarios[/]")
         else:
             good, bad = _next_minor(str(red_black["active"]), 1), _next_minor(str(red_black["active"]), 2)
             runs += [("red-black", lambda: scenarios.red_black(ctx, red_black["id"], good)),
                      ("rollback", lambda: scenarios.rollback(ctx, red_black["id"], bad))]
+        if erroring is None:
+            self.console.print(f"[yellow]{self.stack} has no red-black Python-backend model: no rollback of a "
+                               "candidate that serves errors[/]")
+        else:
+            runs.append(("rollback-errors", lambda: scenarios.rollback_errors(
+                ctx, erroring["id"], _next_minor(str(erroring["active"]), 1))))
         if versioned is None:
             self.console.print(f"[yellow]{self.stack} has no versioned model: no versioned scenario[/]")
         else:
             newest = str(versioned["versions"][-1]["version"])
             runs.append(("versioned", lambda: scenarios.versioned(ctx, versioned["id"], _next_minor(newest, 1))))
+        if self.only_scenarios:
+            runs = [(name, run) for name, run in runs if name in self.only_scenarios]
+            missing = sorted(set(self.only_scenarios) - {name for name, _ in runs})
+            if missing:
+                raise RehearsalError(f"{self.stack} cannot run scenario(s) {', '.join(missing)} (see above)")
         results = []
         try:
             for name, run in runs:
@@ -490,10 +503,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stack", default=DEFAULT_STACK, help=f"a stack in stacks/ (default {DEFAULT_STACK})")
     parser.add_argument("--no-scenarios", action="store_true",
                         help="bring the stack up and drive traffic only, without the rollout scenarios")
+    parser.add_argument("--scenario", action="append", choices=SCENARIOS, dest="scenarios",
+                        help="run this rollout scenario only (repeat for several; default: all of them, in order)")
     args = parser.parse_args(argv)
+    if args.no_scenarios and args.scenarios:
+        parser.error("--no-scenarios and --scenario contradict each other")
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
     rehearsal = Rehearsal(args.stack, console)
     rehearsal.with_scenarios = not args.no_scenarios
+    rehearsal.only_scenarios = tuple(args.scenarios or ())
 
     async def body() -> int:
         rendered = rehearsal.prepare()

@@ -4,6 +4,8 @@ through the gateway:
 - red-black of the LLM from its active version to a new one, to completion;
 - red-black to a candidate that crashes on start: the update fails (its pods never get Ready), the rollout rolls
   the stack back, and the old version serves all traffic again;
+- red-black to a candidate that serves errors (ready, but every request fails): the Gateway retries its failures on
+  the old pods, the gate sees them and the rollout rolls the stack back;
 - versioned: a new (id, version) whose I/O contract changes (the ranker's extra output) is served beside the old
   one, each on its own hostname; old-format requests keep succeeding on the old version while new-format requests
   (asking for the new output) succeed on the new one; once the old version's consumers have moved (its load stops)
@@ -76,7 +78,7 @@ class Context:
     domain: str
     verify: Any  # the httpx verify context trusting the rehearsal's CA
     console: Console
-    publish: Any  # (model dict, version, engine_args | None) -> {"package": uri, "ioFingerprint": fp}
+    publish: Any  # (model dict, version, storage.DEFECTS key | None) -> {"package": uri, "ioFingerprint": fp}
 
     @property
     def config_dir(self) -> Path:
@@ -210,7 +212,7 @@ async def rollback(ctx: Context, model_id: str, bad_version: str) -> ScenarioRes
     crash-loop, the update fails, the rollout rolls the stack back."""
     model = _model_config(ctx, model_id)
     from_version = str(model["active"])
-    entry = ctx.publish(model, bad_version, {"max_model_len": 1 << 20})
+    entry = ctx.publish(model, bad_version, "crash-on-start")
     ctx.cluster.pods.reset_peaks()
     reports: list[dict[str, Any]] = []
 
@@ -226,6 +228,61 @@ async def rollback(ctx: Context, model_id: str, bad_version: str) -> ScenarioRes
     peak = ctx.cluster.pods.peak.get(model_id, 0)
     line = (f"rollback {model_id} {from_version} -> {bad_version}: {'rolled back' if back else status}; "
             f"{load.requests} requests, {load.failed} failed")
+    return ScenarioResult("rollback", line, back and load.failed == 0 and peak <= bound, load.requests, load.failed,
+                          peak, bound, samples, load.failures(), reports)
+
+
+async def rollback_errors(ctx: Context, model_id: str, bad_version: str) -> ScenarioResult:
+    """A candidate that starts, passes its probes and fails every request (storage.DEFECTS "serves-errors"): it
+    takes its share of traffic at the first step, the Gateway retries each of its failures on an old pod (the
+    BackendTrafficPolicy, pod_contract.py), the gate reads the candidate's failures from Prometheus (Triton counts
+    every failed attempt) and the rollout rolls the stack back. Under KServe load (the model's own I/O) through the
+    gateway."""
+    model = _model_config(ctx, model_id)
+    from_version = str(model["active"])
+    entry = ctx.publish(model, bad_version, "serves-errors")
+    ctx.cluster.pods.reset_peaks()
+    host = f"{model_id}.{ctx.domain}"
+    meta = await _metadata(ctx, host, model_id)
+    outputs = [t["name"] for t in meta["outputs"]]
+    load = LoadResult()
+    stop, stop_samples = asyncio.Event(), asyncio.Event()
+    samples: list[Sample] = []
+    reports: list[dict[str, Any]] = []
+
+    async def sampler() -> None:
+        while not stop_samples.is_set():
+            weights, ready = _versions_view(ctx, model_id)
+            samples.append(Sample(time.monotonic() - load.started, weights, ready, load.requests, load.failed))
+            if len(samples) % 5 == 1:
+                ctx.console.print(f"  [dim]{samples[-1].at:6.0f}s[/] weights {weights or '-'}  ready {ready or '-'}  "
+                                  f"requests {load.requests}, failed {load.failed}", highlight=False)
+            await asyncio.sleep(1)
+
+    tasks = [asyncio.create_task(run_kserve_load(ctx.gateway_port, host, model_id, _infer_body(meta), outputs,
+                                                 ctx.verify, stop, load, pause_s=0.5)),
+             asyncio.create_task(sampler())]
+    try:
+        await asyncio.sleep(5)
+        report = await _start(ctx, model_id, bad_version, entry)
+        reports.append(report)
+        await asyncio.sleep(5)
+    finally:
+        stop.set()
+        stop_samples.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    stack = report["stacks"][0]
+    gate = stack.get("gate") or {}
+    weights, ready = _versions_view(ctx, model_id)
+    served = any(s.weights.get(bad_version, 0) > 0 for s in samples)  # the candidate did take traffic
+    back = (stack["status"] == "rolled back" and weights == {from_version: 100} and set(ready) == {from_version}
+            and served and gate.get("passed") is False and "error ratio" in (gate.get("reason") or ""))
+    outcome = "rolled back" if back else (f"{stack['status']} (candidate weighted: {served}, gate: "
+                                          f"{gate.get('reason') or gate.get('passed')})")
+    bound = int(model["replicas"]) + SURGE
+    peak = ctx.cluster.pods.peak.get(model_id, 0)
+    line = (f"rollback {model_id} {from_version} -> {bad_version}: {outcome}; {load.requests} requests, "
+            f"{load.failed} failed")
     return ScenarioResult("rollback", line, back and load.failed == 0 and peak <= bound, load.requests, load.failed,
                           peak, bound, samples, load.failures(), reports)
 

@@ -54,9 +54,19 @@ def start_store() -> Store:
 
 # What the rehearsal packages for a (model, version), by the model's kind: an LLM (`vllm`) from the demo LLM, with
 # the (id, version); a Python-backend model (`python`) is the demo ranker (llm_serving_cli/demo_packages.py), its
-# plain I/O (features -> score) at every version but those below, which have its second I/O contract (one more
+# plain I/O (features -> score) at every (id, version) but those below, which have its second I/O contract (one more
 # output, `rank`): the dev stack's ranker runs 1.0.0 and the versioned rollout scenario publishes 1.1.0.
-RANKER_RANK_VERSIONS = frozenset({"1.1.0"})
+RANKER_RANK_VERSIONS = frozenset({("ranker", "1.1.0")})
+
+# The failing candidates the rollback scenarios publish (scenarios.py), each a mistake a model developer could make
+# and publish, by the kinds they apply to:
+# - "crash-on-start" (an LLM): model.json asks for a context far beyond the model's (max_model_len 2**20), so vLLM
+#   refuses to start and the pod crash-loops;
+# - "serves-errors" (a Python-backend model): the ranker with a booster trained on one feature more than its
+#   config.pbtxt declares: Triton loads it and reports it ready, and every request fails in xgboost ("Feature shape
+#   mismatch", a 500 from Triton).
+DEFECTS = {"crash-on-start": "vllm", "serves-errors": "python"}
+CRASH_ON_START_ENGINE_ARGS = {"max_model_len": 1 << 20}
 
 
 def package_source(model: dict[str, Any], version: str) -> str:
@@ -67,32 +77,39 @@ def package_source(model: dict[str, Any], version: str) -> str:
         return "the demo LLM (a vLLM package)"
     if kind == "python":
         return ("the demo ranker with its second I/O contract (features -> score, rank)"
-                if version in RANKER_RANK_VERSIONS else "the demo ranker (features -> score)")
+                if (model["id"], version) in RANKER_RANK_VERSIONS else "the demo ranker (features -> score)")
     raise StorageError(f"{model['id']} {version}: the rehearsal packages LLMs (kind vllm, from the demo LLM) and "
                        f"Python-backend models (kind python, from the demo ranker); {model['id']} is kind {kind}")
 
 
-def build_version(model: dict[str, Any], version: str, out: Path, *, demo_model: Path | None = None) -> Path:
+def build_version(model: dict[str, Any], version: str, out: Path, *, demo_model: Path | None = None,
+                  defect: str | None = None) -> Path:
     """The package of `version` of `model` (a stack's model entry; the version listed there or not yet: a rollout
     publishes the new version before `llm-serving rollout start` names it), from `package_source`, built as
-    `<out>/<id>-<version>.tar.gz`. The ranker's booster is trained once per `out` (deterministically)."""
+    `<out>/<id>-<version>.tar.gz`; with `defect` (a DEFECTS key), that mistake built in. The ranker's boosters are
+    trained once per `out` (deterministically)."""
     from llm_serving.package import PackageSpec, build_package
 
     package_source(model, version)
     model_id = model["id"]
+    if defect is not None and DEFECTS.get(defect) != model["kind"]:
+        raise StorageError(f"{model_id} {version}: no defect {defect!r} for kind {model['kind']} (the rehearsal "
+                           f"builds {', '.join(f'{d} into kind {k}' for d, k in DEFECTS.items())})")
     out.mkdir(parents=True, exist_ok=True)
     target = out / f"{model_id}-{version}.tar.gz"
     if model["kind"] == "vllm":
         if demo_model is None:
             raise StorageError(f"{model_id} {version}: an LLM (kind vllm) is packaged from the demo LLM; none given")
-        return build_package(PackageSpec(demo_model, model_id, version, engine_args=REHEARSAL_ENGINE_ARGS), target)
+        args = {**REHEARSAL_ENGINE_ARGS, **(CRASH_ON_START_ENGINE_ARGS if defect == "crash-on-start" else {})}
+        return build_package(PackageSpec(demo_model, model_id, version, engine_args=args), target)
     from llm_serving_cli import demo_packages
 
-    weights = out / "ranker-weights"
+    extra = 1 if defect == "serves-errors" else 0
+    weights = out / ("ranker-weights" if not extra else f"ranker-weights-{demo_packages.N_FEATURES + extra}-features")
     if not (weights / demo_packages.BOOSTER_FILE).is_file():
-        demo_packages.train_ranker(weights)
-    return demo_packages.build_ranker(target, version, weights=weights, rank=version in RANKER_RANK_VERSIONS,
-                                      model_id=model_id)
+        demo_packages.train_ranker(weights, features=demo_packages.N_FEATURES + extra if extra else None)
+    return demo_packages.build_ranker(target, version, weights=weights,
+                                      rank=(model_id, version) in RANKER_RANK_VERSIONS, model_id=model_id)
 
 
 def package_versions(models: list[dict[str, Any]], demo_model: Path | None, out: Path,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llm_serving import pod_contract as pc
+from serving_image.triton.backends.vllm.engine_wire import ENGINE_NICE_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,6 +44,13 @@ IMAGE_ENV_OVERRIDES: dict[str, str] = {
     # a new pod's engine took minutes to start while the others served. Here the pods share the machine's cores as
     # the kernel schedules them; in production each pod has its node's CPUs and GPU to itself.
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    # vLLM's CPU workers busy-poll their message queue for a second after each step, so two engines serving a light
+    # load keep both cores busy; a new pod's Triton stub, sharing those cores, then missed the Python backend's
+    # one-second health handshake during its engine's start (measured: a 300 ms sleeper woke up to 590 ms late), the
+    # model's load failed and Triton hung waiting for the stub (every red-black candidate's pod, until this). The
+    # engines (the stand-in backend's engine processes, engine_wire.ENGINE_NICE_ENV) run at a lower priority than
+    # the pods' own processes; in production each pod has its node's CPUs to itself.
+    ENGINE_NICE_ENV: "10",
 }
 
 NVIDIA_ENTRYPOINT_STAND_IN = """#!/bin/sh
@@ -71,7 +79,8 @@ def substitutions(python: Path | None = None) -> list[Substitution]:
                      "the release's Triton, its backends and CUDA are in the image only"),
         Substitution("the image's PATH", "PATH with the serving environment's python3 first", "no image"),
         Substitution("a node's CPUs for each pod's engine", "VLLM_CPU_OMP_THREADS_BIND=nobind: the engines of every "
-                     "pod share this machine's cores (vLLM's CPU build binds each engine to core 0 otherwise)",
+                     "pod share this machine's cores (vLLM's CPU build binds each engine to core 0 otherwise); "
+                     f"{ENGINE_NICE_ENV}=10: the engines run below the pods' Triton and stub threads",
                      "several engine pods on one 2-core machine"),
         Substitution("GPUs (nvidia.com/gpu requests and limits)", "none: reported against the node group, not granted",
                      "no GPU here"),

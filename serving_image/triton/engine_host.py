@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -427,7 +428,17 @@ def main(argv: list[str] | None = None) -> None:
     # (Triton unloading the model as the server stops), draining its engine, not on the terminal's SIGINT, which
     # would interrupt it mid-request with a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    lower_priority(os.environ.get(wire.ENGINE_NICE_ENV))
     sys.exit(asyncio.run(run(args.model_json, args.fd, args.model_name, args.model_version)))
+
+
+def lower_priority(value: str | None) -> None:
+    """Take the niceness `value` names ($LLM_SERVING_ENGINE_NICE, engine_wire), before vLLM's processes start."""
+    if not value:
+        return
+    if not value.isdigit() or not 1 <= int(value) <= 19:
+        raise SystemExit(f"${wire.ENGINE_NICE_ENV}={value!r}: a niceness from 1 to 19")
+    os.nice(int(value))
 
 
 if __name__ == "__main__":

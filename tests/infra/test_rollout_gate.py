@@ -40,6 +40,9 @@ class Exporter:
             total = c["ok"] + c["fail"]
             lines = ["# TYPE nv_inference_request_success counter", f"nv_inference_request_success {c['ok']}",
                      "# TYPE nv_inference_request_failure counter", f"nv_inference_request_failure {c['fail']}",
+                     # Triton's cumulative duration of the successful requests (what a non-vLLM model is judged by)
+                     "# TYPE nv_inference_request_duration_us counter",
+                     f"nv_inference_request_duration_us {c['ok'] * c['lat'] * 1e6:.0f}",
                      "# TYPE vllm:e2e_request_latency_seconds histogram"]
             for le in BUCKETS:
                 lines.append(f'vllm:e2e_request_latency_seconds_bucket{{le="{le}"}} {total if c["lat"] <= le else 0}')
@@ -127,6 +130,19 @@ def test_failing_version_fails_on_errors_and_latency(prometheus):
     relaxed = analyze(prometheus, "chat", "2.0", GateThresholds(window="30s", max_error_ratio=0.5,
                                                                   max_latency_s=120))
     assert relaxed.passed, relaxed
+
+
+def test_a_model_without_vllm_is_judged_by_tritons_mean_request_duration(prometheus):
+    """A Python-backend or ensemble model has no vLLM engine, hence no vLLM histogram: its latency is Triton's mean
+    request duration (Triton exports cumulative counters, no quantiles); judged on vLLM's histogram it would have no
+    latency data and never pass."""
+    healthy = analyze(prometheus, "chat", "1.0", GateThresholds(window="30s"), kind="python")
+    assert healthy.passed, healthy
+    assert healthy.latency_s == pytest.approx(0.8, rel=0.01)
+    failing = analyze(prometheus, "chat", "2.0", GateThresholds(window="30s"), kind="python")
+    assert not failing.passed and failing.latency_s == pytest.approx(40.0, rel=0.01)
+    assert "mean latency 40.00s above 30s" in failing.reason and "error ratio 40" in failing.reason
+    assert "no latency" not in analyze(prometheus, "chat", "1.0", GateThresholds(window="30s")).reason
 
 
 def test_version_without_series_has_no_evidence(prometheus):

@@ -67,15 +67,19 @@ def _node_groups(rendered: render.Rendered) -> list[dict]:
 
 
 def test_the_dev_stack_holds_what_the_rollout_scenarios_roll(dev, tmp_path):
-    """A red-black LLM at two replicas and a versioned CPU model (the demo ranker) at one, each pod a plan."""
+    """A red-black LLM at two replicas, a versioned CPU model (the demo ranker) at one and a red-black CPU model (the
+    same ranker as `scorer`, for the candidate that serves errors) at one, each pod a plan."""
     models = {m["id"]: m for m in dev.models}
     assert (models["chat-small"]["strategy"], models["chat-small"]["replicas"]) == ("red-black", 2)
+    scorer = models["scorer"]
+    assert (scorer["kind"], scorer["strategy"], scorer["replicas"], scorer["active"]) == ("python", "red-black", 1,
+                                                                                          "1.0.0")
     ranker = models["ranker"]
     assert (ranker["kind"], ranker["strategy"], ranker["replicas"], "gpu" in ranker) == ("python", "versioned", 1,
                                                                                           False)
     assert [v["version"] for v in ranker["versions"]] == ["1.0.0"]
     assert sorted(p.name for p in _plans(dev, tmp_path)) == [
-        "chat-small-1-0-0-0", "chat-small-1-0-0-1", "ranker-1-0-0-0"]
+        "chat-small-1-0-0-0", "chat-small-1-0-0-1", "ranker-1-0-0-0", "scorer-1-0-0-0"]
     (plan,) = _plans(dev, tmp_path, "ranker")
     line = podspec.placement_report(plan, _node_groups(dev))
     assert "would land on eks-cpu-cpu (c7i.xlarge)" in line and "GPU" not in line
@@ -486,3 +490,33 @@ def test_a_volume_that_would_hide_the_checkout_is_mounted_last_and_carries_it():
                          for m in mounts], ["/work/clone"])
     assert [m["target"] for m, _ in order] == ["/tmp", "/var/run/llm-serving", "/dev/shm", "/mnt/model-cache"]
     assert all(kept == [] for _, kept in order)
+
+
+def test_the_failing_candidates_carry_their_defect_and_only_for_their_kind(dev, tmp_path):
+    """The rollback scenarios' candidates (storage.DEFECTS): the LLM that crashes on start asks for a context far
+    beyond its model's; the Python-backend model that serves errors keeps its I/O contract (its fingerprint, so the
+    rollout accepts it) and carries a booster trained on one feature more than its config declares, which xgboost
+    refuses for every request; a defect is built only into the kind it applies to."""
+    from llm_serving.package import open_package
+
+    models = {m["id"]: m for m in dev.models}
+    chat, ranker = models["chat-small"], models["ranker"]
+    out, demo = tmp_path / "packages", _fake_llm(tmp_path)
+    crash = open_package(storage.build_version(chat, "1.2.0", out, demo_model=demo, defect="crash-on-start"),
+                         tmp_path / "verify").manifest
+    assert crash.engine.args["max_model_len"] == 1 << 20 and crash.model.version == "1.2.0"
+
+    good = open_package(storage.build_version(ranker, "1.0.0", out), tmp_path / "verify").manifest
+    bad = open_package(storage.build_version(ranker, "1.0.1", out, defect="serves-errors"),
+                       tmp_path / "verify").manifest
+    assert bad.model.io_fingerprint == good.model.io_fingerprint  # the same I/O: the rollout takes it
+
+    def n_features(version: str) -> int:
+        booster = json.loads((tmp_path / "verify" / f"ranker-{version}" / "weights" / "ranker.json").read_text())
+        return int(booster["learner"]["learner_model_param"]["num_feature"])
+
+    assert (n_features("1.0.0"), n_features("1.0.1")) == (8, 9)
+    with pytest.raises(storage.StorageError, match="ranker 1.0.2: no defect 'crash-on-start' for kind python"):
+        storage.build_version(ranker, "1.0.2", out, defect="crash-on-start")
+    with pytest.raises(storage.StorageError, match="chat-small 1.3.0: no defect 'serves-errors' for kind vllm"):
+        storage.build_version(chat, "1.3.0", out, demo_model=demo, defect="serves-errors")

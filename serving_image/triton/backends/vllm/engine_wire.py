@@ -31,6 +31,11 @@ MAX_MESSAGE = 256 * 1024 * 1024
 # procedure before it starts tritonserver; the stub passes its environment on).
 ENGINE_PYTHON_ENV = "LLM_SERVING_ENGINE_PYTHON"
 ENGINE_MODULE = "serving_image.triton.engine_host"
+# An optional niceness (1..19) the engine process takes before it starts vLLM, which its engine core and workers
+# inherit: set where several pods' engines share a machine's cores (the rehearsal, llm_serving_cli/rehearsal/
+# substitutions.py), so that vLLM's busy-polling workers cannot starve the pods' Triton and stub threads (the Python
+# backend's stub must answer its parent's health check within a second, or the model's load fails).
+ENGINE_NICE_ENV = "LLM_SERVING_ENGINE_NICE"
 
 
 def encode(message: dict) -> bytes:
