@@ -53,9 +53,12 @@ def write(results: list[ScenarioResult], stack: str, final_line: str, out_dir: P
         lines += [f"## {r.name}", ""]
         for report in r.reports:
             for stack_report in report.get("stacks", []):
+                gate = stack_report.get("gate") or {}
+                verdict = (f" (gate: {'pass' if gate.get('passed') else 'FAIL'}"
+                           f"{': ' + gate['reason'] if gate.get('reason') else ''})" if gate else "")
                 lines.append(f"- `rollout {report.get('action')}`: {stack_report.get('status')} "
                              f"{stack_report.get('before', '')} -> {stack_report.get('after', '')} "
-                             f"{stack_report.get('detail', '')}".rstrip())
+                             f"{stack_report.get('detail', '')}".rstrip() + verdict)
         if r.failures:
             lines += ["", "Failed requests (first ten):", ""] + [f"- {f}" for f in r.failures]
         lines.append("")

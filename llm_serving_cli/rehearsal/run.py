@@ -153,7 +153,13 @@ class Rehearsal:
             claims[claim["inputs"]["metadata"]["name"]] = str(fsx)
 
         def scratch(pod: str, volume: str) -> Path:
-            path = self.workdir / "pods" / pod / volume
+            # A fresh directory per plan: an emptyDir lives as long as its pod, and a plan may be made for a name
+            # that runs (scaling a Deployment up plans every replica; the cluster drops the running ones' plans) or
+            # that ran before (a version rolled out again).
+            path, n = self.workdir / "pods" / pod / volume, 1
+            while path.exists():
+                n += 1
+                path = self.workdir / "pods" / pod / f"{volume}.{n}"
             path.mkdir(parents=True)
             path.chmod(0o777)  # an emptyDir: writable by the pod's user (and its fsGroup)
             return path

@@ -283,8 +283,8 @@ async def rollback_errors(ctx: Context, model_id: str, bad_version: str) -> Scen
     peak = ctx.cluster.pods.peak.get(model_id, 0)
     line = (f"rollback {model_id} {from_version} -> {bad_version}: {outcome}; {load.requests} requests, "
             f"{load.failed} failed")
-    return ScenarioResult("rollback", line, back and load.failed == 0 and peak <= bound, load.requests, load.failed,
-                          peak, bound, samples, load.failures(), reports)
+    return ScenarioResult("rollback-errors", line, back and load.failed == 0 and peak <= bound, load.requests,
+                          load.failed, peak, bound, samples, load.failures(), reports)
 
 
 def _version_host(ctx: Context, model_id: str, version: str) -> str | None:

@@ -56,8 +56,21 @@ def ranker_rank_package(ranker_packages, tmp_path_factory) -> Path:
                         model_id=RANKER_RANK_ID)
 
 
+RANKER_MISFIT_ID = "ranker-misfit"
+
+
 @pytest.fixture(scope="session")
-def triton_standalone(demo_model_dir, tmp_path_factory, ranker_packages, ranker_rank_package):
+def ranker_misfit_package(tmp_path_factory) -> Path:
+    """The rehearsal's candidate that serves errors (llm_serving_cli/rehearsal/storage.py, defect "serves-errors"):
+    the ranker with a booster trained on one feature more than its config declares, as RANKER_MISFIT_ID 1.0.1."""
+    from llm_serving_cli.rehearsal import storage
+
+    model = {"id": RANKER_MISFIT_ID, "kind": "python"}
+    return storage.build_version(model, "1.0.1", tmp_path_factory.mktemp("ranker-misfit"), defect="serves-errors")
+
+
+@pytest.fixture(scope="session")
+def triton_standalone(demo_model_dir, tmp_path_factory, ranker_packages, ranker_rank_package, ranker_misfit_package):
     from llm_serving.manifest import ServingMode
     from llm_serving.package import PackageSpec, build_package
     from serving_image.local_server import start_standalone_server
@@ -66,7 +79,7 @@ def triton_standalone(demo_model_dir, tmp_path_factory, ranker_packages, ranker_
     llm = build_package(PackageSpec(demo_model_dir, "demo-tiny", "1.0.0", engine_args=TRITON_ENGINE_ARGS,
                                     serving_mode=ServingMode.STANDALONE), root / "demo-tiny")
     example = build_example_package(root / "ticket-triage")
-    companions = (example, *ranker_packages, ranker_rank_package)
+    companions = (example, *ranker_packages, ranker_rank_package, ranker_misfit_package)
     server = start_standalone_server(llm, root / "work", companions=companions)
     try:
         yield server

@@ -17,11 +17,12 @@ import pytest
 
 from llm_serving import dockerfile
 from llm_serving import pod_contract as pc
-from llm_serving_cli.rehearsal import kubelet, observe, podspec, render, storage, substitutions, traffic
+from llm_serving_cli.rehearsal import kubelet, observe, podspec, proxy, render, storage, substitutions, traffic
 from llm_serving_cli.rehearsal.kubelet import PodRunner, ProbeState, backoff_s
 from llm_serving_cli.rehearsal.launcher import _hidden_ancestor, mount_order
 from llm_serving_cli.rehearsal.podspec import PodPlan, Probe
 from llm_serving_cli.rehearsal.services import Endpoint, ServiceProxy
+from llm_serving_cli.rehearsal.tls import CertificateAuthority
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = dockerfile.read(REPO / "serving_image" / "Dockerfile")
@@ -520,3 +521,20 @@ def test_the_failing_candidates_carry_their_defect_and_only_for_their_kind(dev, 
         storage.build_version(ranker, "1.0.2", out, defect="crash-on-start")
     with pytest.raises(storage.StorageError, match="chat-small 1.3.0: no defect 'serves-errors' for kind vllm"):
         storage.build_version(chat, "1.3.0", out, demo_model=demo, defect="serves-errors")
+
+
+def test_the_gateways_retry_policy_as_the_program_renders_it_is_what_haproxy_realises(dev, tmp_path):
+    """The seam program -> gateway: the dev stack's rendered Gateway, routes and BackendTrafficPolicy become one
+    HAProxy configuration (checked by haproxy -c) in which every route rule's backend retries a refused or reset
+    attempt and the pod contract's statuses on another server."""
+    gateway = proxy.gateway_from_rendered(dev.resources)
+    retry = proxy.retry_from_rendered(dev.resources, gateway)
+    assert retry is not None and retry.retries == pc.GATEWAY_RETRIES
+    assert retry.retry_on == ("conn-failure", "empty-response", *map(str, pc.GATEWAY_RETRY_STATUS_CODES))
+    settings = proxy.Settings(binds={443: ("127.0.0.1", 8443)}, admin_socket=tmp_path / "admin.sock",
+                              certificate=tmp_path / "unused.pem")
+    config = proxy.render_config(gateway, proxy.routes_from_rendered(dev.resources), {}, settings, retry)
+    backends = config.text.count("\nbackend ") - 1
+    assert backends >= 6 and config.text.count("    option redispatch 1") == backends  # 3 models, HTTP and gRPC
+    certificate = CertificateAuthority.create(tmp_path / "ca").issue(["*.test"], tmp_path / "tls")
+    proxy.HAProxy(tmp_path).check(config.text.replace(str(tmp_path / "unused.pem"), str(certificate.pem_path)))

@@ -32,7 +32,7 @@ from llm_serving_cli.demo_packages import (
     booster_predictions,
 )
 from serving_image.triton.repository import RepositoryError, resolve_ensembles
-from tests.serving.conftest import RANKER_RANK_ID
+from tests.serving.conftest import RANKER_MISFIT_ID, RANKER_RANK_ID
 
 LLM = "demo-tiny"
 PIPELINE_CONFIG = RANKER_EXAMPLE / "pipeline" / "config.pbtxt"
@@ -172,6 +172,29 @@ def test_the_rankers_second_io_contract_answers_old_format_requests_and_adds_ran
     assert plain.model.io_fingerprint != ranked.model.io_fingerprint
     config = _http(triton_standalone).get_model_config(RANKER_RANK_ID)
     assert [o["name"] for o in config["output"]] == ["score", "rank"]
+
+
+def test_a_package_whose_booster_does_not_fit_its_config_is_ready_and_fails_every_request_as_a_500(
+        triton_standalone):
+    """The rehearsal's candidate that serves errors: Triton loads it and reports it ready (its probes pass), and
+    every request fails inside the model with the server's error, HTTP 500, which the Gateway retries on another pod
+    (llm_serving/pod_contract.py GATEWAY_RETRY_STATUS_CODES); over gRPC the same failure is INTERNAL."""
+    from llm_serving import pod_contract as pc
+
+    client = _http(triton_standalone)
+    assert client.is_model_ready(RANKER_MISFIT_ID)
+    features = _features(_raw_batch(3))
+    inputs = [httpclient.InferInput("features", list(features.shape), "FP32")]
+    inputs[0].set_data_from_numpy(features)
+    with pytest.raises(InferenceServerException) as err:
+        client.infer(RANKER_MISFIT_ID, inputs)
+    assert "Feature shape mismatch" in err.value.message(), err.value.message()
+    assert int(err.value.status()) == 500 and 500 in pc.GATEWAY_RETRY_STATUS_CODES
+    grpc_inputs = [grpcclient.InferInput("features", list(features.shape), "FP32")]
+    grpc_inputs[0].set_data_from_numpy(features)
+    with pytest.raises(InferenceServerException) as err:
+        _grpc(triton_standalone).infer(RANKER_MISFIT_ID, grpc_inputs)
+    assert err.value.status() == "StatusCode.INTERNAL" and "Feature shape mismatch" in err.value.message()
 
 
 def test_ensemble_answers_as_one_model(triton_standalone, ranker_packages):

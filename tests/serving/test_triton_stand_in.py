@@ -138,3 +138,26 @@ def test_a_missing_triton_says_how_to_get_it(tmp_path):
     (tmp_path / "venv" / "lib" / "python3.11" / "site-packages").mkdir(parents=True)
     with pytest.raises(TritonNotInstalledError, match="nvidia-pytriton is not installed .*make triton-env"):
         locate(tmp_path / "venv")
+
+
+def test_the_engine_process_takes_the_niceness_it_is_given_and_refuses_a_bad_one():
+    """$LLM_SERVING_ENGINE_NICE (the rehearsal sets it): the engine process lowers its own priority before vLLM's
+    processes start (they inherit it); anything but 1..19 stops it, naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os; from serving_image.triton.engine_host import lower_priority; before = os.nice(0); "
+            "lower_priority(os.environ.get('LLM_SERVING_ENGINE_NICE')); print(os.nice(0) - before)")
+
+    def run(value: str | None) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != engine_wire.ENGINE_NICE_ENV}
+        if value is not None:
+            env[engine_wire.ENGINE_NICE_ENV] = value
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+    assert run("10").stdout.strip() == "10"
+    assert run(None).stdout.strip() == "0"
+    for bad in ("0", "20", "-5", "high"):
+        done = run(bad)
+        assert done.returncode != 0 and "$LLM_SERVING_ENGINE_NICE" in done.stderr and "1 to 19" in done.stderr, bad
