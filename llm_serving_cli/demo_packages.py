@@ -70,10 +70,9 @@ def _train_py(args: list[str], stdin: str | None = None) -> str:
     return done.stdout
 
 
-def train_ranker(weights: Path, *, features: int | None = None) -> Path:
-    """Train the ranker into `weights` (a new directory) and return the booster file; with `features` (more than the
-    ranker's N_FEATURES) a booster its config does not fit: every request fails (examples/ranker/train.py)."""
-    _train_py([str(weights), *(["--features", str(features)] if features is not None else [])])
+def train_ranker(weights: Path) -> Path:
+    """Train the ranker into `weights` (a new directory) and return the booster file."""
+    _train_py([str(weights)])
     return weights / BOOSTER_FILE
 
 
@@ -100,14 +99,17 @@ def ranker_config(*, rank: bool = False) -> str:
 
 
 def build_ranker(out: Path, version: str, *, weights: Path, rank: bool = False,
-                 serving_mode: ServingMode = ServingMode.STANDALONE, model_id: str = RANKER_ID) -> Path:
+                 serving_mode: ServingMode = ServingMode.STANDALONE, model_id: str = RANKER_ID,
+                 python_model: Path | None = None) -> Path:
     """The ranker's package at `out` (a directory, or a `.tar.gz`) from a trained booster's directory `weights`
-    (train_ranker); with `rank`, the second I/O contract (one more output, the same inputs)."""
+    (train_ranker); with `rank`, the second I/O contract (one more output, the same inputs); `python_model` replaces
+    examples/ranker's model code (the same I/O)."""
     with tempfile.TemporaryDirectory(prefix="ranker-config-") as tmp:
         config = Path(tmp) / "config.pbtxt"
         config.write_text(ranker_config(rank=rank))
         return build_package(PackageSpec(weights, model_id, version, backend=Backend.PYTHON,
-                                         serving_mode=serving_mode, python_model=RANKER_EXAMPLE / "model",
+                                         serving_mode=serving_mode,
+                                         python_model=python_model or RANKER_EXAMPLE / "model",
                                          config_pbtxt=config), out)
 
 

@@ -14,8 +14,12 @@ from typing import Any
 
 from llm_serving_cli.rehearsal.substitutions import REPO_ROOT
 
-# Small enough for several engines on two CPU cores; the package carries them (no local overrides).
-REHEARSAL_ENGINE_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 64 * 1024 * 1024, "dtype": "float32"}
+# Small enough for several engines on two CPU cores; the package carries them (no local overrides). Eager: no
+# torch.compile warm-up, which took a minute of both cores per pod while the other pods served, and made a new
+# pod's model load (the Python-backend stub's initialize, docs/rehearsal.md) long enough to lose Triton's stub
+# handshake now and then.
+REHEARSAL_ENGINE_ARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 64 * 1024 * 1024, "dtype": "float32",
+                         "enforce_eager": True}
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "rehearsal", "AWS_SECRET_ACCESS_KEY": "rehearsal",
                "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -62,11 +66,33 @@ RANKER_RANK_VERSIONS = frozenset({("ranker", "1.1.0")})
 # and publish, by the kinds they apply to:
 # - "crash-on-start" (an LLM): model.json asks for a context far beyond the model's (max_model_len 2**20), so vLLM
 #   refuses to start and the pod crash-loops;
-# - "serves-errors" (a Python-backend model): the ranker with a booster trained on one feature more than its
-#   config.pbtxt declares: Triton loads it and reports it ready, and every request fails in xgboost ("Feature shape
-#   mismatch", a 500 from Triton).
+# - "serves-errors" (a Python-backend model): the ranker whose new model code calibrates its scores with a file the
+#   package does not ship (SERVES_ERRORS_MODEL below): it loads, Triton reports it ready, and every request fails
+#   in the model with the server's error (Triton's 500), the client's input being fine.
 DEFECTS = {"crash-on-start": "vllm", "serves-errors": "python"}
 CRASH_ON_START_ENGINE_ARGS = {"max_model_len": 1 << 20}
+SERVES_ERRORS_MODEL = '''
+# -- appended by the rehearsal (llm_serving_cli/rehearsal/storage.py, defect "serves-errors"): the version a developer
+# changed to calibrate its scores with weights/calibration.json, which the package does not ship. It loads and is
+# ready; every request fails here, after its input was accepted: the server's error, never the client's.
+_RankerModel = TritonPythonModel
+
+
+class TritonPythonModel(_RankerModel):
+    def initialize(self, args):
+        super().initialize(args)
+        config = json.loads(args["model_config"])
+        self.calibration = os.path.join(config["parameters"]["weights_dir"]["string_value"], "calibration.json")
+
+    def execute(self, requests):
+        with open(self.calibration) as f:  # FileNotFoundError: the package has no calibration file
+            scale = json.load(f)["scale"]
+        return [_scaled(r, scale) for r in super().execute(requests)]
+
+
+def _scaled(response, scale):
+    return response
+'''
 
 
 def package_source(model: dict[str, Any], version: str) -> str:
@@ -104,12 +130,17 @@ def build_version(model: dict[str, Any], version: str, out: Path, *, demo_model:
         return build_package(PackageSpec(demo_model, model_id, version, engine_args=args), target)
     from llm_serving_cli import demo_packages
 
-    extra = 1 if defect == "serves-errors" else 0
-    weights = out / ("ranker-weights" if not extra else f"ranker-weights-{demo_packages.N_FEATURES + extra}-features")
+    weights = out / "ranker-weights"
     if not (weights / demo_packages.BOOSTER_FILE).is_file():
-        demo_packages.train_ranker(weights, features=demo_packages.N_FEATURES + extra if extra else None)
+        demo_packages.train_ranker(weights)
+    python_model = None
+    if defect == "serves-errors":
+        python_model = out / f"{model_id}-{version}-model" / "model.py"
+        python_model.parent.mkdir(parents=True, exist_ok=True)
+        python_model.write_text((demo_packages.RANKER_EXAMPLE / "model" / "model.py").read_text() + SERVES_ERRORS_MODEL)
     return demo_packages.build_ranker(target, version, weights=weights,
-                                      rank=(model_id, version) in RANKER_RANK_VERSIONS, model_id=model_id)
+                                      rank=(model_id, version) in RANKER_RANK_VERSIONS, model_id=model_id,
+                                      python_model=python_model)
 
 
 def package_versions(models: list[dict[str, Any]], demo_model: Path | None, out: Path,

@@ -62,7 +62,7 @@ RANKER_MISFIT_ID = "ranker-misfit"
 @pytest.fixture(scope="session")
 def ranker_misfit_package(tmp_path_factory) -> Path:
     """The rehearsal's candidate that serves errors (llm_serving_cli/rehearsal/storage.py, defect "serves-errors"):
-    the ranker with a booster trained on one feature more than its config declares, as RANKER_MISFIT_ID 1.0.1."""
+    the ranker whose model code reads a calibration file its package lacks, as RANKER_MISFIT_ID 1.0.1."""
     from llm_serving_cli.rehearsal import storage
 
     model = {"id": RANKER_MISFIT_ID, "kind": "python"}

@@ -496,8 +496,9 @@ def test_a_volume_that_would_hide_the_checkout_is_mounted_last_and_carries_it():
 def test_the_failing_candidates_carry_their_defect_and_only_for_their_kind(dev, tmp_path):
     """The rollback scenarios' candidates (storage.DEFECTS): the LLM that crashes on start asks for a context far
     beyond its model's; the Python-backend model that serves errors keeps its I/O contract (its fingerprint, so the
-    rollout accepts it) and carries a booster trained on one feature more than its config declares, which xgboost
-    refuses for every request; a defect is built only into the kind it applies to."""
+    rollout accepts it) and the same booster, its model code reading a calibration file the package does not ship
+    (that it loads and fails every request is tested in the real Triton: test_triton_model_kinds.py); a defect is
+    built only into the kind it applies to."""
     from llm_serving.package import open_package
 
     models = {m["id"]: m for m in dev.models}
@@ -512,11 +513,13 @@ def test_the_failing_candidates_carry_their_defect_and_only_for_their_kind(dev, 
                        tmp_path / "verify").manifest
     assert bad.model.io_fingerprint == good.model.io_fingerprint  # the same I/O: the rollout takes it
 
-    def n_features(version: str) -> int:
-        booster = json.loads((tmp_path / "verify" / f"ranker-{version}" / "weights" / "ranker.json").read_text())
-        return int(booster["learner"]["learner_model_param"]["num_feature"])
+    def unpacked(version: str, path: str) -> bytes:
+        return (tmp_path / "verify" / f"ranker-{version}" / path).read_bytes()
 
-    assert (n_features("1.0.0"), n_features("1.0.1")) == (8, 9)
+    assert unpacked("1.0.1", "weights/ranker.json") == unpacked("1.0.0", "weights/ranker.json")
+    code = unpacked("1.0.1", bad.python.model_py).decode()
+    assert code.startswith(unpacked("1.0.0", good.python.model_py).decode()) and "calibration.json" in code
+    assert not (tmp_path / "verify" / "ranker-1.0.1" / "weights" / "calibration.json").exists()
     with pytest.raises(storage.StorageError, match="ranker 1.0.2: no defect 'crash-on-start' for kind python"):
         storage.build_version(ranker, "1.0.2", out, defect="crash-on-start")
     with pytest.raises(storage.StorageError, match="chat-small 1.3.0: no defect 'serves-errors' for kind vllm"):

@@ -174,7 +174,7 @@ def test_the_rankers_second_io_contract_answers_old_format_requests_and_adds_ran
     assert [o["name"] for o in config["output"]] == ["score", "rank"]
 
 
-def test_a_package_whose_booster_does_not_fit_its_config_is_ready_and_fails_every_request_as_a_500(
+def test_a_package_whose_model_code_fails_every_request_is_ready_and_answers_500(
         triton_standalone):
     """The rehearsal's candidate that serves errors: Triton loads it and reports it ready (its probes pass), and
     every request fails inside the model with the server's error, HTTP 500, which the Gateway retries on another pod
@@ -188,13 +188,13 @@ def test_a_package_whose_booster_does_not_fit_its_config_is_ready_and_fails_ever
     inputs[0].set_data_from_numpy(features)
     with pytest.raises(InferenceServerException) as err:
         client.infer(RANKER_MISFIT_ID, inputs)
-    assert "Feature shape mismatch" in err.value.message(), err.value.message()
+    assert "calibration.json" in err.value.message(), err.value.message()
     assert int(err.value.status()) == 500 and 500 in pc.GATEWAY_RETRY_STATUS_CODES
     grpc_inputs = [grpcclient.InferInput("features", list(features.shape), "FP32")]
     grpc_inputs[0].set_data_from_numpy(features)
     with pytest.raises(InferenceServerException) as err:
         _grpc(triton_standalone).infer(RANKER_MISFIT_ID, grpc_inputs)
-    assert err.value.status() == "StatusCode.INTERNAL" and "Feature shape mismatch" in err.value.message()
+    assert err.value.status() == "StatusCode.INTERNAL" and "calibration.json" in err.value.message()
 
 
 def test_ensemble_answers_as_one_model(triton_standalone, ranker_packages):
