@@ -48,8 +48,10 @@ Retries (the Gateway's BackendTrafficPolicy, `retry_from_rendered`): Envoy Gatew
 backend, `retries <numRetries>`, `retry-on` with HAProxy's names for the triggers (`connect-failure` -> conn-failure,
 `reset` -> empty-response (the pod closed or reset the connection without an answer), `retriable-status-codes` ->
 the `httpStatusCodes`, `5xx`, `gateway-error`) and `option redispatch 1`, so that every retry goes to another server
-when there is one, as Envoy Gateway's retry policy does (its `previous_hosts` predicate). HAProxy retries only before
-any byte of the answer went to the client, as Envoy does. What HAProxy cannot do is refused by name: gRPC-status
+when there is one, as Envoy Gateway's retry policy does (its `previous_hosts` predicate), and `option
+http-buffer-request` (HAProxy retries only a request it holds whole, so it reads the body before choosing a server;
+Envoy buffers a request for its retries too). HAProxy retries only before any byte of the answer went to the client,
+as Envoy does. What HAProxy cannot do is refused by name: gRPC-status
 triggers (the status comes in trailers, after the answer began), `retriable-4xx`, `refused-stream`,
 `reset-before-request`, status codes outside HAProxy's `retry-on` list, a per-retry timeout or back-off. A policy's
 `timeout` section (idle connection timeouts, pod_contract.py) is connection management, which HAProxy does its own
@@ -511,7 +513,9 @@ def _backend(name: str, route: Route, rule: Rule, endpoints: Endpoints, settings
     if retry is not None:
         lines += [f"    retries {retry.retries}  # BackendTrafficPolicy {retry.source}",
                   f"    retry-on {' '.join(retry.retry_on)}",
-                  "    option redispatch 1  # every retry on another server, when there is one"]
+                  "    option redispatch 1  # every retry on another server, when there is one",
+                  # HAProxy retries only a request it holds whole: the body is read before a server is chosen
+                  "    option http-buffer-request"]
     weights = {}
     seen: set[str] = set()
     for server, address, k in servers:

@@ -363,6 +363,7 @@ def test_the_gateways_retry_policy_becomes_haproxys_retries_on_another_server(tm
     assert config.text.count("\n    retries 2  # BackendTrafficPolicy llm-serving\n") == backends
     assert config.text.count("\n    retry-on conn-failure empty-response 500 502 503 504\n") == backends
     assert config.text.count("\n    option redispatch 1") == backends
+    assert config.text.count("\n    option http-buffer-request") == backends
     assert "    retries 0" in config.text  # the defaults: no retry where no policy says so
     HAProxy(tmp_path).check(config.text)
     without = render(resources[:-1], {}, settings(tmp_path, certificate, 8443))
@@ -624,15 +625,20 @@ def test_a_pod_that_serves_errors_is_retried_on_another_and_the_client_sees_none
         endpoints = merge(good.endpoints("chat-1-0"), bad.endpoints("chat-2-0"))
         routes = [gateway_resource(), *route_resources("chat", "chat", [("chat-1-0", 50), ("chat-2-0", 50)])]
         haproxy.start(render([*routes, retry_policy_resource()], endpoints, cfg))
+        body = {"model": "chat", "prompt": "x" * 2000, "max_tokens": 4}  # a POST with a body, as clients send
         with gw.http() as client:
-            answers = [gw.get(client, f"chat.{DOMAIN}", "/v1/completions") for _ in range(10)]
+            answers = [client.post(f"https://127.0.0.1:{gw.port}/v1/completions", json=body,
+                                   headers={"Host": f"chat.{DOMAIN}"}, extensions={"sni_hostname": f"chat.{DOMAIN}"})
+                       for _ in range(10)]
         assert [a.status_code for a in answers] == [200] * 10
         assert {a.json()["pod"] for a in answers} == {"pod-good"}
         assert good.counts["http"] == 10 and bad.counts["http-failed"] >= 4, (good.counts, bad.counts)
         assert haproxy.apply(render(routes, endpoints, cfg)) == "reload"  # the policy removed
         haproxy.wait_drained()
         with gw.http() as client:
-            statuses = [gw.get(client, f"chat.{DOMAIN}", "/v1/completions").status_code for _ in range(10)]
+            statuses = [client.post(f"https://127.0.0.1:{gw.port}/v1/completions", json=body,
+                                    headers={"Host": f"chat.{DOMAIN}"},
+                                    extensions={"sni_hostname": f"chat.{DOMAIN}"}).status_code for _ in range(10)]
         assert statuses.count(503) >= 4 and statuses.count(200) >= 4, statuses
     finally:
         good.close()
