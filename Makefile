@@ -43,7 +43,7 @@ bench: serving-env triton-env
 # A stack's model pods on this machine as their rendered Deployments say (docs/rehearsal.md). Needs root (network
 # and mount namespaces). Not part of `make test` (its time budget): run on its own, e.g. as a CI step of its own.
 STACK ?= dev-us-east-1
-rehearse: serving-env infra-env
+rehearse: serving-env infra-env triton-env
 	$(SERVING)/bin/llm-serving rehearse --stack "$(STACK)"
 
 lint: serving-env
