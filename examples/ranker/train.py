@@ -1,10 +1,6 @@
 """Train the demo ranker (examples/ranker) on fixed synthetic data, deterministically, and write the booster.
 
     python train.py OUT_DIR                  writes OUT_DIR/ranker.json (XGBoost's JSON model format)
-    python train.py OUT_DIR --features N     the same with N > 8 features, the extra ones noise: a booster that
-                                             the ranker's config.pbtxt (8 features) does not fit, so every
-                                             request fails in xgboost ("Feature shape mismatch"); the
-                                             rehearsal's candidate that serves errors (docs/rehearsal.md)
     python train.py --predict MODEL_JSON     reads {"features": [[...], ...]} on stdin, writes the booster's own
                                              predictions ({"scores": [...]}) on stdout (the tests compare with it)
 
@@ -41,23 +37,20 @@ def features_from_raw(raw: np.ndarray) -> np.ndarray:
     return np.log1p(raw).astype(np.float32)
 
 
-def synthetic_data(n_features: int = N_FEATURES) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def synthetic_data() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(SEED)
-    raw = rng.exponential(scale=3.0, size=(QUERIES * PER_QUERY, n_features))
+    raw = rng.exponential(scale=3.0, size=(QUERIES * PER_QUERY, N_FEATURES))
     features = features_from_raw(raw)
-    weights = np.concatenate([WEIGHTS, np.zeros(n_features - N_FEATURES)])  # extra features carry no signal
-    signal = features.astype(np.float64) @ weights + rng.normal(0.0, 0.5, size=len(features))
+    signal = features.astype(np.float64) @ WEIGHTS + rng.normal(0.0, 0.5, size=len(features))
     labels = np.digitize(signal, np.quantile(signal, [0.5, 0.8, 0.95])).astype(np.float32)
     qid = np.repeat(np.arange(QUERIES), PER_QUERY)
     return features, labels, qid
 
 
-def train(out_dir: Path, n_features: int = N_FEATURES) -> Path:
+def train(out_dir: Path) -> Path:
     import xgboost as xgb
 
-    if n_features < N_FEATURES:
-        raise ValueError(f"--features {n_features}: at least the ranker's {N_FEATURES}")
-    features, labels, qid = synthetic_data(n_features)
+    features, labels, qid = synthetic_data()
     dtrain = xgb.DMatrix(features, label=labels, qid=qid, nthread=1)
     booster = xgb.train(PARAMS, dtrain, num_boost_round=ROUNDS)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -79,9 +72,6 @@ def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "--predict":
         request = json.load(sys.stdin)
         json.dump({"scores": predict(Path(argv[1]), request["features"])}, sys.stdout)
-        return 0
-    if len(argv) == 3 and argv[1] == "--features" and argv[2].isdigit():
-        print(train(Path(argv[0]), int(argv[2])))
         return 0
     if len(argv) != 1 or argv[0].startswith("-"):
         print(__doc__, file=sys.stderr)
