@@ -133,13 +133,15 @@ def _versions_view(ctx: Context, model_id: str) -> tuple[dict[str, int], dict[st
     return weights, ready
 
 
-async def _under_load(ctx: Context, model_id: str, body) -> tuple[LoadResult, list[Sample], Any]:
-    """Run `body()` with the load on and a sample every second (and a live line every five)."""
+async def _under_load(ctx: Context, model_id: str, body, start_load=None) -> tuple[LoadResult, list[Sample], Any]:
+    """Run `body()` with the load on and a sample every second (and a live line every five). The load is OpenAI
+    completions on the model's hostname, or what `start_load(host, stop, result)` returns (a coroutine)."""
     stop = asyncio.Event()
     load = LoadResult()
     samples: list[Sample] = []
     host = f"{model_id}.{ctx.domain}"
-    load_task = asyncio.create_task(run_load(ctx.gateway_port, host, model_id, ctx.verify, stop, load))
+    load_task = asyncio.create_task(start_load(host, stop, load) if start_load is not None else
+                                    run_load(ctx.gateway_port, host, model_id, ctx.verify, stop, load))
 
     async def sampler() -> None:
         tick = 0
@@ -242,35 +244,16 @@ async def rollback_errors(ctx: Context, model_id: str, bad_version: str) -> Scen
     from_version = str(model["active"])
     entry = ctx.publish(model, bad_version, "serves-errors")
     ctx.cluster.pods.reset_peaks()
-    host = f"{model_id}.{ctx.domain}"
-    meta = await _metadata(ctx, host, model_id)
+    meta = await _metadata(ctx, f"{model_id}.{ctx.domain}", model_id)
     outputs = [t["name"] for t in meta["outputs"]]
-    load = LoadResult()
-    stop, stop_samples = asyncio.Event(), asyncio.Event()
-    samples: list[Sample] = []
-    reports: list[dict[str, Any]] = []
 
-    async def sampler() -> None:
-        while not stop_samples.is_set():
-            weights, ready = _versions_view(ctx, model_id)
-            samples.append(Sample(time.monotonic() - load.started, weights, ready, load.requests, load.failed))
-            if len(samples) % 5 == 1:
-                ctx.console.print(f"  [dim]{samples[-1].at:6.0f}s[/] weights {weights or '-'}  ready {ready or '-'}  "
-                                  f"requests {load.requests}, failed {load.failed}", highlight=False)
-            await asyncio.sleep(1)
+    def kserve_load(host: str, stop: asyncio.Event, result: LoadResult):
+        return run_kserve_load(ctx.gateway_port, host, model_id, _infer_body(meta), outputs, ctx.verify, stop, result,
+                               pause_s=0.5)
 
-    tasks = [asyncio.create_task(run_kserve_load(ctx.gateway_port, host, model_id, _infer_body(meta), outputs,
-                                                 ctx.verify, stop, load, pause_s=0.5)),
-             asyncio.create_task(sampler())]
-    try:
-        await asyncio.sleep(5)
-        report = await _start(ctx, model_id, bad_version, entry)
-        reports.append(report)
-        await asyncio.sleep(5)
-    finally:
-        stop.set()
-        stop_samples.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    load, samples, report = await _under_load(ctx, model_id, lambda: _start(ctx, model_id, bad_version, entry),
+                                              kserve_load)
+    reports = [report]
     stack = report["stacks"][0]
     gate = stack.get("gate") or {}
     weights, ready = _versions_view(ctx, model_id)

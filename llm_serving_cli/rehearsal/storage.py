@@ -108,7 +108,7 @@ def build_version(model: dict[str, Any], version: str, out: Path, *, demo_model:
                   defect: str | None = None) -> Path:
     """The package of `version` of `model` (a stack's model entry; the version listed there or not yet: a rollout
     publishes the new version before `llm-serving rollout start` names it), from `package_source`, built as
-    `<out>/<id>-<version>.tar.gz`; with `defect` (a DEFECTS key), that mistake built in. The ranker's boosters are
+    `<out>/<id>-<version>.tar.gz`; with `defect` (a DEFECTS key), that mistake built in. The ranker's booster is
     trained once per `out` (deterministically)."""
     from llm_serving.package import PackageSpec, build_package
 
