@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llm_serving import pod_contract as pc
-from serving_image.triton.backends.vllm.engine_wire import ENGINE_NICE_ENV
+from serving_image.triton.backends.vllm.engine_in_stub import ENGINE_NICE_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ front-ends and the metrics proxy all use.
 
 - In the image the library is the Triton release's and the backend directory its own (NVIDIA's vllm backend).
 - Locally it is nvidia-pytriton's libtritonserver (2.51) with the backend directory of the standalone mode (NVIDIA's
-  Python backend and this project's stand-in `vllm` backend, whose engine process runs in .venv-serving).
+  Python backend and this project's stand-in `vllm` backend, whose stub imports vLLM from .venv-serving).
 
 Loading the library needs its dependency folder on the loader's path when the process starts
 (serving_image/triton/capi/library.py): `reexec_with_loader_path` is what the startup procedure calls first, and it
@@ -97,7 +97,7 @@ async def start_embedded(*, repository: Path, models: str | Sequence[str], backe
     in one model's instance creation after its `initialize` had returned (the server's thread joining an instance
     thread, the stub idle). On 2 cores the engines' starts gain nothing from overlapping anyway."""
     models = (models,) if isinstance(models, str) else tuple(models)
-    os.environ.update(env or {})  # read by the backends' child processes (the stand-in's engine interpreter)
+    os.environ.update(env or {})  # read by the backends' child processes (the stubs)
     options = capi.ServerOptions(model_repository=repository, backend_directory=backend_directory,
                                  exit_timeout_s=exit_timeout_s, log_verbose=log_verbose)
     started = time.perf_counter()

@@ -1,13 +1,11 @@
-"""The engine process behind the stand-in `vllm` backend (serving_image/triton/backends/vllm/model.py).
-
-Started by the backend's `initialize` with .venv-serving's interpreter, on one end of a Unix socket pair:
-
-    python -m serving_image.triton.engine_host --model-json <repo>/<m>/1/model.json --fd N --model-name M
+"""The engine behind the stand-in `vllm` backend (serving_image/triton/backends/vllm/model.py) and the platform's
+scoring model, in the Python backend stub's own process (serving_image/triton/backends/vllm/engine_in_stub.py runs
+it on a thread of its own, with .venv-serving's packages after the stub's).
 
 It starts vLLM's AsyncLLM from model.json through the project's adapter (serving_image/engine/vllm_local.py: the
-same engine arguments, KV-cache sizing, structured-output settings and metrics as the `openai` mode; vLLM's metrics
-go to $PROMETHEUS_MULTIPROC_DIR, and plugins such as the constraint processor load through their entry points), then
-serves the backend's requests until the socket closes (the model is unloaded, or the stub died).
+same engine arguments, KV-cache sizing, structured-output settings and metrics as everywhere; vLLM's metrics go to
+$PROMETHEUS_MULTIPROC_DIR, and plugins such as the constraint processor load through their entry points), then
+serves the model's requests (`EngineHost`) until the model is unloaded.
 
 `sampling_parameters` is parsed here, as NVIDIA's backend does (`TritonSamplingParams.from_dict`): a JSON object;
 `None` values dropped; `structured_outputs` a JSON string for StructuredOutputsParams; `guided_decoding` a string or an
@@ -18,16 +16,12 @@ field, converted with int()/float() where the field says so. Unlike that backend
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
 import math
-import os
-import signal
-import socket
-import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +32,6 @@ from serving_image.engine.base import (
     context_window_error,
 )
 from serving_image.kserve.translate import backend_logprobs
-from serving_image.triton.backends.vllm import engine_wire as wire
 
 log = logging.getLogger("llm_serving.triton.engine_host")
 
@@ -223,13 +216,33 @@ def _engine_args(config: dict) -> tuple[Path, Path, dict]:
 
 
 class EngineHost:
-    def __init__(self, engine, writer: asyncio.StreamWriter):
+    """Serves one engine's messages (serving_image/triton/backends/vllm/engine_in_stub.py lists them): each request
+    runs as a task on the engine's loop, and every answer, delta or error goes to `sink`, on that loop."""
+
+    def __init__(self, engine, sink: Callable[[dict], None]):
         self.engine = engine
-        self.writer = writer
+        self.send = sink
         self.tasks: dict[str, asyncio.Task] = {}
 
-    def send(self, message: dict) -> None:
-        self.writer.write(wire.encode(message))
+    def dispatch(self, message: dict) -> None:
+        """One message from the model (on the engine's loop)."""
+        op = message.get("op")
+        if op == "abort":
+            task = self.tasks.pop(message["id"], None)
+            if task is not None:
+                task.cancel()
+            return
+        work = {"generate": self.generate, "embed": self.embed, "score": self.score}.get(op)
+        if work is None:
+            self.send({"id": message.get("id"), "error": f"unknown operation {op!r}", "code": "INTERNAL"})
+            return
+        self.tasks[message["id"]] = asyncio.get_running_loop().create_task(work(message))
+
+    async def stop(self) -> None:
+        """Cancel what still runs (the model is unloading: its requests were drained by Triton first)."""
+        for task in list(self.tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
     async def generate(self, message: dict) -> None:
         request_id = message["id"]
@@ -255,7 +268,6 @@ class EngineHost:
                            "out": [[c.index, c.text, len(c.token_ids), c.finish_reason,
                                     None if c.logprobs is None else backend_logprobs(c.logprobs)]
                                    for c in output.choices]})
-                await self.writer.drain()
         except asyncio.CancelledError:
             await self.engine.abort(request_id)
             log.info("request %s aborted in the engine (its client cancelled it)", request_id)
@@ -275,7 +287,6 @@ class EngineHost:
         the field an input error names."""
         try:
             self.send({"id": request_id, **await work(), "done": True})
-            await self.writer.drain()
         except asyncio.CancelledError:
             # The stub cancelled it (its client left): vLLM aborts a request whose output stream is closed.
             log.info("request %s aborted in the engine (its client cancelled it)", request_id)
@@ -322,38 +333,13 @@ class EngineHost:
         await self._answer_once(request_id, work)
 
     async def watch(self) -> None:
+        """Tell the model once the engine died (vLLM's engine core exited or failed)."""
         while True:
             await asyncio.sleep(0.5)
             if reason := self.engine.dead_reason:
                 log.error("engine died: %s", reason)
                 self.send({"op": "dead", "error": reason})
-                await self.writer.drain()
-                self.writer.close()  # the stub sees the reason, then the end of the stream
                 return
-
-    async def serve(self, reader: asyncio.StreamReader) -> None:
-        watcher = asyncio.create_task(self.watch())
-        try:
-            while True:
-                message = await wire.read_message_async(reader)
-                if message is None:
-                    return
-                op = message.get("op")
-                if op == "generate":
-                    self.tasks[message["id"]] = asyncio.create_task(self.generate(message))
-                elif op == "embed":
-                    self.tasks[message["id"]] = asyncio.create_task(self.embed(message))
-                elif op == "score":
-                    self.tasks[message["id"]] = asyncio.create_task(self.score(message))
-                elif op == "abort":
-                    task = self.tasks.pop(message["id"], None)
-                    if task is not None:
-                        task.cancel()
-        finally:
-            watcher.cancel()
-            for task in list(self.tasks.values()):
-                task.cancel()
-            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
 
 async def start_pooling_engine(*, name: str, version: str, model_path: Path, tokenizer_path: Path, args: dict):
@@ -383,63 +369,23 @@ async def start_pooling_engine(*, name: str, version: str, model_path: Path, tok
     return VllmLocalEngine(llm, info, embedder=llm, shm_ledger=shm_ledger)
 
 
-async def run(model_json: Path, fd: int, model_name: str, model_version: str) -> int:
+async def start_engine(model_json: Path, model_name: str, model_version: str) -> tuple[object, tuple[str, ...]]:
+    """The engine model.json describes (a generation engine, or a pooling one: `runner: pooling`) and the tasks it
+    serves."""
     from serving_image.engine.vllm_local import VllmLocalEngine
 
-    sock = socket.socket(fileno=fd)
-    reader, writer = await asyncio.open_unix_connection(sock=sock)
-    try:
-        model, tokenizer, args = _engine_args(json.loads(model_json.read_text()))
-        if args.get("runner") == "pooling":
-            engine = await start_pooling_engine(name=model_name, version=model_version, model_path=model,
-                                                tokenizer_path=tokenizer, args=args)
-        else:
-            engine = await VllmLocalEngine.start(name=model_name, version=model_version, model_path=model,
-                                                 tokenizer_path=tokenizer, args=args)
-    except Exception as exc:
-        log.exception("engine start failed")
-        writer.write(wire.encode({"op": "failed", "error": f"{type(exc).__name__}: {exc}"}))
-        await writer.drain()
-        return 1
+    model, tokenizer, args = _engine_args(json.loads(model_json.read_text()))
+    if args.get("runner") == "pooling":
+        engine = await start_pooling_engine(name=model_name, version=model_version, model_path=model,
+                                            tokenizer_path=tokenizer, args=args)
+        return engine, ("embed",)
+    engine = await VllmLocalEngine.start(name=model_name, version=model_version, model_path=model,
+                                         tokenizer_path=tokenizer, args=args)
+    return engine, ("generate",)
+
+
+def ready_info(engine, tasks: tuple[str, ...]) -> dict:
+    """What the model learns of its engine once it is ready."""
     info = engine.info
-    writer.write(wire.encode({"op": "ready", "info": {
-        "max_model_len": info.max_model_len, "vocab_size": info.vocab_size, "embedding_dim": info.embedding_dim,
-        "tasks": ["embed"] if args.get("runner") == "pooling" else ["generate"]}}))
-    await writer.drain()
-    host = EngineHost(engine, writer)
-    try:
-        await host.serve(reader)
-    finally:
-        await engine.shutdown()
-        writer.close()
-    return 0 if engine.dead_reason in (None, "engine shut down") else 1
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-json", type=Path, required=True)
-    parser.add_argument("--fd", type=int, required=True)
-    parser.add_argument("--model-name", required=True)
-    parser.add_argument("--model-version", default="1")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Ctrl-C in a terminal reaches every process of the group: this host stops when its backend closes the socket
-    # (Triton unloading the model as the server stops), draining its engine, not on the terminal's SIGINT, which
-    # would interrupt it mid-request with a KeyboardInterrupt traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    lower_priority(os.environ.get(wire.ENGINE_NICE_ENV))
-    sys.exit(asyncio.run(run(args.model_json, args.fd, args.model_name, args.model_version)))
-
-
-def lower_priority(value: str | None) -> None:
-    """Take the niceness `value` names ($LLM_SERVING_ENGINE_NICE, engine_wire), before vLLM's processes start."""
-    if not value:
-        return
-    if not value.isdigit() or not 1 <= int(value) <= 19:
-        raise SystemExit(f"${wire.ENGINE_NICE_ENV}={value!r}: a niceness from 1 to 19")
-    os.nice(int(value))
-
-
-if __name__ == "__main__":
-    main()
+    return {"max_model_len": info.max_model_len, "vocab_size": info.vocab_size, "embedding_dim": info.embedding_dim,
+            "tasks": list(tasks)}

@@ -12,7 +12,7 @@
   under the engine-argument name of the chosen Triton release's vLLM (it was renamed in vLLM 0.11). A package
   whose tasks include `embed` or `score` gets more models beside it (serving_image/triton/models.py): the pooling
   model (`<id>-embed`, the same backend, `runner: pooling` in its model.json) and the platform's scoring model
-  (`<id>-score`, Triton's python backend: `scoring_model/model.py` with engine_wire.py beside it, and the
+  (`<id>-score`, Triton's python backend: `scoring_model/model.py` with engine_in_stub.py beside it, and the
   generation model's model.json).
 - python backend: the package's own `config.pbtxt` (explicit I/O, required by the manifest checks) with its name
   set to the model id and `backend: "python"`, and the package's `model.py`. The weights directory is passed as the
@@ -44,7 +44,7 @@ VERSION_DIR = "1"
 _KSERVE_TO_PBTXT = {"BYTES": mc.TYPE_STRING, "BOOL": mc.TYPE_BOOL, "UINT32": mc.TYPE_UINT32, "FP32": mc.TYPE_FP32}
 _TRITON_DIR = Path(__file__).resolve().parent
 SCORING_MODEL_PY = _TRITON_DIR / "scoring_model" / "model.py"
-ENGINE_WIRE_PY = _TRITON_DIR / "backends" / "vllm" / "engine_wire.py"
+ENGINE_IN_STUB_PY = _TRITON_DIR / "backends" / "vllm" / "engine_in_stub.py"
 # The structured-output settings the local engine runs with (serving_image/engine/vllm_local.py), so production
 # generates the same JSON: xgrammar, and no whitespace outside strings.
 STRUCTURED_BACKEND = {"backend": "xgrammar", "disable_any_whitespace": True}
@@ -262,7 +262,7 @@ def generate_repository(manifest: Manifest, package_dir: Path, repository: Path,
         if models.score is not None:
             _write_extra_model(repository / models.score, scoring_model_config(models.score),
                                {"model.json": engine_json}, copies={"model.py": SCORING_MODEL_PY,
-                                                                   "engine_wire.py": ENGINE_WIRE_PY})
+                                                                   "engine_in_stub.py": ENGINE_IN_STUB_PY})
     elif manifest.model.backend is Backend.ENSEMBLE:
         assert manifest.ensemble is not None
         config = ensemble_model_config(manifest, (package_dir / manifest.ensemble.config_pbtxt).read_text())

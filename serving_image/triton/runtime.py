@@ -122,14 +122,14 @@ def _write_repository(packages: list[VerifiedPackage], repository: Path, engine_
 
 def _backends(workdir: Path) -> tuple[str | Path, Path | None, dict[str, str]]:
     """The tritonserver binary, the backend directory and the environment the backends need: the image's own, or
-    the local Triton with the stand-in vllm backend (whose engine process runs in this interpreter's venv)."""
+    the local Triton with the stand-in vllm backend (whose stub imports vLLM from this interpreter's venv)."""
     import sys
 
-    from serving_image.triton.backends.vllm.engine_wire import ENGINE_PYTHON_ENV
+    from serving_image.triton.backends.vllm.engine_in_stub import ENGINE_PYTHON_ENV
 
     if runtime() == "triton":
-        # NVIDIA's backends need nothing; the platform's scoring model (a python-backend model) starts its engine
-        # process with this interpreter, the image's python3, in which serving_image and vLLM live.
+        # NVIDIA's backends need nothing; the platform's scoring model (a python-backend model) imports its engine
+        # from this interpreter's packages, the image's python3, in which serving_image and vLLM live.
         return "tritonserver", None, {ENGINE_PYTHON_ENV: os.environ.get(ENGINE_PYTHON_ENV) or sys.executable}
     from serving_image.triton.local_install import locate
 

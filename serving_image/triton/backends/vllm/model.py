@@ -19,11 +19,11 @@ src/utils/request.py of the release compat.toml pins):
 Where it differs (named in the error codes and messages), it is stricter: errors name the field, a client error is
 INVALID_ARG and an engine failure UNAVAILABLE (NVIDIA's backend sends INTERNAL for both).
 
-Why a second process: this file runs in Triton's Python backend stub, whose interpreter needs numpy < 2, while
-vLLM needs numpy >= 2 (.venv-serving). `initialize` reads model.json and starts the engine process
-(serving_image/triton/engine_host.py: vLLM's AsyncLLM through the project's adapter, serving_image/engine/vllm_local.py)
-with the interpreter named by $LLM_SERVING_ENGINE_PYTHON, and talks to it over a Unix socket pair (engine_wire.py);
-loading the model is starting the engine, unloading it stops the engine, as in NVIDIA's backend.
+Where vLLM runs: in this stub's process, as in NVIDIA's backend (engine_in_stub.py: .venv-serving's packages after
+the stub's own numpy < 2, the engine on a thread and asyncio loop of its own; serving_image/triton/engine_host.py
+parses `sampling_parameters` and drives vLLM's AsyncLLM through the project's adapter,
+serving_image/engine/vllm_local.py). Loading the model is starting the engine, unloading it stops the engine, as in
+NVIDIA's backend; the engine's death unloads the model.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 try:  # loaded by Triton as a top-level module from this directory; imported as a package by the tests
-    from . import engine_wire as wire
+    from . import engine_in_stub as stub
 except ImportError:
-    import engine_wire as wire
+    import engine_in_stub as stub
 
 # NVIDIA's backend's auto_complete_config, input by input (vllm_backend src/model.py).
 INPUTS = (
@@ -293,13 +293,16 @@ class TritonPythonModel:
         if not os.path.isfile(model_json):
             raise pb_utils.TritonModelException(f"'model.json' containing vllm engine args must be provided in "
                                                 f"'{pb_utils.get_model_dir()}'")
-        python = os.environ.get(wire.ENGINE_PYTHON_ENV)
+        python = os.environ.get(stub.ENGINE_PYTHON_ENV)
         if not python:
             raise pb_utils.TritonModelException(
-                f"${wire.ENGINE_PYTHON_ENV} is not set: the stand-in vllm backend runs its engine with the "
+                f"${stub.ENGINE_PYTHON_ENV} is not set: the stand-in vllm backend imports vLLM from the "
                 ".venv-serving interpreter it names (the startup procedure sets it; see "
                 "docs/local-environment.md, \"Triton locally\")")
-        self._engine = wire.EngineConnection(python, model_json, self.model_name, str(args["model_version"]))
+        try:
+            self._engine = stub.InStubEngine(python, model_json, self.model_name, str(args["model_version"]))
+        except stub.StubEnvironmentError as exc:
+            raise pb_utils.TritonModelException(f"[vllm] Failed to start engine: {exc}") from None
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._dead: str | None = None
@@ -307,12 +310,11 @@ class TritonPythonModel:
         failure = self._engine.start_failure()
         if failure is not None:
             raise pb_utils.TritonModelException(f"[vllm] Failed to start engine: {failure}")
-        self.process = self._engine.process
         first = self._engine.first
         self.info = first["info"]
         # What the engine serves: ["generate"], or ["embed"] for a pooling model (model.json `runner: pooling`).
         self.tasks = tuple(self.info.get("tasks", ("generate",)))
-        self.logger.log_info(f"[vllm] engine ready for {self.model_name}: {self.info} (pid {self.process.pid})")
+        self.logger.log_info(f"[vllm] engine ready for {self.model_name}: {self.info} (pid {self._engine.pid})")
         # Held by whoever answers a request (the reader thread, the cancellation watcher), so that nothing is sent
         # to a sender after its final response.
         self._respond_lock = threading.Lock()
@@ -372,7 +374,7 @@ class TritonPythonModel:
             except OSError as exc:
                 with self._lock:
                     self._requests.pop(request_id, None)
-                self._error(sender, f"the engine process is gone: {exc}", pb_utils.TritonError.UNAVAILABLE)
+                self._error(sender, f"the engine is gone: {exc}", pb_utils.TritonError.UNAVAILABLE)
         return None
 
     def _submit_embed(self, request, sender) -> None:
@@ -393,7 +395,7 @@ class TritonPythonModel:
         except OSError as exc:
             with self._lock:
                 self._requests.pop(request_id, None)
-            self._error(sender, f"the engine process is gone: {exc}", pb_utils.TritonError.UNAVAILABLE)
+            self._error(sender, f"the engine is gone: {exc}", pb_utils.TritonError.UNAVAILABLE)
 
     def _on_message(self, message: dict) -> None:
         with self._respond_lock:

@@ -1,0 +1,240 @@
+"""vLLM in the Python backend stub's own process, as NVIDIA's backend runs it: the engine a Python-backend model of
+this project holds (the stand-in `vllm` backend's models, the platform's scoring model).
+
+The stub's interpreter is the system's libpython3.11 with its own `sys.path` (the standard library, the model's
+directory, the backend's directory with the stub's numpy < 2) and ignores `PYTHONPATH`. `prepare_environment` makes
+.venv-serving's packages (vLLM, torch, this project) importable *after* those, so the stub keeps its numpy 1.26.4
+(numpy 2 corrupts BYTES tensors in this stub) and vLLM runs beside it (docs/kserve.md, "vLLM in the stub"). The one
+contract of the stub's environment: `$LLM_SERVING_ENGINE_PYTHON` names the interpreter whose site-packages are
+appended; vLLM's helper processes (its model-registry probe, its engine core and worker, started with
+multiprocessing's `spawn`, which the CPU platform forces) run *that* interpreter with *its own* `sys.path`, because an
+embedded interpreter's `sys.executable` is not a Python and the stub's standard library is not theirs.
+
+`InStubEngine` runs the engine on an asyncio loop in a thread of its own (the stub's main thread keeps answering
+Triton: `execute`, health checks) and speaks in plain dicts, the messages of serving_image/triton/engine_host.py:
+
+    model -> engine   {"op": "generate", "id": ID, "prompt": TEXT, "params": JSON-TEXT | null, "root": FIELD-NAME}
+                      {"op": "embed", "id": ID, "input": TEXT | [TOKEN-ID, ...]}          a pooling engine
+                      {"op": "score", "id": ID, "prompt": TEXT, "candidates": [TEXT, ...]} a generation engine
+                      {"op": "abort", "id": ID}
+    engine -> model   {"id": ID, "p": PROMPT-TOKENS, "out": [[INDEX, TEXT, TOKENS, FINISH, LOGPROBS], ...],
+                       "done": BOOL}
+                      {"id": ID, "p": PROMPT-TOKENS, "embedding": [FLOAT, ...], "done": true}
+                      {"id": ID, "p": PROMPT-TOKENS, "scores": [[LOGPROB, TOKENS], ...], "done": true}
+                      {"id": ID, "error": TEXT, "code": "INVALID_ARG" | "UNAVAILABLE" | "INTERNAL", "field": NAME?}
+
+No copy, no encoding, no process hop: a delta is a dict handed to the model's callback on the engine's loop, which
+builds the Triton response and sends it. While that send blocks (the stub's `send` waits for Triton), vLLM's own
+output collector merges the request's next deltas, so a lagging consumer gets fewer, fuller responses.
+
+Ordering rules (the ones the models rely on): `send` may be called from any thread; `on_message` and `on_dead` run
+on the engine's thread, one call at a time, in the order the engine produced them; `on_dead` is called once, when
+the engine died (vLLM's engine core exited or failed), when the loop itself failed, or when `on_message` raised (a
+message the model cannot handle: dying loudly beats a model gone silent with every request waiting forever).
+`close` drains the engine, shuts it down, and returns once its thread has stopped.
+
+Standard library only at import: this file is loaded by the stub before .venv-serving is on its path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import locale
+import logging
+import multiprocessing
+import multiprocessing.spawn
+import os
+import site
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+# The environment variable that names the .venv-serving interpreter (set by the startup procedure before Triton
+# starts; the stub inherits Triton's environment).
+ENGINE_PYTHON_ENV = "LLM_SERVING_ENGINE_PYTHON"
+# An optional niceness (1..19) for the engine: set where several pods' engines share a machine's cores (the
+# rehearsal, llm_serving_cli/rehearsal/substitutions.py), so that vLLM's busy-polling engine core and worker cannot
+# starve the pods' Triton and stub threads (the stub must answer its parent's health check within a second, or the
+# model's load fails). On Linux a niceness belongs to a thread and is inherited by the processes it starts: the
+# engine's thread takes it before vLLM spawns its processes; the stub's main thread keeps its own.
+ENGINE_NICE_ENV = "LLM_SERVING_ENGINE_NICE"
+
+log = logging.getLogger("llm_serving.triton.engine_in_stub")
+
+_prepared: str | None = None
+_prepare_lock = threading.Lock()
+
+
+class StubEnvironmentError(RuntimeError):
+    """The stub cannot reach .venv-serving's packages; the message says what is wrong."""
+
+
+def _interpreter_paths(python: str) -> dict:
+    try:
+        out = subprocess.run([python, "-I", "-c", "import json, site, sys; "
+                              "print(json.dumps({'site': site.getsitepackages(), 'path': sys.path[1:]}))"],
+                             check=True, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise StubEnvironmentError(f"${ENGINE_PYTHON_ENV}={python}: cannot ask the interpreter for its packages "
+                                   f"({exc})") from exc
+    return json.loads(out.stdout)
+
+
+def prepare_environment(python: str) -> None:
+    """Append `python`'s site-packages to the stub's path (their .pth files run: the editable install of this
+    project) and make vLLM's helper processes run `python` with its own path. Idempotent within a process."""
+    global _prepared
+    with _prepare_lock:
+        if _prepared is not None:
+            if _prepared != python:
+                raise StubEnvironmentError(f"this stub's packages already come from {_prepared}, not {python}")
+            return
+        # The stub's interpreter is configured isolated, without touching the C locale: its text encoding is then
+        # ASCII, and vLLM (torch's kernel templates) reads UTF-8 files with open()'s default encoding, which
+        # Python 3.11 takes from LC_CTYPE at each call.
+        if locale.getpreferredencoding(False).lower().replace("-", "") != "utf8":
+            locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+        paths = _interpreter_paths(python)
+        for directory in paths["site"]:
+            site.addsitedir(directory)
+        sys.executable = python  # vLLM runs helpers with sys.executable (its model registry's inspection)
+        multiprocessing.set_executable(python)
+        original = multiprocessing.spawn.get_preparation_data
+        child_path = paths["path"]
+
+        def preparation_data(name):
+            data = original(name)
+            data["sys_path"] = child_path  # the child's own standard library and packages (its numpy 2)
+            data.pop("init_main_from_path", None)  # the stub's __main__ is not a file a child could run
+            data.pop("main_path", None)
+            return data
+
+        multiprocessing.spawn.get_preparation_data = preparation_data
+        _prepared = python
+
+
+def lower_priority(value: str | None) -> None:
+    """Take the niceness `value` names ($LLM_SERVING_ENGINE_NICE) in the calling thread (see ENGINE_NICE_ENV)."""
+    if not value:
+        return
+    if not value.isdigit() or not 1 <= int(value) <= 19:
+        raise StubEnvironmentError(f"${ENGINE_NICE_ENV}={value!r}: a niceness from 1 to 19")
+    os.setpriority(os.PRIO_PROCESS, 0, int(value))  # 0: the calling thread (Linux)
+
+
+class InStubEngine:
+    """One vLLM engine in this process, on a thread and loop of its own (see the module's docstring)."""
+
+    def __init__(self, python: str, model_json: str, model_name: str, model_version: str):
+        prepare_environment(python)
+        if not logging.getLogger().handlers:  # the stub configures no logging: our lines go to Triton's stderr
+            logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                                format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.pid = os.getpid()
+        self.first: dict | None = None
+        self._model_json, self._model_name, self._model_version = model_json, model_name, model_version
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._host = None
+        self._on_message: Callable[[dict], None] | None = None
+        self._on_dead: Callable[[str], None] | None = None
+        self._dead = False
+        self._closing = False
+        self._stop: asyncio.Event | None = None
+        self._reading: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name=f"vllm-engine-{model_name}", daemon=True)
+        self._thread.start()
+        self._started.wait()
+
+    # -- the engine's thread --------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            lower_priority(os.environ.get(ENGINE_NICE_ENV))
+            asyncio.set_event_loop(self._loop)
+            self._loop.run_until_complete(self._main())
+        except BaseException as exc:  # noqa: BLE001 - the loop itself failed: the engine is unusable
+            if not self._started.is_set():
+                self.first = {"op": "failed", "error": f"{type(exc).__name__}: {exc}"}
+                self._started.set()
+            else:
+                self._died(f"the engine's loop failed: {type(exc).__name__}: {exc}")
+        finally:
+            self._loop.close()
+
+    async def _main(self) -> None:
+        from pathlib import Path
+
+        from serving_image.triton import engine_host
+
+        self._stop, self._reading = asyncio.Event(), asyncio.Event()
+        try:
+            engine, tasks = await engine_host.start_engine(Path(self._model_json), self._model_name,
+                                                           self._model_version)
+        except Exception as exc:
+            log.exception("engine start failed")
+            self.first = {"op": "failed", "error": f"{type(exc).__name__}: {exc}"}
+            self._started.set()
+            return
+        self.first = {"op": "ready", "info": engine_host.ready_info(engine, tasks)}
+        self._host = engine_host.EngineHost(engine, self._deliver)
+        self._started.set()
+        await self._reading.wait()
+        watcher = asyncio.create_task(self._host.watch())
+        try:
+            await self._stop.wait()
+        finally:
+            watcher.cancel()
+            await self._host.stop()
+            await engine.shutdown()
+
+    def _deliver(self, message: dict) -> None:
+        if self._dead:
+            return
+        if message.get("op") == "dead":
+            self._died(message.get("error", "the engine died"))
+            return
+        try:
+            self._on_message(message)
+        except Exception as exc:  # noqa: BLE001 - see the module's docstring
+            self._died(f"a message the model could not handle ({type(exc).__name__}: {exc})")
+
+    def _died(self, reason: str) -> None:
+        if self._dead:
+            return
+        self._dead = True
+        if self._on_dead is not None and not self._closing:
+            self._on_dead(reason)
+
+    # -- the model's side -----------------------------------------------------------------------------------------
+
+    def start_failure(self) -> str | None:
+        """None when the engine is ready; else why it did not start (its thread has ended)."""
+        if self.first is not None and self.first.get("op") == "ready":
+            return None
+        self._thread.join(timeout=60)
+        return self.first.get("error") if self.first else "the engine's thread ended before it said anything"
+
+    def start_reading(self, on_message: Callable[[dict], None], on_dead: Callable[[str], None], name: str = "") -> None:
+        self._on_message, self._on_dead = on_message, on_dead
+        self._loop.call_soon_threadsafe(self._reading.set)
+
+    def send(self, message: dict) -> None:
+        """Hand a message to the engine. Raises OSError when the engine is gone (as a closed connection would)."""
+        if self._dead or self._closing:
+            raise OSError("the engine has stopped")
+        try:
+            self._loop.call_soon_threadsafe(self._host.dispatch, message)
+        except RuntimeError as exc:  # the loop is closed
+            raise OSError(f"the engine has stopped: {exc}") from exc
+
+    def close(self, timeout_s: float = 60) -> None:
+        self._closing = True
+        if self._stop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:  # the loop has just closed: nothing left to stop
+                pass
+        self._thread.join(timeout=timeout_s)
