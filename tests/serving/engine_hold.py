@@ -26,15 +26,43 @@ def _is_engine_process(process: psutil.Process) -> bool:
         return False
 
 
-def _is_engine_host(process: psutil.Process, model: str | None) -> bool:
-    """The stand-in backend's engine host process (of `model`'s Triton model, when given)."""
+def _command(process: psutil.Process) -> list[str] | None:
     try:
-        command = process.cmdline()
-    except psutil.Error:
-        return False
-    if "serving_image.triton.engine_host" not in command:
-        return False
-    return model is None or any(f"/{model}/1/" in arg for arg in command)
+        return process.cmdline()
+    except psutil.Error:  # a zombie, or gone meanwhile
+        return None
+
+
+def _runs_vllm(process: psutil.Process) -> bool:
+    return any((_command(child) or [""])[:1][0].startswith("VLLM::") for child in process.children())
+
+
+def engine_stubs(root_pid: int, model: str | None = None, repository: str | None = None) -> list[psutil.Process]:
+    """The Python backend stubs under `root_pid` that run a vLLM engine (the stand-in vllm backend's models and the
+    scoring model: vLLM runs in the stub's process, its engine core and worker are the stub's children); with
+    `model`, the stubs of that Triton model; with `repository`, of a model in that repository (another server under
+    the same process may run a stub of the same model)."""
+    found = []
+    for process in psutil.Process(root_pid).children(recursive=True):
+        command = _command(process)
+        if not command or len(command) < 2 or not command[0].endswith("triton_python_backend_stub"):
+            continue
+        if model is not None and f"/{model}/1/" not in command[1]:
+            continue
+        if repository is not None and not command[1].startswith(repository):
+            continue
+        if _runs_vllm(process):
+            found.append(process)
+    return found
+
+
+def engine_stub(root_pid: int, model: str | None = None, repository: str | None = None) -> psutil.Process:
+    """The one stub `engine_stubs` finds."""
+    found = engine_stubs(root_pid, model, repository)
+    if len(found) != 1:
+        raise AssertionError(f"process {root_pid} runs {len(found)} engine stubs (model {model!r}, repository "
+                             f"{repository!r}): name the one")
+    return found[0]
 
 
 @dataclass(frozen=True)
@@ -46,17 +74,12 @@ class EngineProcesses:
     @classmethod
     def of(cls, server_pid: int, model: str | None = None) -> EngineProcesses:
         """The vLLM engine's processes under a server. Over Triton (embedded, or a standalone tritonserver) the
-        engine is vLLM's processes under the stand-in backend's engine host (serving_image/triton/engine_host.py,
-        under the backend's stub), the host of `model`'s Triton model or the only one; the host itself stays running,
-        as the vLLM front-end in the server's process does otherwise. With vLLM in the server's process (vLLM's own
-        server), every descendant but Python's multiprocessing resource tracker (not part of the engine)."""
-        descendants = psutil.Process(server_pid).children(recursive=True)
-        hosts = [p for p in descendants if _is_engine_host(p, model)]
-        if len(hosts) > 1:
-            raise AssertionError(f"process {server_pid} runs {len(hosts)} engine hosts: name the model")
-        if hosts:
-            descendants = hosts[0].children(recursive=True)
-        pids = tuple(p.pid for p in descendants if _is_engine_process(p))
+        engine is vLLM's processes under the Python backend stub that runs it (`engine_stub`), the stub of `model`'s
+        Triton model or the only one; the stub itself stays running, as the vLLM front-end in the server's process
+        does otherwise. With vLLM in the server's process (vLLM's own server), every descendant but Python's
+        multiprocessing resource tracker (not part of the engine)."""
+        root = engine_stub(server_pid, model).pid if engine_stubs(server_pid) else server_pid
+        pids = tuple(p.pid for p in psutil.Process(root).children(recursive=True) if _is_engine_process(p))
         if not pids:
             raise AssertionError(f"process {server_pid} has no engine child processes")
         return cls(pids)

@@ -375,23 +375,13 @@ def test_unary_infer_is_refused_for_a_decoupled_model(triton_standalone):
         http.close()
 
 
-def _engine_host(server) -> EngineProcesses:
-    """The stand-in backend's engine process and vLLM's processes under it."""
-    for proc in psutil.Process(server.proc.pid).children(recursive=True):
-        if "serving_image.triton.engine_host" in " ".join(proc.cmdline()):
-            return EngineProcesses((proc.pid, *(c.pid for c in proc.children(recursive=True)
-                                                if "resource_tracker" not in " ".join(c.cmdline()))))
-    raise AssertionError("no engine process under the server")
-
-
 def test_cancelling_a_stream_aborts_the_request_in_the_engine(triton_standalone):
-    """cancellation: the request reaches an engine that is held (its vLLM processes stopped, the engine host
-    itself running), so it is still in the engine when its stream is cancelled, whatever the machine's speed (held
-    after a first response instead, a fast engine had finished all the tokens into the socket before the hold). The
+    """cancellation: the request reaches an engine that is held (its vLLM processes stopped, the stub that runs
+    vLLM's front-end running), so it is still in the engine when its stream is cancelled, whatever the machine's
+    speed (held after a first response instead, a fast engine had finished all the tokens before the hold). The
     backend notices the cancellation although the request produces nothing, and the engine aborts it while held."""
     server = triton_standalone
-    host = _engine_host(server)
-    vllm_processes = EngineProcesses(host.pids[1:])
+    vllm_processes = EngineProcesses.of(server.proc.pid, MODEL)
     before = server.log().count("aborted in the engine (its client cancelled it)")
     cancelled_before = server.log().count("[vllm] Cancelling the request")
     log_start = len(server.log())

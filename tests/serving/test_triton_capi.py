@@ -22,7 +22,7 @@ import pytest_asyncio
 
 from serving_image.triton import capi
 from serving_image.triton.capi.inference import Input, in_flight, infer
-from tests.serving.engine_hold import EngineProcesses
+from tests.serving.engine_hold import EngineProcesses, engine_stub
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -135,25 +135,16 @@ async def test_errors_carry_triton_codes_and_messages(triton):
     assert in_flight() == 0
 
 
-def _engine_host(triton) -> psutil.Process:
-    """The stand-in's engine host of this module's Triton: the one whose model.json is in its repository (another
-    module's server may run an engine host of the same model under this process too; zombies left by earlier tests
-    are skipped)."""
-    repository = str(triton.log_file.parent / "repository")
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            command = proc.cmdline()
-        except psutil.Error:  # a zombie, or gone meanwhile: not the host
-            continue
-        if "serving_image.triton.engine_host" in command and any(a.startswith(repository) for a in command):
-            return proc
-    raise AssertionError(f"no stand-in engine host for {repository} under this process")
+def _engine_stub(triton) -> psutil.Process:
+    """The Python backend stub that runs this module's Triton's engine: the one whose model is in its repository
+    (another module's server may run a stub of the same model under this process too)."""
+    return engine_stub(os.getpid(), MODEL, repository=str(triton.log_file.parent / "repository"))
 
 
 def _engine_processes(triton) -> EngineProcesses:
-    """vLLM's processes under the stand-in's engine host (the host itself keeps running: it answers the stub)."""
+    """vLLM's processes under the stub (the stub itself keeps running: it answers Triton)."""
     pids = []
-    for child in _engine_host(triton).children(recursive=True):
+    for child in _engine_stub(triton).children(recursive=True):
         try:
             if "resource_tracker" not in " ".join(child.cmdline()):
                 pids.append(child.pid)
@@ -263,10 +254,11 @@ async def test_unloading_the_model_stops_its_engine(triton):
     server = triton.server
     embedded = EmbeddedTriton(server, (MODEL,), "2.51.0", 0.0)
     assert embedded.dead_reason is None
-    host = _engine_host(triton)
+    engine = _engine_processes(triton)
     server.unload_model(MODEL)
     deadline = time.monotonic() + 120
-    while server.model_ready(MODEL) or host.is_running() and host.status() != psutil.STATUS_ZOMBIE:
+    while server.model_ready(MODEL) or any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                                             for p in engine.pids):
         assert time.monotonic() < deadline, "the model did not unload"
         await asyncio.sleep(0.2)
     assert not server.ready()  # strict readiness: a loaded model is not ready

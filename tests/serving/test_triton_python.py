@@ -10,6 +10,7 @@ in seconds.
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from pathlib import Path
@@ -148,32 +149,30 @@ def test_sigterm_closes_every_port(held):
     assert Path(server.log_path).exists()
 
 
-# -- the stand-in vllm backend when its engine process dies (a fake engine process: no vLLM, seconds) ------------
+# -- the stand-in vllm backend when its engine dies (vLLM's engine core killed under the standalone tritonserver) -
 
 
 def test_a_dead_engine_is_unavailable_not_a_client_error_and_startup_exits(demo_model_dir, tmp_path):
-    """The engine process exits while a request streams: that request and the next get UNAVAILABLE ("Model is
-    unavailable due to unhealthy vLLM engine", never a client error), the backend unloads its model as NVIDIA's
-    health check does, and the startup procedure sees the model not ready and exits with status 1 so that the
-    container restarts."""
+    """vLLM's engine core and worker (children of the stub that runs the engine) are killed while a request
+    streams: that request and the next get UNAVAILABLE ("Model is unavailable due to unhealthy vLLM engine", never
+    a client error), the backend unloads its model as NVIDIA's health check does, and the startup procedure sees the
+    model not ready and exits with status 1 so that the container restarts. The engine is held (SIGSTOP) from the
+    first response to the kill, so the stream cannot finish first, whatever the machine's speed."""
     import asyncio
-    import sys
 
     import httpx
     import tritonclient.grpc.aio as grpcaio
 
     from serving_image.local_server import start_standalone_server
+    from tests.serving.engine_hold import EngineProcesses
 
-    fake = tmp_path / "fake-python"
-    script = Path(__file__).resolve().parent / "scripts" / "fake_engine_host.py"
-    fake.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
-    fake.chmod(0o755)
-    package = build_package(PackageSpec(demo_model_dir, "demo-tiny", "1.0.0", engine_args={"max_model_len": 64},
+    package = build_package(PackageSpec(demo_model_dir, "demo-tiny", "1.0.0",
+                                        engine_args={"max_model_len": 64, "enforce_eager": True},
                                         serving_mode=ServingMode.STANDALONE), tmp_path / "pkg")
-    server = start_standalone_server(package, tmp_path / "work", extra_env={"LLM_SERVING_ENGINE_PYTHON": str(fake),
-                                                                            "LLM_SERVING_DRAIN_DELAY_S": "0"})
+    server = start_standalone_server(package, tmp_path / "work", extra_env={"LLM_SERVING_DRAIN_DELAY_S": "0"})
     try:
         grpc_url = f"127.0.0.1:{server.ports['kserve_grpc']}"
+        engine = EngineProcesses.of(server.proc.pid, "demo-tiny")
 
         async def stream_then_kill():
             client = grpcaio.InferenceServerClient(grpc_url)
@@ -181,35 +180,44 @@ def test_a_dead_engine_is_unavailable_not_a_client_error_and_startup_exits(demo_
             text.set_data_from_numpy(np.array([b"hello"], dtype=np.object_))
             flag = grpcaio.InferInput("stream", [1], "BOOL")
             flag.set_data_from_numpy(np.array([True]))
+            params = grpcaio.InferInput("sampling_parameters", [1], "BYTES")
+            params.set_data_from_numpy(np.array([b'{"max_tokens": 50, "ignore_eos": true}'], dtype=np.object_))
 
             async def requests():
-                yield {"model_name": "demo-tiny", "inputs": [text, flag], "request_id": "in-flight"}
+                yield {"model_name": "demo-tiny", "inputs": [text, flag, params], "request_id": "in-flight"}
                 await asyncio.sleep(3600)
 
             stream = client.stream_infer(requests())
-            seen = []
+            seen, second = [], None
             async for result, error in stream:
                 seen.append((result, error))
-                if len(seen) == 1:  # the request is running: now the engine dies
-                    response = await asyncio.to_thread(
-                        httpx.post, f"http://127.0.0.1:{server.ports['kserve_http']}/v2/models/demo-tiny/generate",
-                        json={"text_input": "die"}, timeout=60)
-                    seen.append(response)
+                if len(seen) == 1:  # the request is running: hold the engine, let a second request reach it, kill
+                    engine.hold()
+                    second = asyncio.ensure_future(asyncio.to_thread(
+                        httpx.post, generate, json={"text_input": "hello", "parameters": {"max_tokens": 8}},
+                        timeout=60))
+                    while server.log().count(") submitted to the engine") < 2:
+                        assert not second.done(), second.result().text
+                        await asyncio.sleep(0.05)
+                    engine.kill()
                 if error is not None:
                     break
             stream.cancel()
             await client.close()
-            return seen
+            return seen, await second
 
         generate = f"http://127.0.0.1:{server.ports['kserve_http']}/v2/models/demo-tiny/generate"
-        internal = httpx.post(generate, json={"text_input": "internal"}, timeout=60)
-        first, died, (_, error) = asyncio.run(stream_then_kill())
-        assert first[1] is None and first[0].as_numpy("text_output")[0] == b"tok"
+        seen, died = asyncio.run(asyncio.wait_for(stream_then_kill(), timeout=180))
+        (first, first_error), (_, error) = seen[0], seen[-1]
+        assert first_error is None and first.as_numpy("text_output")[0]
+        assert len(seen) < 50, "the stream finished although its engine was killed"
+        # The engine's own error for requests it held (vLLM's EngineDeadError), the backend's health verdict for the
+        # rest: both the server's failure, never the client's
+        engine_gone = re.compile(r"vLLM engine died|unhealthy vLLM engine")
+        assert engine_gone.search(str(error)), str(error)
         # Triton 2.51's generate endpoint answers 400 for an error response whatever its code (INTERNAL and
         # UNAVAILABLE alike: compat.toml [local.triton] differences); the message says it is the engine
-        assert internal.status_code == died.status_code == 400, (internal.text, died.text)
-        assert "unhealthy vLLM engine" in died.json()["error"], died.text
-        assert "unhealthy vLLM engine" in str(error)
+        assert died.status_code == 400 and engine_gone.search(died.json()["error"]), died.text
         assert server.proc.wait(timeout=120) == 1, server.log()[-3000:]
         log = server.log()
         assert "engine died, exiting so the orchestrator restarts the container" in log

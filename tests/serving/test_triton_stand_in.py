@@ -11,7 +11,6 @@ import pytest
 
 from llm_serving.tensor_contract import VLLM_INPUTS, VLLM_OUTPUTS
 from serving_image.engine.base import ModelInfo
-from serving_image.triton.backends.vllm import engine_wire
 from serving_image.triton.engine_host import ParameterError, sampling_params_from_json
 
 MODEL_PY = Path(__file__).resolve().parents[2] / "serving_image" / "triton" / "backends" / "vllm" / "model.py"
@@ -31,16 +30,6 @@ def test_auto_complete_declares_the_tensor_contract():
     for declared, contract in ((_declared("INPUTS"), VLLM_INPUTS), (_declared("OUTPUTS"), VLLM_OUTPUTS)):
         assert [(d["name"], _TYPES[d["data_type"]], tuple(d["dims"]), d.get("optional", False)) for d in declared] \
             == [(t.name, t.datatype, t.shape, t.optional) for t in contract]
-
-
-def test_wire_round_trip():
-    import io
-
-    message = {"id": "a", "out": [[0, "h\u00e9", 1, None]], "p": 3, "done": False}
-    stream = io.BytesIO(engine_wire.encode(message) + engine_wire.encode({"op": "dead", "error": "x"}))
-    assert engine_wire.read_message(stream) == message
-    assert engine_wire.read_message(stream)["op"] == "dead"
-    assert engine_wire.read_message(stream) is None
 
 
 def _params(value, root="sampling_parameters"):
@@ -140,24 +129,28 @@ def test_a_missing_triton_says_how_to_get_it(tmp_path):
         locate(tmp_path / "venv")
 
 
-def test_the_engine_process_takes_the_niceness_it_is_given_and_refuses_a_bad_one():
-    """$LLM_SERVING_ENGINE_NICE (the rehearsal sets it): the engine process lowers its own priority before vLLM's
-    processes start (they inherit it); anything but 1..19 stops it, naming the variable."""
-    import os
+def test_the_engine_thread_takes_the_niceness_it_is_given_and_its_processes_inherit_it():
+    """$LLM_SERVING_ENGINE_NICE (the rehearsal sets it): the engine's thread in the stub lowers its own priority
+    before vLLM's processes start, and they inherit it, while the stub's other threads (the one answering Triton's
+    health checks) keep theirs; anything but 1..19 stops it, naming the variable."""
     import subprocess
     import sys
 
-    code = ("import os; from serving_image.triton.engine_host import lower_priority; before = os.nice(0); "
-            "lower_priority(os.environ.get('LLM_SERVING_ENGINE_NICE')); print(os.nice(0) - before)")
+    code = ("import os, subprocess, sys, threading\n"
+            "from serving_image.triton.backends.vllm.engine_in_stub import lower_priority\n"
+            "out = {}\n"
+            "def engine():\n"
+            "    lower_priority(sys.argv[1] or None)\n"
+            "    out['child'] = subprocess.run([sys.executable, '-c', 'import os; print(os.nice(0))'],\n"
+            "                                  capture_output=True, text=True, check=True).stdout.strip()\n"
+            "t = threading.Thread(target=engine); t.start(); t.join()\n"
+            "print(out.get('child'), os.nice(0))\n")
 
-    def run(value: str | None) -> subprocess.CompletedProcess:
-        env = {k: v for k, v in os.environ.items() if k != engine_wire.ENGINE_NICE_ENV}
-        if value is not None:
-            env[engine_wire.ENGINE_NICE_ENV] = value
-        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    def run(value: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code, value], capture_output=True, text=True, timeout=120)
 
-    assert run("10").stdout.strip() == "10"
-    assert run(None).stdout.strip() == "0"
+    assert run("10").stdout.split() == ["10", "0"]
+    assert run("").stdout.split() == ["0", "0"]
     for bad in ("0", "20", "-5", "high"):
         done = run(bad)
-        assert done.returncode != 0 and "$LLM_SERVING_ENGINE_NICE" in done.stderr and "1 to 19" in done.stderr, bad
+        assert "$LLM_SERVING_ENGINE_NICE" in done.stderr and "1 to 19" in done.stderr, bad
