@@ -17,7 +17,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-NATIVE_SOURCES := native/CMakeLists.txt $(wildcard native/src/* native/include/*)
+NATIVE_SOURCES := native/CMakeLists.txt $(wildcard native/src/* native/include/* native/triton/*)
 
 .PHONY: up test plan bench rehearse lint serving-env infra-env checkov-env triton-env crd-validate-env clean
 

@@ -305,7 +305,7 @@ class EmbeddedTritonEngine(TritonEngine):
             async for response in stream:
                 if response.error is not None:
                     raise engine_error(response.error.code.name, response.error.message)
-                yield flat_outputs(response.outputs), response.final
+                yield response.flat(), response.final
         finally:
             self._inflight.pop(request_id, None)
             if not stream.finished:

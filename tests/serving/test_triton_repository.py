@@ -144,7 +144,7 @@ def test_embed_and_score_tasks_become_models_of_their_own(tmp_path):
     """A package serving generate, embed and score becomes three Triton models (serving_image/triton/models.py):
     the LLM, its pooling model (the same backend and contract, model.json with runner pooling, no structured
     outputs) and the platform's scoring model (python backend, explicit I/O, not decoupled, its model.py and
-    engine_wire.py beside the LLM's model.json); an embedding-only package's id names its pooling model."""
+    engine_in_stub.py beside the LLM's model.json); an embedding-only package's id names its pooling model."""
     from serving_image.triton.models import SCORING_INPUTS, SCORING_OUTPUTS, package_models
 
     built = build_package(PackageSpec(_model_dir(tmp_path), "demo-tiny", "1.0.0", engine_args=ENGINE_ARGS,
@@ -164,7 +164,7 @@ def test_embed_and_score_tasks_become_models_of_their_own(tmp_path):
     assert 'name: "demo-tiny-embed"' in (repo / "demo-tiny-embed" / "config.pbtxt").read_text()
     score_dir = repo / "demo-tiny-score"
     assert sorted(p.relative_to(score_dir).as_posix() for p in score_dir.rglob("*") if p.is_file()) == \
-        ["1/engine_wire.py", "1/model.json", "1/model.py", "config.pbtxt"]
+        ["1/engine_in_stub.py", "1/model.json", "1/model.py", "config.pbtxt"]
     assert json.loads((score_dir / "1" / "model.json").read_text()) == llm
     config = mc.ModelConfig()
     text_format.Parse((score_dir / "config.pbtxt").read_text(), config)

@@ -1,49 +1,34 @@
-"""Inference through the C API: a request's inputs, parameters and requested outputs; output buffers from one
-process-wide response allocator (host memory); responses delivered into asyncio; cancellation.
+"""Inference through the C API: a request's inputs, parameters and requested outputs; responses delivered into
+asyncio; cancellation.
 
-Lifetimes, as tritonserver.h sets them:
-- the input buffers must stay valid until Triton releases the request (its release callback): the request's state
-  keeps them referenced;
-- the request object is deleted here once Triton released it AND its final response arrived, never before: a
-  decoupled backend may release the request and keep sending responses, and `cancel()` needs the request object
-  until the last response (TRITONSERVER_InferenceRequestCancel reaches the backend through it);
-- each response is read in the callback's thread (outputs copied out, the error's code and message, the parameters)
-  and deleted there, and only Python values cross into the event loop (`loop.call_soon_threadsafe`).
+The response path runs in C++ (native/triton/response_path.hpp, the `_response_path` module): Triton's response
+allocator, response-complete and request-release callbacks copy each response out (outputs, error, parameters),
+delete it, and queue a compact record, so no Python runs on Triton's threads and no GIL is taken there. One queue per
+event loop; the loop watches its eventfd (`add_reader`) and drains every waiting record in one call, once per burst
+(an engine step answers every running request within microseconds). Lifetimes, as tritonserver.h sets them, are
+kept there too: the input buffers live until Triton releases the request, and the request object is deleted once it
+is released AND its final response arrived (a decoupled backend may release a request and keep responding;
+`cancel()` needs the request until its last response). The queue is bounded: when the loop falls behind, Triton's
+response thread waits (backpressure on the backend), instead of memory growing without bound.
 
-The callbacks are ctypes function pointers kept referenced at module level; a request reaches its Python state
-through an integer key passed as Triton's `userp`.
+Outputs come back as Triton's bytes: `Response.flat()` gives each output as a flat list (BYTES elements as bytes,
+numbers as Python numbers: no numpy), `Response.outputs` as numpy arrays (built on first use, for the KServe
+front-ends' general tensors).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import itertools
-import logging
+import collections
 import struct
 import threading
 from collections.abc import AsyncIterator, Iterable, Mapping
-from ctypes import POINTER, c_bool, c_char_p, c_double, c_int, c_int64, c_size_t, c_uint32, c_uint64, c_void_p
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from serving_image.triton.capi.errors import ErrorCode, TritonError, check, read_error
-from serving_image.triton.capi.library import (
-    Ptr,
-    RequestReleaseFn,
-    ResponseAllocatorAllocFn,
-    ResponseAllocatorReleaseFn,
-    ResponseCompleteFn,
-)
-
-log = logging.getLogger(__name__)
-
-MEMORY_CPU = 0
-REQUEST_RELEASE_ALL = 1
-RESPONSE_COMPLETE_FINAL = 1
-PARAMETER_STRING, PARAMETER_INT, PARAMETER_BOOL, PARAMETER_DOUBLE, PARAMETER_BYTES = range(5)
+from serving_image.triton.capi.errors import ErrorCode, TritonError
 
 # TRITONSERVER_DataType, in tritonserver.h's order, with the numpy dtype of each (BYTES: length-prefixed elements).
 DATATYPES = ("INVALID", "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16",
@@ -52,6 +37,11 @@ NUMPY_DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT3
                 "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
                 "FP32": np.float32, "FP64": np.float64}
 _DTYPE_NAMES = {np.dtype(v): k for k, v in NUMPY_DTYPES.items()}
+# memoryview.cast formats of the numeric datatypes (flat lists without numpy); FP16 is read through numpy
+_CAST_FORMATS = {"BOOL": "?", "UINT8": "B", "UINT16": "H", "UINT32": "I", "UINT64": "Q", "INT8": "b", "INT16": "h",
+                 "INT32": "i", "INT64": "q", "FP32": "f", "FP64": "d"}
+# How many records wait in a loop's queue before Triton's response thread waits for the loop.
+QUEUE_CAPACITY = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -91,220 +81,124 @@ def decode_bytes(raw: bytes, count: int | None = None) -> list[bytes]:
     return out
 
 
-@dataclass(frozen=True)
 class Response:
-    """One response, copied out of Triton: outputs as numpy arrays (BYTES as object arrays of bytes), the error (a
-    response either has outputs or an error), the parameters, and whether it is the request's last response. A
-    final response without a response object (decoupled models may end that way) has no outputs."""
+    """One response, copied out of Triton: its outputs (name -> (datatype, shape, payload): BYTES elements as a list
+    of bytes, other datatypes as Triton's raw bytes), the error (a response either has outputs or an error), the
+    parameters, and whether it is the request's last response. A final response without a response object
+    (decoupled models may end that way) has no outputs (`empty`)."""
 
-    outputs: dict[str, np.ndarray] = field(default_factory=dict)
-    error: TritonError | None = None
-    final: bool = False
-    parameters: dict[str, Any] = field(default_factory=dict)
-    empty: bool = False  # the final flag arrived alone (no response object)
+    __slots__ = ("raw", "error", "final", "parameters", "empty", "_arrays")
 
+    def __init__(self, raw: Mapping[str, tuple[str, tuple[int, ...], Any]] | None = None,
+                 error: TritonError | None = None, final: bool = False, parameters: Mapping[str, Any] | None = None,
+                 empty: bool = False):
+        self.raw = dict(raw or {})
+        self.error = error
+        self.final = final
+        self.parameters = dict(parameters or {})
+        self.empty = empty
+        self._arrays: dict[str, np.ndarray] | None = None
 
-def _read_response(lib, response: Ptr, flags: int) -> Response:
-    final = bool(flags & RESPONSE_COMPLETE_FINAL)
-    if not response:
-        return Response(final=final, empty=True)
-    try:
-        error_ptr = lib.TRITONSERVER_InferenceResponseError(response)
-        error = read_error(lib, error_ptr) if error_ptr else None  # owned by the response: not deleted here
-        parameters: dict[str, Any] = {}
-        count = c_uint32()
-        check(lib, lib.TRITONSERVER_InferenceResponseParameterCount(response, ctypes.byref(count)))
-        for index in range(count.value):
-            name, kind, value = c_char_p(), c_int(), c_void_p()
-            check(lib, lib.TRITONSERVER_InferenceResponseParameter(response, index, ctypes.byref(name),
-                                                                   ctypes.byref(kind), ctypes.byref(value)))
-            key = name.value.decode()
-            if kind.value == PARAMETER_STRING:
-                parameters[key] = ctypes.cast(value, c_char_p).value.decode("utf-8", "replace")
-            elif kind.value == PARAMETER_INT:
-                parameters[key] = ctypes.cast(value, POINTER(c_int64)).contents.value
-            elif kind.value == PARAMETER_BOOL:
-                parameters[key] = ctypes.cast(value, POINTER(c_bool)).contents.value
-            elif kind.value == PARAMETER_DOUBLE:
-                parameters[key] = ctypes.cast(value, POINTER(c_double)).contents.value
-        outputs: dict[str, np.ndarray] = {}
-        check(lib, lib.TRITONSERVER_InferenceResponseOutputCount(response, ctypes.byref(count)))
-        for index in range(count.value):
-            name, datatype, shape, dims = c_char_p(), c_int(), POINTER(c_int64)(), c_uint64()
-            base, size, memory, memory_id, userp = c_void_p(), c_size_t(), c_int(), c_int64(), c_void_p()
-            check(lib, lib.TRITONSERVER_InferenceResponseOutput(
-                response, index, ctypes.byref(name), ctypes.byref(datatype), ctypes.byref(shape), ctypes.byref(dims),
-                ctypes.byref(base), ctypes.byref(size), ctypes.byref(memory), ctypes.byref(memory_id),
-                ctypes.byref(userp)))
-            dims_tuple = tuple(shape[i] for i in range(dims.value))
-            raw = ctypes.string_at(base, size.value) if size.value else b""
-            type_name = DATATYPES[datatype.value] if datatype.value < len(DATATYPES) else "INVALID"
-            if type_name == "BYTES":
-                items = decode_bytes(raw)
-                array = np.empty(len(items), dtype=np.object_)
-                array[:] = items
-            elif type_name in NUMPY_DTYPES:
-                array = np.frombuffer(raw, dtype=NUMPY_DTYPES[type_name]).copy()
+    def flat(self) -> dict[str, list]:
+        """Each output as a flat list, without numpy."""
+        out = {}
+        for name, (datatype, _, payload) in self.raw.items():
+            if datatype == "BYTES":
+                out[name] = payload
+            elif datatype in _CAST_FORMATS:
+                out[name] = memoryview(payload).cast(_CAST_FORMATS[datatype]).tolist()
             else:
-                raise TritonError(ErrorCode.UNSUPPORTED, f"output '{name.value.decode()}': datatype {type_name} "
-                                  "is not read by this binding")
-            if array.size == int(np.prod(dims_tuple, dtype=np.int64)):
-                array = array.reshape(dims_tuple)
-            outputs[name.value.decode()] = array
-        return Response(outputs=outputs, error=error, final=final, parameters=parameters)
-    finally:
-        lib.TRITONSERVER_InferenceResponseDelete(response)
+                out[name] = _array(name, datatype, (), payload).tolist()
+        return out
+
+    @property
+    def outputs(self) -> dict[str, np.ndarray]:
+        """Each output as a numpy array of its shape (BYTES as an object array of bytes)."""
+        if self._arrays is None:
+            self._arrays = {name: _array(name, datatype, shape, payload)
+                            for name, (datatype, shape, payload) in self.raw.items()}
+        return self._arrays
 
 
-# -- the response allocator: host memory from libc's malloc, freed when Triton releases the buffer ---------------
-
-_libc = ctypes.CDLL(None)
-_libc.malloc.restype = c_void_p
-_libc.malloc.argtypes = [c_size_t]
-_libc.free.restype = None
-_libc.free.argtypes = [c_void_p]
-
-
-@ResponseAllocatorAllocFn
-def _alloc(allocator, tensor_name, byte_size, memory_type, memory_type_id, userp, buffer, buffer_userp,
-           actual_memory_type, actual_memory_type_id):
-    buffer[0] = _libc.malloc(byte_size) if byte_size else None
-    buffer_userp[0] = None
-    actual_memory_type[0] = MEMORY_CPU
-    actual_memory_type_id[0] = 0
-    if byte_size and not buffer[0]:
-        return _lib_for_callbacks.TRITONSERVER_ErrorNew(int(ErrorCode.INTERNAL),
-                                                        f"out of memory for {byte_size} bytes".encode())
-    return None
+def _array(name: str, datatype: str, shape: tuple[int, ...], payload) -> np.ndarray:
+    if datatype == "BYTES":
+        array = np.empty(len(payload), dtype=np.object_)
+        array[:] = payload
+    elif datatype in NUMPY_DTYPES:
+        array = np.frombuffer(payload, dtype=NUMPY_DTYPES[datatype]).copy()
+    else:
+        raise TritonError(ErrorCode.UNSUPPORTED, f"output '{name}': datatype {datatype} is not read by this binding")
+    if shape and array.size == int(np.prod(shape, dtype=np.int64)):
+        array = array.reshape(shape)
+    return array
 
 
-@ResponseAllocatorReleaseFn
-def _release_buffer(allocator, buffer, buffer_userp, byte_size, memory_type, memory_type_id):
-    if buffer:
-        _libc.free(buffer)
-    return None
-
-
-_lib_for_callbacks = None
-_allocator: Ptr | None = None
-_allocator_lock = threading.Lock()
-
-
-def _response_allocator(lib) -> Ptr:
-    global _allocator, _lib_for_callbacks
-    with _allocator_lock:
-        if _allocator is None:
-            _lib_for_callbacks = lib
-            allocator = Ptr()
-            check(lib, lib.TRITONSERVER_ResponseAllocatorNew(ctypes.byref(allocator), _alloc, _release_buffer, None))
-            _allocator = allocator
-        return _allocator
-
-
-# -- requests in flight ---------------------------------------------------------------------------------------
-
-_states: dict[int, _RequestState] = {}
-_keys = itertools.count(1)
-_states_lock = threading.Lock()
-
-
-class _RequestState:
-    def __init__(self, lib, request: Ptr, loop: asyncio.AbstractEventLoop, keep: list):
-        self.lib = lib
-        self.request = request
-        self.loop = loop
-        self.queue: asyncio.Queue[Response] = asyncio.Queue()
-        self.keep = keep  # input buffers and names: valid until the request is released
-        self.lock = threading.Lock()
-        self.released = False
-        self.released_event = asyncio.Event()  # set in the loop once Triton released the request
-        self.final = False
-        self.deleted = False
-        self.key = 0
-
-    def _maybe_delete(self) -> None:
-        """Under self.lock: delete the request once it is released and its final response has arrived."""
-        if self.released and self.final and not self.deleted:
-            self.deleted = True
-            self.lib.TRITONSERVER_InferenceRequestDelete(self.request)
-            self.keep = []
-            with _states_lock:
-                _states.pop(self.key, None)
-
-    def deliver(self, response: Response) -> None:
-        _dispatcher(self.loop).post(self.queue.put_nowait, response)
-
-
-class _Dispatcher:
-    """Hands callbacks from Triton's threads to one event loop, waking the loop once per burst instead of once per
-    response: an engine step answers every running request within microseconds, and each wake-up is a syscall and a
-    GIL hand-over (what dominated the front-end's CPU time when each response woke the loop on its own)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.lock = threading.Lock()
-        self.pending: list[tuple[Any, Any]] = []
-
-    def post(self, function, argument) -> None:
-        with self.lock:
-            self.pending.append((function, argument))
-            if len(self.pending) > 1:
-                return  # a wake-up is already on its way and will run this too
-        try:
-            self.loop.call_soon_threadsafe(self._run)
-        except RuntimeError:  # the loop is closed: nobody is waiting any more
-            with self.lock:
-                self.pending.clear()
-
-    def _run(self) -> None:
-        with self.lock:
-            batch, self.pending = self.pending, []
-        for function, argument in batch:
-            function(argument)
-
-
-_dispatchers: dict[int, _Dispatcher] = {}
-_dispatchers_lock = threading.Lock()
-
-
-def _dispatcher(loop: asyncio.AbstractEventLoop) -> _Dispatcher:
-    with _dispatchers_lock:
-        dispatcher = _dispatchers.get(id(loop))
-        if dispatcher is None or dispatcher.loop is not loop:
-            dispatcher = _dispatchers[id(loop)] = _Dispatcher(loop)
-        return dispatcher
-
-
-@RequestReleaseFn
-def _on_request_release(request, flags, userp):
-    with _states_lock:
-        state = _states.get(userp or 0)
-    if state is None or not flags & REQUEST_RELEASE_ALL:
-        return
-    with state.lock:
-        state.released = True
-        state._maybe_delete()
-    _dispatcher(state.loop).post(lambda event: event.set(), state.released_event)
-
-
-@ResponseCompleteFn
-def _on_response(response, flags, userp):
-    with _states_lock:
-        state = _states.get(userp or 0)
-    if state is None:  # cannot happen while the request is registered; never leak the response
-        if response:
-            _lib_for_callbacks.TRITONSERVER_InferenceResponseDelete(response)
-        return
+def _error(value) -> TritonError | None:
+    if value is None:
+        return None
+    code, message = value
     try:
-        item = _read_response(state.lib, response, flags)
-    except Exception as exc:  # a response this binding cannot read: an error response for the caller
-        item = Response(error=TritonError(ErrorCode.INTERNAL, f"reading a response failed: {exc!r}"),
-                        final=bool(flags & RESPONSE_COMPLETE_FINAL))
-    if flags & RESPONSE_COMPLETE_FINAL:  # before the caller can see the final response
-        with state.lock:
-            state.final = True
-            state._maybe_delete()
-    state.deliver(item)
+        return TritonError(ErrorCode(code), message)
+    except ValueError:
+        return TritonError(ErrorCode.UNKNOWN, message)
+
+
+# -- the response path: one native queue per event loop ------------------------------------------------------------
+
+_library = None
+_library_lock = threading.Lock()
+
+
+def _native_library(lib):
+    global _library
+    with _library_lock:
+        if _library is None:
+            from serving_image.triton.capi import _response_path
+
+            _library = _response_path.Library(str(lib.location.library))
+        return _library
+
+
+class _Delivery:
+    """A native response queue and the streams it feeds, for one event loop: the loop drains the queue when its
+    eventfd is readable and hands each record to its stream."""
+
+    def __init__(self, lib, loop: asyncio.AbstractEventLoop):
+        from serving_image.triton.capi import _response_path
+
+        self.loop = loop
+        self.queue = _response_path.ResponseQueue(_native_library(lib), QUEUE_CAPACITY)
+        self.streams: dict[int, InferenceStream] = {}
+        loop.add_reader(self.queue.fd, self.drain)
+
+    def drain(self) -> None:
+        streams = self.streams
+        for key, released, final, empty, error, outputs, parameters in self.queue.drain():
+            stream = streams.get(key)
+            if stream is None:  # its stream was given up (cancelled and closed): nothing waits for it
+                continue
+            if released:
+                stream._on_released()
+                if stream._finished:
+                    del streams[key]
+                continue
+            raw = {name: (DATATYPES[datatype] if datatype < len(DATATYPES) else "INVALID", shape, payload)
+                   for name, datatype, shape, payload in outputs}
+            stream._on_response(Response(raw, _error(error), final, parameters, empty))
+            if final and stream._released:
+                del streams[key]
+
+
+_deliveries: dict[int, _Delivery] = {}
+_deliveries_lock = threading.Lock()
+
+
+def _delivery(lib, loop: asyncio.AbstractEventLoop) -> _Delivery:
+    with _deliveries_lock:
+        delivery = _deliveries.get(id(loop))
+        if delivery is None or delivery.loop is not loop:
+            delivery = _deliveries[id(loop)] = _Delivery(lib, loop)
+        return delivery
 
 
 class InferenceStream:
@@ -312,55 +206,89 @@ class InferenceStream:
     error is yielded like any other (`response.error`); `cancel()` asks Triton to cancel the request (the backend
     sees it as cancelled; Triton's core answers CANCELLED to a request not yet scheduled)."""
 
-    def __init__(self, state: _RequestState, request_id: str):
-        self._state = state
+    def __init__(self, delivery: _Delivery, key: int, request_id: str):
+        self._delivery = delivery
+        self._key = key
         self.request_id = request_id
         self.cancelled = False
-        self._done = False
+        self._pending: collections.deque[Response] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._released_waiter: asyncio.Future | None = None
+        self._finished = False  # the final response arrived
+        self._released = False
+        self._done = False  # the iterator handed out the final response
+
+    def _on_response(self, response: Response) -> None:
+        if response.final:
+            self._finished = True
+        self._pending.append(response)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _on_released(self) -> None:
+        self._released = True
+        if self._released_waiter is not None and not self._released_waiter.done():
+            self._released_waiter.set_result(None)
 
     def __aiter__(self) -> AsyncIterator[Response]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[Response]:
         while not self._done:
-            response = await self._state.queue.get()
+            while not self._pending:
+                self._waiter = self._delivery.loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            response = self._pending.popleft()
             if response.final:
                 self._done = True
             yield response
 
+    def ready(self) -> list[Response]:
+        """Every response that has arrived and was not read yet (the iterator then goes on after them)."""
+        taken = list(self._pending)
+        self._pending.clear()
+        if any(r.final for r in taken):
+            self._done = True
+        return taken
+
     @property
     def finished(self) -> bool:
-        return self._state.final
+        return self._finished
 
     async def wait_released(self) -> None:
         """Until Triton released the request (its inputs are no longer read; with the final response, the request
         object is deleted)."""
-        await self._state.released_event.wait()
+        if self._released:
+            return
+        if self._released_waiter is None:
+            self._released_waiter = self._delivery.loop.create_future()
+        await asyncio.shield(self._released_waiter)
 
     def cancel(self) -> bool:
         """Cancel the request in Triton; False when it already finished (nothing to cancel)."""
-        state = self._state
-        with state.lock:
-            if state.deleted or state.final:
-                return False
-            self.cancelled = True
-            check(state.lib, state.lib.TRITONSERVER_InferenceRequestCancel(state.request))
-            return True
+        from serving_image.triton.capi import _response_path
+
+        if self._finished:
+            return False
+        try:
+            cancelled = self._delivery.queue.cancel(self._key)
+        except _response_path.CallError as exc:
+            raise _error(exc.args) from None
+        self.cancelled = self.cancelled or cancelled
+        return cancelled
 
 
-def _set_parameter(lib, request: Ptr, key: str, value: Any) -> None:
-    name = key.encode()
-    if isinstance(value, bool):
-        check(lib, lib.TRITONSERVER_InferenceRequestSetBoolParameter(request, name, value))
-    elif isinstance(value, int):
-        check(lib, lib.TRITONSERVER_InferenceRequestSetIntParameter(request, name, value))
-    elif isinstance(value, float):
-        check(lib, lib.TRITONSERVER_InferenceRequestSetDoubleParameter(request, name, value))
-    elif isinstance(value, str):
-        check(lib, lib.TRITONSERVER_InferenceRequestSetStringParameter(request, name, value.encode()))
-    else:
-        raise TypeError(f"parameter '{key}': {type(value).__name__} is not a Triton parameter type "
-                        "(bool, int, float or str)")
+def _parameters(parameters: Mapping[str, Any] | None) -> list[tuple[str, Any]]:
+    out = []
+    for key, value in (parameters or {}).items():
+        if not isinstance(value, bool | int | float | str):
+            raise TypeError(f"parameter '{key}': {type(value).__name__} is not a Triton parameter type "
+                            "(bool, int, float or str)")
+        out.append((key, value))
+    return out
 
 
 def infer(server, model: str, inputs: Iterable[Input], *, request_id: str = "", version: int = -1,
@@ -369,46 +297,26 @@ def infer(server, model: str, inputs: Iterable[Input], *, request_id: str = "", 
     """Send one request (TRITONSERVER_ServerInferAsync) and return its responses as an InferenceStream. Errors
     Triton raises before accepting the request (unknown model, wrong datatype or shape, ...) are raised here as
     TritonError; errors found later arrive as a response's `error`."""
-    lib = server.lib
+    from serving_image.triton.capi import _response_path
+
     loop = loop or asyncio.get_running_loop()
-    allocator = _response_allocator(lib)
-    request = Ptr()
-    check(lib, lib.TRITONSERVER_InferenceRequestNew(ctypes.byref(request), server.handle, model.encode(), version))
-    keep: list = []
-    state = _RequestState(lib, request, loop, keep)
+    delivery = _delivery(server.lib, loop)
+    native_inputs = []
+    for tensor in inputs:
+        if tensor.datatype not in DATATYPES[1:]:
+            raise TritonError(ErrorCode.INVALID_ARG, f"input '{tensor.name}': unknown datatype {tensor.datatype}")
+        native_inputs.append((tensor.name, DATATYPES.index(tensor.datatype), tensor.shape, tensor.data))
     try:
-        if request_id:
-            check(lib, lib.TRITONSERVER_InferenceRequestSetId(request, request_id.encode()))
-        for tensor in inputs:
-            if tensor.datatype not in DATATYPES[1:]:
-                raise TritonError(ErrorCode.INVALID_ARG, f"input '{tensor.name}': unknown datatype {tensor.datatype}")
-            name = tensor.name.encode()
-            shape = (c_int64 * len(tensor.shape))(*tensor.shape)
-            check(lib, lib.TRITONSERVER_InferenceRequestAddInput(request, name, DATATYPES.index(tensor.datatype),
-                                                                 shape, len(tensor.shape)))
-            keep.append(tensor.data)
-            check(lib, lib.TRITONSERVER_InferenceRequestAppendInputData(request, name, tensor.data, len(tensor.data),
-                                                                        MEMORY_CPU, 0))
-        for output in outputs:
-            check(lib, lib.TRITONSERVER_InferenceRequestAddRequestedOutput(request, output.encode()))
-        for key, value in (parameters or {}).items():
-            _set_parameter(lib, request, key, value)
-        with _states_lock:
-            state.key = next(_keys)
-            _states[state.key] = state
-        check(lib, lib.TRITONSERVER_InferenceRequestSetReleaseCallback(request, _on_request_release, state.key))
-        check(lib, lib.TRITONSERVER_InferenceRequestSetResponseCallback(request, allocator, None, _on_response,
-                                                                        state.key))
-        check(lib, lib.TRITONSERVER_ServerInferAsync(server.handle, request, None))
-    except BaseException:
-        with _states_lock:
-            _states.pop(state.key, None)
-        lib.TRITONSERVER_InferenceRequestDelete(request)  # not taken by Triton: still ours
-        raise
-    return InferenceStream(state, request_id)
+        key = delivery.queue.submit(server.handle.value, model, version, request_id, native_inputs, list(outputs),
+                                    _parameters(parameters))
+    except _response_path.CallError as exc:
+        raise _error(exc.args) from None
+    stream = InferenceStream(delivery, key, request_id)
+    delivery.streams[key] = stream  # on the loop's thread: no record of it can be drained before this
+    return stream
 
 
 def in_flight() -> int:
     """Requests sent and not yet both released and finished (a leak check for the tests)."""
-    with _states_lock:
-        return len(_states)
+    with _deliveries_lock:
+        return sum(d.queue.in_flight() for d in _deliveries.values())
