@@ -445,7 +445,11 @@ async def _main_async(config: StartupConfig, on_ready: Callable[[Started], None]
 
 def run(config: StartupConfig, on_ready: Callable[[Started], None] | None = None) -> int:
     configure_logging()
-    return asyncio.run(_main_async(config, on_ready))
+    # uvloop, as vLLM's own server runs: the front-end's loop does per-token work (responses, SSE chunks), and
+    # uvloop's costs less per callback and per socket write than the standard library's.
+    import uvloop
+
+    return uvloop.run(_main_async(config, on_ready))
 
 
 def companions_from_env(value: str) -> list[Path]:

@@ -132,6 +132,24 @@ class EngineOutput:
     finished: bool
 
 
+def merge_outputs(first: EngineOutput, then: EngineOutput) -> EngineOutput:
+    """Two consecutive deltas of one request as one (what vLLM's output collector does for a consumer that lags):
+    per choice, the texts, token ids and log-probabilities one after the other, the later finish and stop reasons;
+    the later prompt-token count and finished flag."""
+    choices = {c.index: c for c in first.choices}
+    for c in then.choices:
+        before = choices.get(c.index)
+        if before is None:
+            choices[c.index] = c
+            continue
+        logprobs = (None if before.logprobs is None and c.logprobs is None
+                    else (before.logprobs or ()) + (c.logprobs or ()))
+        choices[c.index] = ChoiceDelta(c.index, before.text + c.text, before.token_ids + c.token_ids, logprobs,
+                                       c.finish_reason or before.finish_reason, c.stop_reason or before.stop_reason)
+    return EngineOutput(then.request_id, then.prompt_tokens or first.prompt_tokens,
+                        tuple(choices[i] for i in sorted(choices)), then.finished)
+
+
 @dataclass
 class ChoiceTotals:
     """One choice's output so far."""

@@ -44,6 +44,7 @@ from serving_image.engine.base import (
     EngineUnavailableError,
     HFTokenizerMixin,
     ModelInfo,
+    merge_outputs,
 )
 from serving_image.kserve.translate import (
     ClientTranslationError,
@@ -140,9 +141,10 @@ class TritonEngine(HFTokenizerMixin, Engine):
 
     @abc.abstractmethod
     def _stream(self, request_id: str, tensors: list[Tensor],
-                model: str | None = None) -> AsyncIterator[tuple[dict[str, list], bool]]:
-        """Send the request (to the LLM, or the named model); yield (flat outputs, final) per response; raise the
-        engine's errors."""
+                model: str | None = None) -> AsyncIterator[list[tuple[dict[str, list], bool]]]:
+        """Send the request (to the LLM, or the named model); yield the responses that have arrived, as a list of
+        (flat outputs, final) in order (several when the consumer lagged), then raise the engine's error if one
+        came."""
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         if not self.is_ready():
@@ -151,10 +153,16 @@ class TritonEngine(HFTokenizerMixin, Engine):
         reader = OutputReader(request.request_id, request.sampling.n, logprobs=request.sampling.logprobs)
         stream = self._stream(request.request_id, tensors)
         try:
-            async for outputs, final in stream:
-                if not outputs and not final:
+            async for batch in stream:
+                # What arrived together leaves as one delta: one SSE chunk for several tokens when this side lags.
+                output = None
+                for outputs, final in batch:
+                    if not outputs and not final:
+                        continue
+                    delta = reader.read(outputs, final=final) if outputs else reader.read({}, final=True)
+                    output = delta if output is None else merge_outputs(output, delta)
+                if output is None:
                     continue
-                output = reader.read(outputs, final=final) if outputs else reader.read({}, final=True)
                 yield output
                 if output.finished:
                     return
@@ -179,10 +187,14 @@ class TritonEngine(HFTokenizerMixin, Engine):
     async def _one_answer(self, request_id: str, tensors: list[Tensor], model: str) -> dict[str, list]:
         """The outputs of a request that gets one answer (an embedding, a score)."""
         outputs: dict[str, list] | None = None
+        final = False
         stream = self._stream(request_id, tensors, model=model)
         try:
-            async for flat, final in stream:
-                outputs = flat or outputs  # a decoupled model may end with an empty final response
+            async for batch in stream:
+                for flat, final in batch:
+                    outputs = flat or outputs  # a decoupled model may end with an empty final response
+                    if final:
+                        break
                 if final:
                     break
         finally:
@@ -291,7 +303,7 @@ class EmbeddedTritonEngine(TritonEngine):
         return self.triton.dead_reason
 
     async def _stream(self, request_id: str, tensors: list[Tensor],
-                      model: str | None = None) -> AsyncIterator[tuple[dict[str, list], bool]]:
+                      model: str | None = None) -> AsyncIterator[list[tuple[dict[str, list], bool]]]:
         from serving_image.triton.capi import TritonError
         from serving_image.triton.capi.inference import Input, infer
 
@@ -303,9 +315,14 @@ class EmbeddedTritonEngine(TritonEngine):
         self._inflight[request_id] = stream
         try:
             async for response in stream:
-                if response.error is not None:
-                    raise engine_error(response.error.code.name, response.error.message)
-                yield response.flat(), response.final
+                batch = []
+                for item in (response, *stream.ready()):
+                    if item.error is not None:
+                        if batch:
+                            yield batch
+                        raise engine_error(item.error.code.name, item.error.message)
+                    batch.append((item.flat(), item.final))
+                yield batch
         finally:
             self._inflight.pop(request_id, None)
             if not stream.finished:
@@ -359,7 +376,7 @@ class RemoteTritonEngine(TritonEngine):
         return None if self._ready else "disconnected from Triton"
 
     async def _stream(self, request_id: str, tensors: list[Tensor],
-                      model: str | None = None) -> AsyncIterator[tuple[dict[str, list], bool]]:
+                      model: str | None = None) -> AsyncIterator[list[tuple[dict[str, list], bool]]]:
         import grpc
         import tritonclient.grpc.aio as grpcaio
         from tritonclient.utils import InferenceServerException
@@ -384,7 +401,7 @@ class RemoteTritonEngine(TritonEngine):
                     raise engine_error(None, message)
                 response = result.get_response()
                 outputs = {o.name: result.as_numpy(o.name) for o in response.outputs}
-                yield flat_outputs(outputs), response.parameters["triton_final_response"].bool_param
+                yield [(flat_outputs(outputs), response.parameters["triton_final_response"].bool_param)]
         except grpc.aio.AioRpcError as exc:
             raise EngineUnavailableError(f"Triton stream failed: {exc.code().name}: {exc.details()}") from exc
         finally:

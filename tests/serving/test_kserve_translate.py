@@ -19,6 +19,7 @@ from serving_image.engine.base import (
     StructuredOutput,
     TokenLogprob,
     TopLogprob,
+    merge_outputs,
 )
 from serving_image.kserve.translate import (
     RETURN_FLAGS,
@@ -100,6 +101,28 @@ def test_output_reader_rebuilds_deltas():
     last = reader.read({"text_output": [b"c"], "finish_reason": [b"length"], "num_output_tokens": [1]})
     assert last.finished and last.choices[0].finish_reason == "length" and last.prompt_tokens == 4
     assert reader.read({}, final=True).finished
+
+
+def test_deltas_that_arrived_together_merge_into_the_stream_a_client_would_have_read():
+    """What one drain brings for a request leaves as one delta (one SSE chunk): the same text, token count,
+    finish reason and log-probabilities per choice as the deltas one by one, in order."""
+    first_lp = TokenLogprob("a", 5, -0.1, (TopLogprob("a", 5, -0.1),), rank=1)
+    second_lp = TokenLogprob("b", 6, -0.3, (TopLogprob("b", 6, -0.3),), rank=1)
+    reader = OutputReader("r", n=2, logprobs=1)
+    one = reader.read({"text_output": [b"a", b"x"], "finish_reason": [b"None", b"None"], "num_input_tokens": [3],
+                       "num_output_tokens": [1, 1],
+                       "logprobs": [json.dumps(backend_logprobs((first_lp,))).encode(),
+                                    json.dumps(backend_logprobs((first_lp,))).encode()]})
+    two = reader.read({"text_output": [b"b", b""], "finish_reason": [b"length", b"None"],
+                       "num_output_tokens": [1, 0],
+                       "logprobs": [json.dumps(backend_logprobs((second_lp,))).encode(), b"[]"]})
+    merged = merge_outputs(one, two)
+    assert [c.text for c in merged.choices] == ["ab", "x"]
+    assert [len(c.token_ids) for c in merged.choices] == [2, 1]
+    assert merged.choices[0].logprobs == (first_lp, second_lp) and merged.choices[1].logprobs == (first_lp,)
+    assert [c.finish_reason for c in merged.choices] == ["length", None]
+    assert merged.prompt_tokens == 3 and not merged.finished
+    assert merge_outputs(merged, reader.read({}, final=True)).finished
 
 
 @pytest.mark.parametrize("reason", ["abort", "error"])
