@@ -8,13 +8,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from serving_image.local_server import publish_demo, start_server
+from serving_image.triton.backends.vllm.engine_in_stub import ENGINE_NICE_ENV
 from tests.serving.engine_hold import EngineProcesses
 
 SCRIPT = Path(__file__).parent / "scripts" / "seeded_preemption.py"
@@ -40,7 +40,11 @@ def test_seeded_requests_under_preemption_no_longer_kill_the_engine(demo_model_d
 
 @pytest.fixture()
 def server(demo_model_dir: Path, tmp_path: Path):
-    srv = start_server(publish_demo(demo_model_dir, tmp_path), tmp_path / "server")
+    # The engine at the lowest priority (the rehearsal's knob, ENGINE_NICE_ENV): while the front-end or the callers
+    # can run, the engine cannot run ahead of them. vLLM runs in the stub's process with no hop between the engine
+    # and Triton, and on a loaded machine it generated a whole stream before its first token reached its caller.
+    srv = start_server(publish_demo(demo_model_dir, tmp_path), tmp_path / "server",
+                       extra_env={ENGINE_NICE_ENV: "19"})
     yield srv
     srv.kill()
 
@@ -61,7 +65,7 @@ def test_engine_killed_mid_stream(server, demo_model_dir: Path):
             "stream": True, "logit_bias": {"1": -100}}
     engine = EngineProcesses.of(server.proc.pid)
 
-    async def scenario() -> tuple[dict[int, str], dict[int, int], float, list[int]]:
+    async def scenario() -> tuple[dict[int, str], dict[int, int], list[int]]:
         outcomes: dict[int, str] = {}
         tokens_seen: dict[int, int] = {}
         readiness: list[int] = []
@@ -106,16 +110,13 @@ def test_engine_killed_mid_stream(server, demo_model_dir: Path):
             await asyncio.wait_for(first_token.wait(), timeout=120)
             await asyncio.sleep(0.5)  # what the front-end already had reaches the callers (not needed for the verdict)
             engine.kill()
-            killed_at = time.monotonic()
             watcher = asyncio.create_task(watch_readiness())
             done, pending = await asyncio.wait(callers, timeout=30)
             assert not pending, "a caller hung after the engine died"
-            elapsed = time.monotonic() - killed_at
             await asyncio.wait_for(watcher, timeout=90)
-        return outcomes, tokens_seen, elapsed, readiness
+        return outcomes, tokens_seen, readiness
 
-    outcomes, tokens_seen, elapsed, readiness = asyncio.run(scenario())
-    assert elapsed < 30
+    outcomes, tokens_seen, readiness = asyncio.run(scenario())
     assert sorted(outcomes) == list(range(8))
     assert all(o.startswith("error") for o in outcomes.values()), (outcomes, tokens_seen)
     assert max(tokens_seen.values()) >= 1, "at least one stream was cut mid-stream"

@@ -6,8 +6,9 @@ directory, the backend's directory with the stub's numpy < 2) and ignores `PYTHO
 .venv-serving's packages (vLLM, torch, this project) importable *after* those, so the stub keeps its numpy 1.26.4
 (numpy 2 corrupts BYTES tensors in this stub) and vLLM runs beside it (docs/kserve.md, "vLLM in the stub"). The one
 contract of the stub's environment: `$LLM_SERVING_ENGINE_PYTHON` names the interpreter whose site-packages are
-appended; vLLM's helper processes (its model-registry probe, its engine core and worker, started with
-multiprocessing's `spawn`, which the CPU platform forces) run *that* interpreter with *its own* `sys.path`, because an
+appended, after `$PYTHONPATH`'s entries (the startup procedure's plugin directory); vLLM's helper processes (its
+model-registry probe, its engine core and worker, started with multiprocessing's `spawn`, which the CPU platform
+forces) run *that* interpreter with *its own* `sys.path` (and `$PYTHONPATH`'s entries first), because an
 embedded interpreter's `sys.executable` is not a Python and the stub's standard library is not theirs.
 
 `InStubEngine` runs the engine on an asyncio loop in a thread of its own (the stub's main thread keeps answering
@@ -97,12 +98,19 @@ def prepare_environment(python: str) -> None:
         if locale.getpreferredencoding(False).lower().replace("-", "") != "utf8":
             locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
         paths = _interpreter_paths(python)
+        # $PYTHONPATH, which the stub's interpreter ignores and `python -I` leaves out: where the startup procedure
+        # installed the package's plugin wheels (vLLM finds them through their entry points, in this process and
+        # in the processes it spawns). After the stub's own path (its numpy stays first), before the venv's.
+        extra = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+        for entry in extra:
+            if entry not in sys.path:
+                sys.path.append(entry)
         for directory in paths["site"]:
             site.addsitedir(directory)
         sys.executable = python  # vLLM runs helpers with sys.executable (its model registry's inspection)
         multiprocessing.set_executable(python)
         original = multiprocessing.spawn.get_preparation_data
-        child_path = paths["path"]
+        child_path = [*extra, *(entry for entry in paths["path"] if entry not in extra)]
 
         def preparation_data(name):
             data = original(name)
