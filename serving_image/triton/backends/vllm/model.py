@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 import uuid
 
 import numpy as np
@@ -71,11 +70,11 @@ REFUSED_INPUTS = {
     "return_cumulative_logprob": "cumulative log probabilities are not produced by the local stand-in backend",
 }
 ERROR_PREFIX = "Error generating stream: "  # NVIDIA's backend's prefix for a failed request
-CANCEL_CHECK_S = 0.05
-# A request that produces nothing (queued behind others, in a long prefill, or its engine held) is still checked
-# for cancellation this often, by a watcher thread: NVIDIA's backend only checks after a response, so a cancelled
-# request waiting in the queue would keep its place until its first token.
-CANCEL_WATCH_S = 0.5
+# Every request in flight is checked for cancellation this often, by one watcher thread, whether it is producing
+# tokens or not (queued behind others, in a long prefill, its engine held). Asking is a round trip to the Triton
+# process: asked on the response path (NVIDIA's backend asks after every response) it was a quarter of the stub's
+# CPU under load. A cancelled request therefore runs on in the engine for at most this long.
+CANCEL_WATCH_S = 0.25
 
 
 class RequestError(ValueError):
@@ -174,7 +173,7 @@ class _Request:
     """One request in flight: its sender, what the client asked for, and (when not streaming) the totals so far."""
 
     __slots__ = ("sender", "stream", "prepend", "prompt", "flags", "texts", "tokens", "finish", "prompt_tokens",
-                 "checked_at", "logprobs")
+                 "logprobs")
 
     def __init__(self, sender, parsed: dict):
         self.sender = sender
@@ -188,16 +187,6 @@ class _Request:
         # per choice, the log-probability positions so far (None: the request asked for none, the JSON null)
         self.logprobs: list[list | None] = []
         self.prompt_tokens = 0
-        self.checked_at = 0.0  # when the request was last checked for cancellation
-
-    def cancelled(self, now: float) -> bool:
-        """Whether the client cancelled the request. Asking is a round trip to the Triton process, so it is asked
-        at most every CANCEL_CHECK_S per request (NVIDIA's backend asks after every response): a cancelled request
-        runs on for at most that long, and a request finishing within it is not aborted (it is done anyway)."""
-        if now - self.checked_at < CANCEL_CHECK_S:
-            return False
-        self.checked_at = now
-        return self.sender.is_cancelled()
 
     def add(self, message: dict) -> tuple[list[str], list[int], list[list | None]]:
         """Fold one engine delta in; return this step's text, token count and log-probabilities per choice."""
@@ -244,14 +233,11 @@ class _Request:
 class _EmbedRequest:
     """An embedding request in flight: one answer, no deltas (NVIDIA's EmbedRequest.create_response)."""
 
-    __slots__ = ("sender", "flags", "checked_at")
+    __slots__ = ("sender", "flags")
 
     def __init__(self, sender, flags: dict):
         self.sender = sender
         self.flags = flags
-        self.checked_at = 0.0
-
-    cancelled = _Request.cancelled
 
     def response(self, message: dict):
         # The vector as JSON text, as NVIDIA's backend sends it (json.dumps of the floats: they read back exactly).
@@ -414,9 +400,6 @@ class TritonPythonModel:
                                                                           pb_utils.TritonError.INTERNAL)
             self._error(state.sender, message["error"], code)
             return
-        if state.cancelled(time.monotonic()):
-            self._cancel(request_id, state)
-            return
         if isinstance(state, _EmbedRequest):
             self._drop(request_id)
             state.sender.send(state.response(message), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -447,18 +430,19 @@ class TritonPythonModel:
             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _watch_cancellations(self) -> None:
-        """Check the requests that produced nothing for CANCEL_WATCH_S (the others are checked as they answer)."""
+        """Every CANCEL_WATCH_S, ask Triton whether each request in flight was cancelled, and abort those that were.
+        The respond lock is held around each question: a sender is never asked after its final response (Triton
+        frees the request's response factory then)."""
         while not self._stopped.wait(CANCEL_WATCH_S):
             with self._lock:
-                quiet = [(rid, state) for rid, state in self._requests.items()
-                         if time.monotonic() - state.checked_at >= CANCEL_WATCH_S]
-            for request_id, state in quiet:
+                live = list(self._requests.items())
+            for request_id, state in live:
                 with self._respond_lock:
                     with self._lock:
                         if self._requests.get(request_id) is not state:
                             continue  # answered meanwhile
                     try:
-                        if state.cancelled(time.monotonic()):
+                        if state.sender.is_cancelled():
                             self._cancel(request_id, state)
                     except Exception as exc:  # one sender failing must not stop the watch of the others
                         self.logger.log_warn(f"[vllm] checking request {request_id} for cancellation failed: {exc}")
