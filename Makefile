@@ -19,7 +19,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 NATIVE_SOURCES := native/CMakeLists.txt $(wildcard native/src/* native/include/* native/triton/*)
 
-.PHONY: up test plan bench rehearse lint serving-env infra-env checkov-env triton-env crd-validate-env clean
+.PHONY: up test test-fast plan bench rehearse lint serving-env infra-env checkov-env triton-env crd-validate-env clean
 
 up: serving-env triton-env
 	$(SERVING)/bin/llm-serving up $(if $(MODEL),--model "$(MODEL)",) $(if $(MODE),--serving-mode "$(MODE)",)
@@ -31,6 +31,15 @@ test: serving-env infra-env checkov-env triton-env crd-validate-env
 	rc=0; \
 	$(SERVING)/bin/python -m pytest tests/serving tests/native --durations=15 $(PYTEST_ARGS) || rc=$$?; \
 	$(INFRA)/bin/python -m pytest tests/infra --durations=15 $(PYTEST_ARGS) || rc=$$?; \
+	exit $$rc
+
+# What a developer runs while editing: every test that starts no engine, server or rehearsal (`-m 'not slow'`).
+test-fast: serving-env infra-env checkov-env triton-env crd-validate-env
+	$(SERVING)/bin/ruff check .
+	$(SERVING)/bin/lint-imports
+	rc=0; \
+	$(SERVING)/bin/python -m pytest tests/serving tests/native -m 'not slow and not soak' --durations=10 $(PYTEST_ARGS) || rc=$$?; \
+	$(INFRA)/bin/python -m pytest tests/infra -m 'not slow and not soak' --durations=10 $(PYTEST_ARGS) || rc=$$?; \
 	exit $$rc
 
 plan: infra-env checkov-env crd-validate-env

@@ -28,6 +28,7 @@ import tritonclient.grpc.aio as grpcaio
 from serving_image.constraints.reference import satisfies
 from serving_image.constraints.spec import validate_constraint
 from serving_image.local_server import publish_demo, start_server
+from tests.serving.engine_args import EAGER_ENGINE_ARGS
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +39,7 @@ N_REQUESTS = 48
 @pytest.fixture(scope="module")
 def server(demo_model_dir: Path, tmp_path_factory):
     root = tmp_path_factory.mktemp("constraints-api")
-    srv = start_server(publish_demo(demo_model_dir, root), root)
+    srv = start_server(publish_demo(demo_model_dir, root, engine_args=EAGER_ENGINE_ARGS), root)
     yield srv
     srv.stop()
 

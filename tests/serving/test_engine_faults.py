@@ -15,6 +15,7 @@ import pytest
 
 from serving_image.local_server import publish_demo, start_server
 from serving_image.triton.backends.vllm.engine_in_stub import ENGINE_NICE_ENV
+from tests.serving.engine_args import EAGER_ENGINE_ARGS
 from tests.serving.engine_hold import EngineProcesses
 
 SCRIPT = Path(__file__).parent / "scripts" / "seeded_preemption.py"
@@ -43,7 +44,7 @@ def server(demo_model_dir: Path, tmp_path: Path):
     # The engine at the lowest priority (the rehearsal's knob, ENGINE_NICE_ENV): while the front-end or the callers
     # can run, the engine cannot run ahead of them. vLLM runs in the stub's process with no hop between the engine
     # and Triton, and on a loaded machine it generated a whole stream before its first token reached its caller.
-    srv = start_server(publish_demo(demo_model_dir, tmp_path), tmp_path / "server",
+    srv = start_server(publish_demo(demo_model_dir, tmp_path, engine_args=EAGER_ENGINE_ARGS), tmp_path / "server",
                        extra_env={ENGINE_NICE_ENV: "19"})
     yield srv
     srv.kill()

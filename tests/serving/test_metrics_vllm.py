@@ -97,7 +97,7 @@ def platform(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         engine = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(demo_model_dir),
              "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
-             "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 * 1024 * 1024)],
+             "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 * 1024 * 1024), "--enforce-eager"],
             env=env, stdout=log, stderr=subprocess.STDOUT,
         )
     vllm_url = f"http://127.0.0.1:{port}"

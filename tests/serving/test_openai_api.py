@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 
 from serving_image.local_server import Server, publish_demo, start_server
 from tests.serving import embed_score_reference as reference
+from tests.serving.engine_args import EAGER_ENGINE_ARGS
 from tests.serving.engine_hold import EngineProcesses
 
 KEY = "test-key-2"
@@ -37,7 +38,7 @@ DRAIN_DELAY_S = 15
 @pytest.fixture(scope="module")
 def server(demo_model_dir: Path, tmp_path_factory) -> Server:
     root = tmp_path_factory.mktemp("openai-api")
-    package = publish_demo(demo_model_dir, root, tasks=("generate", "embed", "score"))
+    package = publish_demo(demo_model_dir, root, tasks=("generate", "embed", "score"), engine_args=EAGER_ENGINE_ARGS)
     srv = start_server(package, root / "server", extra_env={
         "LLM_SERVING_API_KEYS": f"test-key-1,{KEY}",
         "LLM_SERVING_MAX_BODY_BYTES": str(BODY_CAP),

@@ -30,8 +30,9 @@ from examples import kserve_client
 from llm_serving import pod_contract as pc
 from llm_serving.manifest import ServingMode
 from llm_serving_cli.demo_packages import FEATURES_ID, PIPELINE_ID, RANKER_ID, RELEVANCE_ID, build_ranker_packages
-from serving_image.local_server import ENGINE_ARGS, Server, publish_demo, start_server
+from serving_image.local_server import Server, publish_demo, start_server
 from tests.serving import embed_score_reference as reference
+from tests.serving.engine_args import EAGER_ENGINE_ARGS
 from tests.serving.engine_hold import EngineProcesses
 
 pytestmark = pytest.mark.slow
@@ -47,7 +48,7 @@ def server(demo_model_dir: Path, tmp_path_factory) -> Server:
     root = tmp_path_factory.mktemp("openai-embedded")
     # eager: no graph compilation at start (it dominates the engine's start on 2 cores, and make test's total time).
     # Every task: the LLM, its pooling model and the platform's scoring model load in this one Triton.
-    package = publish_demo(demo_model_dir, root, engine_args={**ENGINE_ARGS, "enforce_eager": True},
+    package = publish_demo(demo_model_dir, root, engine_args=EAGER_ENGINE_ARGS,
                            tasks=("generate", "embed", "score"))
     # Every model kind on the same embedded Triton (issue 15): the demo ranker (XGBoost, Python backend) and its
     # pipeline (an ensemble) with its steps, named as a Deployment names them (pod_contract.ENV_COMPANION_PACKAGES).

@@ -25,6 +25,7 @@ import pytest
 from llm_serving.package import PackageSpec, build_package
 from llm_serving.store import LocalStore
 from serving_image.local_server import ENGINE_ARGS, Server, accepts, free_port, publish_demo, start_server
+from tests.serving.engine_args import EAGER_ENGINE_ARGS
 from tests.serving.wheels import make_wheel, wheel_filename
 
 PLUGIN_SOURCE = '''
@@ -44,7 +45,7 @@ def server(demo_model_dir: Path, tmp_path_factory) -> Server:
     plugin = root / wheel_filename("demo-plugin")
     plugin.write_bytes(make_wheel("demo-plugin", files={"demo_plugin.py": PLUGIN_SOURCE},
                                   entry_points={"vllm.general_plugins": {"demo_plugin": "demo_plugin:register"}}))
-    package = publish_demo(demo_model_dir, root, plugins=(plugin,))
+    package = publish_demo(demo_model_dir, root, plugins=(plugin,), engine_args=EAGER_ENGINE_ARGS)
     (root / "plugin-trace").mkdir()
     (root / "prom").mkdir()
     (root / "prom" / "counter_999999.db").write_bytes(b"stale")  # must be emptied by step 3
