@@ -18,6 +18,8 @@ from serving_image.triton.backends.vllm.engine_in_stub import ENGINE_NICE_ENV
 from tests.serving.engine_args import EAGER_ENGINE_ARGS
 from tests.serving.engine_hold import EngineProcesses
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).parent / "scripts" / "seeded_preemption.py"
 
 

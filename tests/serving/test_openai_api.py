@@ -28,6 +28,8 @@ from tests.serving import embed_score_reference as reference
 from tests.serving.engine_args import EAGER_ENGINE_ARGS
 from tests.serving.engine_hold import EngineProcesses
 
+pytestmark = pytest.mark.slow
+
 KEY = "test-key-2"
 MODEL = "demo-tiny"
 MAX_CONCURRENT = 80

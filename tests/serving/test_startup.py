@@ -28,6 +28,8 @@ from serving_image.local_server import ENGINE_ARGS, Server, accepts, free_port, 
 from tests.serving.engine_args import EAGER_ENGINE_ARGS
 from tests.serving.wheels import make_wheel, wheel_filename
 
+pytestmark = pytest.mark.slow
+
 PLUGIN_SOURCE = '''
 import os, pathlib
 

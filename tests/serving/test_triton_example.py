@@ -23,6 +23,8 @@ sys.path.insert(0, str(EXAMPLE / "model"))
 from triage_record import CATEGORIES, SCHEMA, SUMMARY_MAX, RecordError, Triage  # noqa: E402
 from triage_text import fit_to_budget, render_prompt, tokenize  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 MODEL = "ticket-triage"
 BUDGET = 24  # config.pbtxt's ticket_token_budget
 

@@ -34,6 +34,8 @@ from llm_serving_cli.demo_packages import (
 from serving_image.triton.repository import RepositoryError, resolve_ensembles
 from tests.serving.conftest import RANKER_MISFIT_ID, RANKER_RANK_ID
 
+pytestmark = pytest.mark.slow
+
 LLM = "demo-tiny"
 PIPELINE_CONFIG = RANKER_EXAMPLE / "pipeline" / "config.pbtxt"
 
