@@ -3,8 +3,8 @@
 128 requests of 64 greedy output tokens (ignore_eos, so every request makes the same work), 32 prompt tokens, 16 at a
 time, on the demo model. Baseline: `engine.generate` in this process. Subjects, with NVIDIA's asyncio tritonclient
 streaming every token over gRPC:
-- `triton`: the `standalone` serving mode, real tritonserver 2.51 with the stand-in vllm backend, whose engine runs in
-  its own process behind a Unix socket (the hops: client -> Triton -> Python backend stub -> engine process, and back).
+- `triton`: the `standalone` serving mode, real tritonserver 2.51 with the stand-in vllm backend, whose engine (vLLM's
+  AsyncLLM) runs in the Python backend stub's process (the hops: client -> Triton -> stub, and back).
 Both measured in turn over several rounds (medians), with the CPU seconds each process spent per 1000 tokens.
 Reported as ratios (subject / direct); the target for Triton is 0.8 of direct throughput (issue #13).
 """
@@ -114,8 +114,8 @@ async def _start_triton(model_dir: pathlib.Path, workdir: pathlib.Path):
     return triton, f"127.0.0.1:{ports['grpc']}"
 
 
-_ROLES = (("tritonserver", "tritonserver"), ("triton_python_backend_stub", "Python backend stub"),
-          ("serving_image.triton.engine_host", "engine process (stand-in)"), ("VLLM::", "vLLM engine core + worker"))
+_ROLES = (("tritonserver", "tritonserver"), ("triton_python_backend_stub", "Python backend stub (vLLM's AsyncLLM)"),
+          ("VLLM::", "vLLM engine core + worker"))
 
 
 def _cpu_seconds() -> dict[str, float]:
@@ -202,7 +202,7 @@ def run(out_dir: pathlib.Path) -> dict:
         "NVIDIA's asyncio tritonclient streaming over gRPC, against the engine called directly in this process; "
         f"medians of {ROUNDS} rounds (direct and Triton in turn).",
         "",
-        "Real tritonserver 2.51, the stand-in vllm backend and its engine process (the `standalone` serving mode):",
+        "Real tritonserver 2.51, the stand-in vllm backend with vLLM in its stub (the `standalone` serving mode):",
         "",
         *ratio_table(results["triton"], base, ("Triton gRPC stream", "engine directly", "ratio (Triton / direct)")),
         "",

@@ -48,7 +48,7 @@ IMAGE_ENV_OVERRIDES: dict[str, str] = {
     # load keep both cores busy; a new pod's Triton stub, sharing those cores, then missed the Python backend's
     # one-second health handshake during its engine's start (measured: a 300 ms sleeper woke up to 590 ms late), the
     # model's load failed and Triton hung waiting for the stub (every red-black candidate's pod, until this). The
-    # engines (the stand-in backend's engine processes, engine_wire.ENGINE_NICE_ENV) run at a lower priority than
+    # engines (the stand-in backend's engine, engine_in_stub.ENGINE_NICE_ENV) run at a lower priority than
     # the pods' own processes; in production each pod has its node's CPUs to itself.
     ENGINE_NICE_ENV: "10",
 }

@@ -39,7 +39,7 @@ from serving_image.openai_api.protocol import (
     SCORE,
     Endpoint,
 )
-from serving_image.openai_api.request_scope import RequestScope
+from serving_image.openai_api.request_scope import RequestScope, trace_id_from
 from serving_image.openai_api.scoring import score
 from serving_image.openai_api.state import ServerState, server_state
 
@@ -152,6 +152,7 @@ async def _serve(request: Request, endpoint: Endpoint, handler: Handler) -> Resp
     leaves it too, on its way to `_api_error`), or, for a stream, when the response has sent its last event."""
     server = server_state(request)
     with server.open_request(endpoint) as scope:
+        scope.trace_id = trace_id_from(request.headers.get("traceparent"))
         scope.body = await _parse_body(request, server, endpoint)
         return await handler(server, scope, scope.body, request.receive)
 

@@ -36,6 +36,7 @@ async def embed(server: ServerState, scope: RequestScope, body: EmbeddingRequest
         vectors = await server.engine.embed(items, scope.request_id)
     except (EngineInputError, EngineUnavailableError) as exc:
         raise engine_error(exc) from exc
+    scope.outcome.output_arrived()  # one answer: first and last output at once
     scope.outcome.prompt_tokens = sum(v.prompt_tokens for v in vectors)
     data = []
     for i, vector in enumerate(vectors):

@@ -59,6 +59,7 @@ async def generate(server: ServerState, scope: RequestScope, body: ChatCompletio
     async def answer() -> None:
         streams = await start_streams(engine, requests)
         async for i, output in merged(streams):
+            scope.outcome.output_arrived()
             totals[i].add(output)
 
     # Watched from the start, not from the first token on: a client may give up while its request still waits for

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -44,6 +45,23 @@ CLIENT_CLOSED_REQUEST = 499
 # The metadata fields of a request body (fields.py): no effect on the output, recorded in the request log as given.
 METADATA_FIELDS = ("user", "metadata", "safety_identifier", "prompt_cache_key")
 
+# W3C Trace Context's `traceparent` header: a version (two lowercase hex digits, not ff), a 32-hex-digit trace id and a
+# 16-hex-digit parent id (neither all zeros), flags; a later version may add fields after those (version 00 adds
+# none). The record keeps the trace id, so that a caller's trace and this server's record join.
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(-.*)?$")
+
+
+def trace_id_from(traceparent: str | None) -> str | None:
+    """The trace id of a `traceparent` header, or None without one. A header not in Trace Context's form is not an
+    error of the request: Trace Context says to ignore it (and start a new trace), so the record says null."""
+    match = _TRACEPARENT.match((traceparent or "").strip())
+    if not match:
+        return None
+    version, trace_id, parent_id, rest = match.groups()
+    if version == "ff" or (version == "00" and rest) or set(trace_id) == {"0"} or set(parent_id) == {"0"}:
+        return None
+    return trace_id
+
 
 @dataclass
 class Outcome:
@@ -52,6 +70,15 @@ class Outcome:
     status: int = 200
     completion_tokens: int = 0
     prompt_tokens: int = 0
+    first_output_at: float | None = None  # time.perf_counter() when the engine's first output arrived
+    last_output_at: float | None = None  # ... and its last
+
+    def output_arrived(self) -> None:
+        """The engine delivered output for this request (one or several tokens, or a whole answer)."""
+        now = time.perf_counter()
+        if self.first_output_at is None:
+            self.first_output_at = now
+        self.last_output_at = now
 
     def refused(self, error: APIError) -> None:
         """Answered with an error: the client's (4xx, the request was rejected) or the engine's (5xx)."""
@@ -74,6 +101,9 @@ class RequestRecord:
     prompt_tokens: int
     completion_tokens: int
     duration_s: float
+    first_output_s: float | None  # seconds from the first byte received to the engine's first output (None: none)
+    last_output_s: float | None  # ... to its last output
+    trace_id: str | None  # from the request's W3C `traceparent` header (None: none, or not in W3C's form)
     metadata_fields: dict[str, Any] = field(default_factory=dict)  # those of METADATA_FIELDS the request gave
 
     def to_json(self) -> str:
@@ -94,6 +124,7 @@ class RequestScope:
         self.request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         self.outcome = Outcome()
         self.body: BaseModel | None = None  # the parsed request body, once parsed: the log takes its metadata
+        self.trace_id: str | None = None  # the caller's trace (trace_id_from), set by the handler
         self.started = time.perf_counter()
         self._admission = admission
         self._held = contextlib.ExitStack()  # what close() releases, last acquired first
@@ -163,8 +194,13 @@ class RequestScope:
             value = getattr(self.body, name, None)
             if value is not None:
                 metadata_fields[name] = value
+        def since_start(at: float | None) -> float | None:
+            return None if at is None else round(at - self.started, 4)
+
         record = RequestRecord(request_id=self.request_id, endpoint=self.endpoint.name, model=self.model.name,
                                version=self.model.version, status=outcome.status, prompt_tokens=outcome.prompt_tokens,
                                completion_tokens=outcome.completion_tokens, duration_s=round(duration, 4),
+                               first_output_s=since_start(outcome.first_output_at),
+                               last_output_s=since_start(outcome.last_output_at), trace_id=self.trace_id,
                                metadata_fields=metadata_fields)
         request_log.info(record.to_json())

@@ -20,6 +20,7 @@ async def score(server: ServerState, scope: RequestScope, body: ScoreRequest, re
         scores = await server.engine.score(body.prompt, body.candidates, scope.request_id)
     except (EngineInputError, EngineUnavailableError) as exc:
         raise engine_error(exc) from exc
+    scope.outcome.output_arrived()  # one answer: first and last output at once
     return JSONResponse({
         "id": scope.request_id, "object": "score", "model": server.model.name,
         "data": [{"index": i, "candidate": c, "logprob": s.logprob, "tokens": s.tokens}

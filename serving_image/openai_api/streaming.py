@@ -146,6 +146,7 @@ async def stream_events(plan: StreamPlan, streams: list[AsyncIterator[EngineOutp
                 {"index": p * n + i, "text": text, "logprobs": None, "finish_reason": None}
                 for p, text in enumerate(plan.echo_texts) for i in range(n)]), **extra))
         async for p, output in merged(streams):
+            outcome.output_arrived()
             accumulators[p].add(output)
             outcome.completion_tokens = sum(a.completion_tokens for a in accumulators)
             choices = []

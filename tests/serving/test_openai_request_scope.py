@@ -32,7 +32,7 @@ from serving_image.openai_api.admission import Admission, APIConfig
 from serving_image.openai_api.app import create_app
 from serving_image.openai_api.errors import APIError, bad_request
 from serving_image.openai_api.protocol import CHAT_COMPLETIONS, COMPLETIONS, ChatCompletionRequest
-from serving_image.openai_api.request_scope import RequestScope
+from serving_image.openai_api.request_scope import RequestScope, trace_id_from
 from serving_image.openai_api.streaming import EventStreamResponse, StreamPlan
 
 MODEL = ModelInfo(name="fake", version="3", max_model_len=64, vocab_size=100, eos_token_id=0)
@@ -93,12 +93,42 @@ def test_an_answered_request_is_released_once_with_its_record(books):
         scope.outcome.prompt_tokens, scope.outcome.completion_tokens = 7, 5
     record = books.assert_released_once(200)
     assert list(record) == ["request_id", "endpoint", "model", "version", "status", "prompt_tokens",
-                            "completion_tokens", "duration_s", "user", "metadata"]
+                            "completion_tokens", "duration_s", "first_output_s", "last_output_s", "trace_id", "user",
+                            "metadata"]
     assert record["request_id"] == scope.request_id and scope.request_id.startswith("chatcmpl-")
     assert (record["endpoint"], record["model"], record["version"]) == ("chat", "fake", "3")
     assert (record["prompt_tokens"], record["completion_tokens"]) == (7, 5)
     assert record["user"] == "u-1" and record["metadata"] == {"team": "a"}
     assert record["duration_s"] >= 0
+    # No output arrived and no traceparent was given: null, not zero.
+    assert (record["first_output_s"], record["last_output_s"], record["trace_id"]) == (None, None, None)
+
+
+def test_the_record_holds_when_the_first_and_last_output_arrived_and_the_callers_trace(books):
+    with books.scope() as scope:
+        scope.trace_id = trace_id_from("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+        scope.admit(30)
+        scope.outcome.output_arrived()
+        first = scope.outcome.first_output_at
+        scope.outcome.output_arrived()
+        assert scope.outcome.first_output_at == first and scope.outcome.last_output_at >= first
+    record = books.assert_released_once(200)
+    assert record["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert 0 <= record["first_output_s"] <= record["last_output_s"] <= record["duration_s"]
+
+
+def test_a_later_trace_context_version_is_read_by_its_version_00_prefix():
+    assert trace_id_from("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-what-comes") == \
+        "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+@pytest.mark.parametrize("header", [None, "", "garbage", "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                                    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-more",
+                                    "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+                                    "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+                                    "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01"])
+def test_a_traceparent_not_in_w3c_form_is_ignored_as_trace_context_says(header):
+    assert trace_id_from(header) is None
 
 
 @pytest.mark.parametrize("error", [
@@ -292,7 +322,10 @@ def test_a_client_leaving_a_stream_releases_it_at_once_and_aborts_the_engine(boo
         client = Client(leave=leave, slow=slow)
         await response(http_scope(), client.receive, client.send)
         books.assert_released_once(499)
-        await asyncio.sleep(0)  # the abort runs in the background
+        # The abort runs in a background task: wait for it (a deadline, not one turn of the loop assumed enough).
+        async with asyncio.timeout(10):
+            while not aborted:
+                await asyncio.sleep(0.001)
         assert aborted == ["cmpl-1"]
 
     gc.disable()

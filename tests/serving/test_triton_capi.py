@@ -57,15 +57,24 @@ async def triton(demo_model_dir, tmp_path_factory):
     repository = root / "repository"
     generate_repository(package.manifest, package.root, repository, load_pins().pinned)
     backends = locate().backend_directory(root / "backends")
-    os.environ.setdefault(ENGINE_PYTHON_ENV, sys.executable)
+    # The stub inherits this process's environment (the startup procedure sets it so): set for this module's
+    # server only, and restored after it, so that no later test sees it set by accident.
+    previous = os.environ.get(ENGINE_PYTHON_ENV)
+    os.environ[ENGINE_PYTHON_ENV] = sys.executable
     log_file = root / "triton.log"
     options = capi.ServerOptions(model_repository=repository, backend_directory=backends, startup_models=(MODEL,),
                                  log_file=log_file, exit_timeout_s=10)
-    server = await asyncio.to_thread(capi.Server.start, options)
     try:
-        yield Embedded(server, log_file)
+        server = await asyncio.to_thread(capi.Server.start, options)
+        try:
+            yield Embedded(server, log_file)
+        finally:
+            await asyncio.to_thread(server.stop)
     finally:
-        await asyncio.to_thread(server.stop)
+        if previous is None:
+            os.environ.pop(ENGINE_PYTHON_ENV, None)
+        else:
+            os.environ[ENGINE_PYTHON_ENV] = previous
 
 
 def _inputs(prompt: str, *, params: dict | None = None, stream: bool = True, flags=FLAGS) -> list[Input]:

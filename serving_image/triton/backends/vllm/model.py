@@ -12,7 +12,7 @@ src/utils/request.py of the release compat.toml pins):
   in front unless `exclude_input_in_output` (default: true when streaming, false otherwise; false while streaming is
   refused); `finish_reason`, `num_input_tokens` and `num_output_tokens` only when their `return_*` input is true;
 - `sampling_parameters` (a JSON string, or the request's parameters without it) is parsed as the backend does, by
-  the engine process (it needs vLLM's SamplingParams);
+  the engine's side (serving_image/triton/engine_host.py: it needs vLLM's SamplingParams);
 - a cancelled request (client gone, stream cancelled) is aborted in the engine and ends with a CANCELLED error;
 - errors are error responses (`Error generating stream: ...`) and the model stays ready.
 
