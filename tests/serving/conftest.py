@@ -9,6 +9,12 @@ same booster with the extra output `rank`, what the rehearsal's versioned rollou
 `ranker-rank`, since one server serves one version of a model id. One per session: the KServe tests
 (test_kserve_startup.py), the example's tests (test_triton_example.py) and the model-kind tests
 (test_triton_model_kinds.py) share it, so the suite starts one Triton and one engine for all of them.
+
+`openai_server`: one server of the `openai` topology (the real entrypoint: the startup procedure, the OpenAI front-end
+with Triton embedded in its process, KServe on 8000/8001, the metrics proxy) for every module that talks to it:
+test_openai_api, test_openai_embedded, test_constraints_e2e_api, test_startup. See its docstring for what it holds
+and how tests that need other limits get them. The tests that stop a server (SIGTERM, SIGINT) are in
+test_server_lifecycle.py, on servers of their own.
 """
 
 from __future__ import annotations
@@ -85,3 +91,80 @@ def triton_standalone(demo_model_dir, tmp_path_factory, ranker_packages, ranker_
         yield server
     finally:
         server.kill()
+
+
+# -- the shared server of the `openai` topology -------------------------------------------------------------------
+
+OPENAI_KEYS = ("test-key-1", "test-key-2")
+OPENAI_KEY = OPENAI_KEYS[1]  # what the shared server's clients send
+OPENAI_AUTH = {"Authorization": f"Bearer {OPENAI_KEY}"}
+OPENAI_MAX_CONCURRENT = 80
+OPENAI_BODY_CAP = 256 * 1024
+
+# A vLLM general plugin (installed from the package's plugin wheel by startup step 2) that leaves a trace per process
+# vLLM calls it in: the front-end's, the Python backend stub's (vLLM runs there) and vLLM's engine processes.
+PLUGIN_SOURCE = """
+import os, pathlib
+
+def register():
+    marker = os.environ.get("LLM_SERVING_TEST_PLUGIN_DIR")
+    if marker:
+        pathlib.Path(marker, f"loaded-{os.getpid()}").write_text("ok")
+"""
+
+
+@pytest.fixture(scope="session")
+def openai_server(demo_model_dir, tmp_path_factory):
+    """One `openai`-mode server for the session, started as a pod starts it.
+
+    It holds every model kind on one embedded Triton: the demo LLM with every task (generation, its `-embed` pooling
+    model, its `-score` scoring model), and as companions the demo ranker (XGBoost, Python backend), its pipeline's
+    steps and the pipeline (an ensemble), named as a Deployment names them (pod_contract.ENV_COMPANION_PACKAGES). Its
+    package carries a plugin wheel (PLUGIN_SOURCE; traces in `server.plugin_dir`), its metrics directory held a stale
+    file before the start (`server.multiproc_dir`, emptied by step 3). Engines eager (tests/serving/engine_args.py).
+
+    Limits, the same for every test: API keys OPENAI_KEYS (clients send OPENAI_KEY: `openai_client`, OPENAI_AUTH),
+    OPENAI_MAX_CONCURRENT requests in flight, OPENAI_BODY_CAP bytes a body. Tests that need other limits do not
+    change this server: a limit that is a property of the request (its key, its body, how many run at once) is
+    exercised by sending such requests, and every test leaves nothing in flight (each waits for its requests'
+    records); a setting that needs another server (a drain delay, a stop) gets a server of its own
+    (test_server_lifecycle.py). Tests read counters and logs as differences from what they saw before their own
+    requests (another module may have run first)."""
+    from llm_serving import pod_contract as pc
+    from llm_serving.manifest import ServingMode
+    from llm_serving_cli.demo_packages import build_ranker_packages
+    from serving_image.local_server import publish_demo, start_server
+    from tests.serving.engine_args import EAGER_ENGINE_ARGS
+    from tests.serving.wheels import make_wheel, wheel_filename
+
+    root = tmp_path_factory.mktemp("openai-server")
+    plugin = root / wheel_filename("demo-plugin")
+    plugin.write_bytes(make_wheel("demo-plugin", files={"demo_plugin.py": PLUGIN_SOURCE},
+                                  entry_points={"vllm.general_plugins": {"demo_plugin": "demo_plugin:register"}}))
+    package = publish_demo(demo_model_dir, root, tasks=("generate", "embed", "score"), plugins=(plugin,),
+                           engine_args=EAGER_ENGINE_ARGS)
+    companions = build_ranker_packages(root / "ranker", version="1.0.0", serving_mode=ServingMode.OPENAI)
+    (root / "plugin-trace").mkdir()
+    (root / "prom").mkdir()
+    (root / "prom" / "counter_999999.db").write_bytes(b"stale")  # must be emptied by step 3
+    server = start_server(package, root / "server", extra_env={
+        "LLM_SERVING_API_KEYS": ",".join(OPENAI_KEYS),
+        "LLM_SERVING_MAX_BODY_BYTES": str(OPENAI_BODY_CAP),
+        "LLM_SERVING_MAX_CONCURRENT_REQUESTS": str(OPENAI_MAX_CONCURRENT),
+        "PROMETHEUS_MULTIPROC_DIR": str(root / "prom"),
+        "LLM_SERVING_TEST_PLUGIN_DIR": str(root / "plugin-trace"),
+        pc.ENV_COMPANION_PACKAGES: pc.COMPANION_SEPARATOR.join(str(p) for p in companions)})
+    server.plugin_dir = root / "plugin-trace"
+    server.multiproc_dir = root / "prom"
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture(scope="session")
+def openai_client(openai_server):
+    """The official `openai` client on the shared server, with its key; no retries (a failure shows as it is)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{openai_server.url}/v1", api_key=OPENAI_KEY, max_retries=0, timeout=120)

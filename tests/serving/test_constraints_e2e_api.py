@@ -1,5 +1,6 @@
-"""Constraints through both client APIs end to end, on one real server: the startup procedure (the image's
-entrypoint) over the real vLLM engine, with the constraint processor loaded from its entry point.
+"""Constraints through both client APIs end to end, on one real server (the suite's shared `openai_server`,
+tests/serving/conftest.py): the startup procedure (the image's entrypoint) over the real vLLM engine, with the
+constraint processor loaded from its entry point.
 
 - OpenAI (`constraint` in `extra_body`, the official `openai` client): concurrent completions and chats of all
   three kinds, streaming, and 400s that name the field;
@@ -27,8 +28,6 @@ import tritonclient.grpc.aio as grpcaio
 
 from serving_image.constraints.reference import satisfies
 from serving_image.constraints.spec import validate_constraint
-from serving_image.local_server import publish_demo, start_server
-from tests.serving.engine_args import EAGER_ENGINE_ARGS
 
 pytestmark = pytest.mark.slow
 
@@ -37,16 +36,13 @@ N_REQUESTS = 48
 
 
 @pytest.fixture(scope="module")
-def server(demo_model_dir: Path, tmp_path_factory):
-    root = tmp_path_factory.mktemp("constraints-api")
-    srv = start_server(publish_demo(demo_model_dir, root, engine_args=EAGER_ENGINE_ARGS), root)
-    yield srv
-    srv.stop()
+def server(openai_server):
+    return openai_server
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+def client(openai_client) -> openai.OpenAI:
+    return openai_client
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """The OpenAI contract, end to end (issue #4): the real entrypoint on the demo model (generation and embeddings
 engines), driven by the official `openai` client (sync and async) and plain HTTP where the client has no call.
 
-One server for the module, with API keys, a body cap and admission limits configured through the environment as in
-production; the last test drains it with SIGTERM.
+On the suite's shared server of the `openai` topology (tests/serving/conftest.py, `openai_server`), with API keys, a
+body cap and admission limits configured through the environment as in production. Its drain on SIGTERM is
+test_server_lifecycle.py's.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import asyncio
 import base64
 import json
 import re
-import signal
 import struct
 import time
 from pathlib import Path
@@ -23,37 +23,26 @@ import pytest
 from pydantic import BaseModel, Field
 from transformers import AutoTokenizer
 
-from serving_image.local_server import Server, publish_demo, start_server
-from tests.serving import embed_score_reference as reference
-from tests.serving.engine_args import EAGER_ENGINE_ARGS
+from serving_image.local_server import Server
+from tests.serving.conftest import OPENAI_BODY_CAP, OPENAI_KEY, OPENAI_MAX_CONCURRENT
 from tests.serving.engine_hold import EngineProcesses
 
 pytestmark = pytest.mark.slow
 
-KEY = "test-key-2"
+KEY = OPENAI_KEY
 MODEL = "demo-tiny"
-MAX_CONCURRENT = 80
-BODY_CAP = 256 * 1024
-DRAIN_DELAY_S = 15
+MAX_CONCURRENT = OPENAI_MAX_CONCURRENT
+BODY_CAP = OPENAI_BODY_CAP
 
 
 @pytest.fixture(scope="module")
-def server(demo_model_dir: Path, tmp_path_factory) -> Server:
-    root = tmp_path_factory.mktemp("openai-api")
-    package = publish_demo(demo_model_dir, root, tasks=("generate", "embed", "score"), engine_args=EAGER_ENGINE_ARGS)
-    srv = start_server(package, root / "server", extra_env={
-        "LLM_SERVING_API_KEYS": f"test-key-1,{KEY}",
-        "LLM_SERVING_MAX_BODY_BYTES": str(BODY_CAP),
-        "LLM_SERVING_MAX_CONCURRENT_REQUESTS": str(MAX_CONCURRENT),
-        "LLM_SERVING_DRAIN_DELAY_S": str(DRAIN_DELAY_S),
-    })
-    yield srv
-    srv.kill()
+def server(openai_server) -> Server:
+    return openai_server
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+def client(openai_client) -> openai.OpenAI:
+    return openai_client
 
 
 @pytest.fixture(scope="module")
@@ -293,12 +282,6 @@ def test_score_is_the_prefill_logprob_of_each_candidate(server, client):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "candidates"
 
 
-def test_embeddings_and_scores_match_the_recorded_reference(server):
-    """Through the embedded Triton (the package's pooling and scoring models), embeddings and scores equal vLLM's
-    own, recorded without Triton (tests/serving/embed_score_reference.py), with this suite's API key on."""
-    reference.check(reference.measure(server.url, headers={"Authorization": f"Bearer {KEY}"}))
-
-
 # -- errors --------------------------------------------------------------------------------------------------------
 
 
@@ -517,17 +500,3 @@ def test_fuzzing_the_openapi_schema_finds_no_server_error(server):
 
     for operation in schema.get_all_operations():
         check_operation(operation.ok())
-
-
-def test_sigterm_drains_readiness_first_then_exits(server):
-    """SIGTERM: readiness turns 503 and new requests get 503 during the drain delay, the process exits 0."""
-    server.proc.send_signal(signal.SIGTERM)
-    # The drain delay (LLM_SERVING_DRAIN_DELAY_S) is long enough that the checks below run inside it on any machine.
-    deadline = time.monotonic() + DRAIN_DELAY_S
-    while httpx.get(f"{server.url}/health/ready").status_code != 503:
-        assert time.monotonic() < deadline, "readiness did not turn false"
-        time.sleep(0.05)
-    refused = post(server, "/v1/completions", {"model": MODEL, "prompt": "late", "max_tokens": 2})
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
-    assert server.proc.wait(timeout=60) == 0
-

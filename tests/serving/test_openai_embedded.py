@@ -1,16 +1,16 @@
 """The `openai` serving mode over Triton embedded in the front-end's process (issue 14): the real entrypoint (the
 image and local runs alike embed Triton), the local libtritonserver (2.51) loaded through the project's C API
-binding, the stand-in `vllm` backend and its engine process. Driven by the official `openai` client and NVIDIA's
-tritonclient; the KServe front-ends on 8000/8001 answer from that same Triton.
+binding, the stand-in `vllm` backend with vLLM in its Python backend stub. Driven by the official `openai` client and
+NVIDIA's tritonclient; the KServe front-ends on 8000/8001 answer from that same Triton.
 
-One server for the module; the last test drains it with SIGTERM.
+On the suite's shared server of the `openai` topology (tests/serving/conftest.py, `openai_server`: every model kind
+on one embedded Triton). Its drain on SIGTERM is test_server_lifecycle.py's.
 """
 
 from __future__ import annotations
 
 import json
 import queue
-import signal
 import socket
 import time
 from pathlib import Path
@@ -27,42 +27,27 @@ from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
 from examples import kserve_client
-from llm_serving import pod_contract as pc
-from llm_serving.manifest import ServingMode
-from llm_serving_cli.demo_packages import FEATURES_ID, PIPELINE_ID, RANKER_ID, RELEVANCE_ID, build_ranker_packages
-from serving_image.local_server import Server, publish_demo, start_server
+from llm_serving_cli.demo_packages import FEATURES_ID, PIPELINE_ID, RANKER_ID, RELEVANCE_ID
+from serving_image.local_server import Server
 from tests.serving import embed_score_reference as reference
-from tests.serving.engine_args import EAGER_ENGINE_ARGS
+from tests.serving.conftest import OPENAI_AUTH
 from tests.serving.engine_hold import EngineProcesses
 
 pytestmark = pytest.mark.slow
 
 MODEL = "demo-tiny"
-DRAIN_DELAY_S = 10
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "label": {"type": "string", "maxLength": 10}},
           "required": ["ok", "label"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
-def server(demo_model_dir: Path, tmp_path_factory) -> Server:
-    root = tmp_path_factory.mktemp("openai-embedded")
-    # eager: no graph compilation at start (it dominates the engine's start on 2 cores, and make test's total time).
-    # Every task: the LLM, its pooling model and the platform's scoring model load in this one Triton.
-    package = publish_demo(demo_model_dir, root, engine_args=EAGER_ENGINE_ARGS,
-                           tasks=("generate", "embed", "score"))
-    # Every model kind on the same embedded Triton (issue 15): the demo ranker (XGBoost, Python backend) and its
-    # pipeline (an ensemble) with its steps, named as a Deployment names them (pod_contract.ENV_COMPANION_PACKAGES).
-    companions = build_ranker_packages(root / "ranker", version="1.0.0", serving_mode=ServingMode.OPENAI)
-    srv = start_server(package, root / "server", extra_env={
-        "LLM_SERVING_DRAIN_DELAY_S": str(DRAIN_DELAY_S),
-        pc.ENV_COMPANION_PACKAGES: pc.COMPANION_SEPARATOR.join(str(p) for p in companions)})
-    yield srv
-    srv.kill()
+def server(openai_server) -> Server:
+    return openai_server
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+def client(openai_client) -> openai.OpenAI:
+    return openai_client
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +333,7 @@ def test_embeddings_and_scores_through_triton_match_the_vllm_direct_engine(serve
     """/v1/embeddings through the pooling model (NVIDIA's `embedding_request`) and /v1/score through the platform's
     scoring model give what the engine in the process gives (the reference recorded from it)."""
     assert f"Triton models {MODEL}, {MODEL}-embed, {MODEL}-score" in server.log()
-    reference.check(reference.measure(server.url))
+    reference.check(reference.measure(server.url, headers=OPENAI_AUTH))
     b64 = client.embeddings.create(model=MODEL, input="the platform", encoding_format="base64")
     assert isinstance(b64.data[0].embedding, str)
     with pytest.raises(openai.BadRequestError) as dims:
@@ -359,7 +344,7 @@ def test_embeddings_and_scores_through_triton_match_the_vllm_direct_engine(serve
     assert ids.value.body["param"] == "input[1]"
     long_prompt = " ".join(str(i) for i in range(3000))  # beyond the 2048-token window with any candidate
     too_long = httpx.post(f"{server.url}/v1/score", json={"model": MODEL, "prompt": long_prompt,
-                                                          "candidates": ["a", "b"]}, timeout=120)
+                                                          "candidates": ["a", "b"]}, headers=OPENAI_AUTH, timeout=120)
     assert too_long.status_code == 400 and too_long.json()["error"]["param"].startswith("candidates["), \
         too_long.text
 
@@ -419,6 +404,7 @@ def test_client_that_leaves_aborts_its_request_in_the_engine(server):
     log_start = len(server.log())
     body = json.dumps({"model": MODEL, "prompt": "long", "max_tokens": 400, "ignore_eos": True, "stream": True})
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               f"Authorization: {OPENAI_AUTH['Authorization']}\r\n"
                f"Content-Length: {len(body)}\r\n\r\n{body}").encode()
     with engine.held():
         sock = socket.create_connection(("127.0.0.1", server.ports["openai"]), timeout=30)
@@ -440,15 +426,3 @@ def test_client_that_leaves_aborts_its_request_in_the_engine(server):
         time.sleep(0.05)
     assert [r["status"] for r in records()] == [499], records()  # logged as the client's departure
     assert httpx.get(f"{server.url}/health/ready", timeout=30).status_code == 200
-
-
-def test_sigterm_drains_then_stops_triton_and_exits_zero(server):
-    server.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + DRAIN_DELAY_S
-    while httpx.get(f"{server.url}/health/ready", timeout=30).status_code != 503:
-        assert time.monotonic() < deadline, "readiness did not turn false"
-        time.sleep(0.05)
-    assert server.proc.wait(timeout=120) == 0
-    log = server.log()
-    assert "successfully unloaded 'demo-tiny'" in log  # Triton stopped: the model unloaded, its engine stopped
-    assert "Traceback" not in log

@@ -1,8 +1,9 @@
 """The startup procedure (docs/architecture.md §3.7) run for real: the entrypoint as a child process, on a published
 package of the demo model, with a plugin wheel, a stale metrics file, and the real vLLM engine.
 
-One engine for the whole module: the server starts once and every test talks to it with the official `openai`
-client; the last test stops it with SIGINT and checks that nothing is left behind.
+The running server is the suite's shared `openai_server` (tests/serving/conftest.py: its package carries the plugin
+wheel, its metrics directory the stale file); every test talks to it with the official `openai` client. Stopping it
+with SIGINT is test_server_lifecycle.py's. The failures start servers of their own, each to its failure.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -19,49 +19,22 @@ from pathlib import Path
 import httpx
 import jsonschema
 import openai
-import psutil
 import pytest
 
 from llm_serving.package import PackageSpec, build_package
 from llm_serving.store import LocalStore
-from serving_image.local_server import ENGINE_ARGS, Server, accepts, free_port, publish_demo, start_server
-from tests.serving.engine_args import EAGER_ENGINE_ARGS
-from tests.serving.wheels import make_wheel, wheel_filename
+from serving_image.local_server import ENGINE_ARGS, Server, accepts, free_port
 
 pytestmark = pytest.mark.slow
 
-PLUGIN_SOURCE = '''
-import os, pathlib
-
-def register():
-    # vLLM calls general plugins in every process it starts; leave a trace per process.
-    marker = os.environ.get("LLM_SERVING_TEST_PLUGIN_DIR")
-    if marker:
-        pathlib.Path(marker, f"loaded-{os.getpid()}").write_text("ok")
-'''
+@pytest.fixture(scope="module")
+def server(openai_server) -> Server:
+    return openai_server
 
 
 @pytest.fixture(scope="module")
-def server(demo_model_dir: Path, tmp_path_factory) -> Server:
-    root = tmp_path_factory.mktemp("startup")
-    plugin = root / wheel_filename("demo-plugin")
-    plugin.write_bytes(make_wheel("demo-plugin", files={"demo_plugin.py": PLUGIN_SOURCE},
-                                  entry_points={"vllm.general_plugins": {"demo_plugin": "demo_plugin:register"}}))
-    package = publish_demo(demo_model_dir, root, plugins=(plugin,), engine_args=EAGER_ENGINE_ARGS)
-    (root / "plugin-trace").mkdir()
-    (root / "prom").mkdir()
-    (root / "prom" / "counter_999999.db").write_bytes(b"stale")  # must be emptied by step 3
-    srv = start_server(package, root / "server", extra_env={
-        "PROMETHEUS_MULTIPROC_DIR": str(root / "prom"), "LLM_SERVING_TEST_PLUGIN_DIR": str(root / "plugin-trace")})
-    srv.plugin_dir = root / "plugin-trace"
-    srv.multiproc_dir = root / "prom"
-    yield srv
-    srv.kill()
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+def client(openai_client) -> openai.OpenAI:
+    return openai_client
 
 
 def test_each_step_is_logged_in_order_with_its_duration(server: Server):
@@ -124,14 +97,6 @@ def test_json_schema_response_format_gives_schema_valid_json(client: openai.Open
         choice = response.choices[0]
         assert choice.finish_reason == "stop", choice
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
-
-
-def test_json_object_response_format(client: openai.OpenAI):
-    response = client.chat.completions.create(
-        model="demo-tiny", messages=[{"role": "user", "content": "json please"}], max_tokens=200,
-        response_format={"type": "json_object"})
-    assert response.choices[0].finish_reason == "stop"
-    assert isinstance(json.loads(response.choices[0].message.content), dict)
 
 
 def test_completions_and_usage(client: openai.OpenAI):
@@ -216,23 +181,6 @@ def test_metrics_proxy_serves_vllm_and_frontend_metrics(server: Server, client: 
         time.sleep(0.2)
     assert re.search(r"^llm_serving_metrics_upstream_up 1", body, re.M)
     assert re.search(r"^vllm:generation_tokens_total\{.*\} [1-9]", body, re.M)
-
-
-def test_sigint_stops_everything(server: Server):
-    children = psutil.Process(server.proc.pid).children(recursive=True)
-    assert children, "vLLM's engine processes should be children of the server"
-    os.killpg(server.proc.pid, signal.SIGINT)
-    assert server.proc.wait(timeout=60) == 0, server.log()[-3000:]
-    gone, alive = psutil.wait_procs(children, timeout=30)
-    assert alive == []
-    # A clean stop prints no traceback (vLLM's AsyncLLM.__del__ used to fail at interpreter teardown), and no
-    # "leaked shared_memory" warning from the resource tracker: the segments vLLM's engine processes leave behind when
-    # Ctrl-C reaches every process of the group are reclaimed by the server (serving_image/engine/shm_ledger.py).
-    log = server.log()
-    assert "Traceback" not in log, log[-3000:]
-    assert "leaked shared_memory" not in log, log[-3000:]
-    for port in server.ports.values():
-        assert not accepts(port)
 
 
 # -- failures: each names its step, exits non-zero, and never opens a port ----------------------------------------
