@@ -379,7 +379,10 @@ def test_cancelling_a_stream_aborts_the_request_in_the_engine(triton_standalone)
     """cancellation: the request reaches an engine that is held (its vLLM processes stopped, the stub that runs
     vLLM's front-end running), so it is still in the engine when its stream is cancelled, whatever the machine's
     speed (held after a first response instead, a fast engine had finished all the tokens before the hold). The
-    backend notices the cancellation although the request produces nothing, and the engine aborts it while held."""
+    backend notices the cancellation although the request produces nothing, and the engine aborts it while held.
+    This proves the stand-in's behaviour: its watcher asks Triton about every request in flight, outputs or not.
+    NVIDIA's backend asks only after an output, so there a held or queued request is noticed at its first output
+    (docs/kserve.md, "Side by side")."""
     server = triton_standalone
     vllm_processes = EngineProcesses.of(server.proc.pid, MODEL)
     before = server.log().count("aborted in the engine (its client cancelled it)")

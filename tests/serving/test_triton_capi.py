@@ -169,7 +169,10 @@ def _executions(server: capi.Server) -> int:
 
 async def test_cancelling_a_request_in_a_held_engine(triton):
     """The request reaches the backend (Triton counts its execution) while vLLM is held, so it is still running
-    when it is cancelled, whatever the machine's speed; the backend notices and ends it with CANCELLED."""
+    when it is cancelled, whatever the machine's speed; the backend notices and ends it with CANCELLED.
+    This proves the stand-in's behaviour: its watcher asks Triton about every request in flight, outputs or not.
+    NVIDIA's backend asks only after an output, so there a held or queued request is noticed at its first output
+    (docs/kserve.md, "Side by side")."""
     server = triton.server
     engine = _engine_processes(triton)
     executions = _executions(server)
