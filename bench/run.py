@@ -31,6 +31,7 @@ MODULES = [
     "bench.kserve",
     "bench.startup",
     "bench.constraints_e2e",
+    "bench.seeded_preemption",
     "bench.soak",
 ]
 RESULTS = Path(__file__).resolve().parent / "results"
