@@ -219,6 +219,18 @@ def _engine_args(config: dict) -> tuple[Path, Path, dict]:
     return model, tokenizer, config
 
 
+def error_message(request_id: str, exc: Exception) -> dict:
+    """The one error message of a failed request, for generation, embeddings and scores alike: a client error
+    (INVALID_ARG, with the field it names), an unavailable engine (UNAVAILABLE), or a bug here, reported as the
+    server's error (INTERNAL, logged with its traceback), never as the client's."""
+    if isinstance(exc, EngineInputError):
+        return {"id": request_id, "error": str(exc), "code": "INVALID_ARG", "field": exc.param}
+    if isinstance(exc, EngineUnavailableError):
+        return {"id": request_id, "error": str(exc), "code": "UNAVAILABLE"}
+    log.error("request %s failed", request_id, exc_info=exc)
+    return {"id": request_id, "error": f"{type(exc).__name__}: {exc}", "code": "INTERNAL"}
+
+
 class EngineHost:
     """Serves one engine's messages (serving_image/triton/backends/vllm/engine_in_stub.py lists them): each request
     runs as a task on the engine's loop, and every answer, delta or error goes to `sink`, on that loop."""
@@ -276,13 +288,8 @@ class EngineHost:
             await self.engine.abort(request_id)
             log.info("request %s aborted in the engine (its client cancelled it)", request_id)
             raise
-        except EngineInputError as exc:
-            self.send({"id": request_id, "error": str(exc), "code": "INVALID_ARG"})
-        except EngineUnavailableError as exc:
-            self.send({"id": request_id, "error": str(exc), "code": "UNAVAILABLE"})
-        except Exception as exc:  # a bug here is the server's error, reported as such, never as the client's
-            log.exception("request %s failed", request_id)
-            self.send({"id": request_id, "error": f"{type(exc).__name__}: {exc}", "code": "INTERNAL"})
+        except Exception as exc:  # noqa: BLE001 - every failure is answered, see error_message
+            self.send(error_message(request_id, exc))
         finally:
             self.tasks.pop(request_id, None)
 
@@ -295,13 +302,8 @@ class EngineHost:
             # The stub cancelled it (its client left): vLLM aborts a request whose output stream is closed.
             log.info("request %s aborted in the engine (its client cancelled it)", request_id)
             raise
-        except EngineInputError as exc:
-            self.send({"id": request_id, "error": str(exc), "code": "INVALID_ARG", "field": exc.param})
-        except EngineUnavailableError as exc:
-            self.send({"id": request_id, "error": str(exc), "code": "UNAVAILABLE"})
-        except Exception as exc:  # a bug here is the server's error, reported as such, never as the client's
-            log.exception("request %s failed", request_id)
-            self.send({"id": request_id, "error": f"{type(exc).__name__}: {exc}", "code": "INTERNAL"})
+        except Exception as exc:  # noqa: BLE001 - every failure is answered, see error_message
+            self.send(error_message(request_id, exc))
         finally:
             self.tasks.pop(request_id, None)
 
