@@ -24,9 +24,9 @@ Triton: `execute`, health checks) and speaks in plain dicts, the messages of ser
                       {"id": ID, "p": PROMPT-TOKENS, "scores": [[LOGPROB, TOKENS], ...], "done": true}
                       {"id": ID, "error": TEXT, "code": "INVALID_ARG" | "UNAVAILABLE" | "INTERNAL", "field": NAME?}
 
-No copy, no encoding, no process hop: a delta is a dict handed to the model's callback on the engine's loop; the
-model queues what it sends to Triton for a thread of its own (the stub's `send` blocks until Triton took the
-response), so vLLM's output processing never waits on Triton.
+No copy, no encoding, no process hop: a delta is a dict handed to the model's callback on the engine's loop, which
+builds the Triton response and sends it. While that send blocks (the stub's `send` waits for Triton), vLLM's own
+output collector merges the request's next deltas, so a lagging consumer gets fewer, fuller responses.
 
 Ordering rules (the ones the models rely on): `send` may be called from any thread; `on_message` and `on_dead` run
 on the engine's thread, one call at a time, in the order the engine produced them; `on_dead` is called once, when

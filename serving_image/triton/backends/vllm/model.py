@@ -8,11 +8,9 @@ src/utils/request.py of the release compat.toml pins):
 
 - `auto_complete_config` declares the same inputs and outputs (names, types, dims, optional flags), decoupled, no
   Triton batching;
-- when `stream` is true, one response per engine step, or under load one for several (a request's deltas that
-  arrive while its previous response waits to be sent join it), one final response otherwise; `text_output`
-  carries the prompt in front unless `exclude_input_in_output` (default: true when streaming, false otherwise;
-  false while streaming is refused); `finish_reason`, `num_input_tokens` and `num_output_tokens` only when their
-  `return_*` input is true;
+- one response per engine step when `stream` is true, one final response otherwise; `text_output` carries the prompt
+  in front unless `exclude_input_in_output` (default: true when streaming, false otherwise; false while streaming is
+  refused); `finish_reason`, `num_input_tokens` and `num_output_tokens` only when their `return_*` input is true;
 - `sampling_parameters` (a JSON string, or the request's parameters without it) is parsed as the backend does, by
   the engine's side (serving_image/triton/engine_host.py: it needs vLLM's SamplingParams);
 - a cancelled request (client gone, stream cancelled) is aborted in the engine and ends with a CANCELLED error;
@@ -30,7 +28,6 @@ NVIDIA's backend; the engine's death unloads the model.
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import threading
@@ -176,7 +173,7 @@ class _Request:
     """One request in flight: its sender, what the client asked for, and (when not streaming) the totals so far."""
 
     __slots__ = ("sender", "stream", "prepend", "prompt", "flags", "texts", "tokens", "finish", "prompt_tokens",
-                 "logprobs", "pending", "closed")
+                 "logprobs")
 
     def __init__(self, sender, parsed: dict):
         self.sender = sender
@@ -190,8 +187,6 @@ class _Request:
         # per choice, the log-probability positions so far (None: the request asked for none, the JSON null)
         self.logprobs: list[list | None] = []
         self.prompt_tokens = 0
-        self.pending: dict | None = None  # what is queued for the sender thread and not sent yet (see _Outbox)
-        self.closed = False  # its final response was sent: nothing more may be (set with the respond lock held)
 
     def add(self, message: dict) -> tuple[list[str], list[int], list[list | None]]:
         """Fold one engine delta in; return this step's text, token count and log-probabilities per choice."""
@@ -219,59 +214,30 @@ class _Request:
                 self.finish[index] = finish
         return step_texts, step_tokens, step_logprobs
 
-    def response(self, texts: list[str], tokens: list[int], logprobs: list[list | None], prefix: str = "",
-                 finish: list[str | None] | None = None, prompt_tokens: int | None = None):
-        """`finish` and `prompt_tokens`: as they were when `texts` were produced (the engine's thread goes on
-        folding deltas in while the sender thread builds the response); the request's own by default."""
-        finish = self.finish if finish is None else finish
-        prompt_tokens = self.prompt_tokens if prompt_tokens is None else prompt_tokens
+    def response(self, texts: list[str], tokens: list[int], logprobs: list[list | None], prefix: str = ""):
         outputs = [pb_utils.Tensor("text_output", np.array([(prefix + t).encode("utf-8") for t in texts] or [b""],
                                                            dtype=np.object_))]
         if self.flags["return_finish_reason"]:
-            outputs.append(pb_utils.Tensor("finish_reason", np.array([str(f).encode() for f in finish] or
+            outputs.append(pb_utils.Tensor("finish_reason", np.array([str(f).encode() for f in self.finish] or
                                                                      [b"None"], dtype=np.object_)))
         if self.flags["return_logprobs"]:  # one JSON string per choice, as NVIDIA's backend writes it
             outputs.append(pb_utils.Tensor("logprobs", np.array([json.dumps(lp).encode() for lp in logprobs] or
                                                                 [b"null"], dtype=np.object_)))
         if self.flags["return_num_input_tokens"]:
-            outputs.append(pb_utils.Tensor("num_input_tokens", np.array([prompt_tokens], dtype=np.uint32)))
+            outputs.append(pb_utils.Tensor("num_input_tokens", np.array([self.prompt_tokens], dtype=np.uint32)))
         if self.flags["return_num_output_tokens"]:
             outputs.append(pb_utils.Tensor("num_output_tokens", np.array(tokens or [0], dtype=np.uint32)))
         return pb_utils.InferenceResponse(output_tensors=outputs)
-
-    def queue_step(self, texts: list[str], tokens: list[int], logprobs: list[list | None], done: bool) -> bool:
-        """Fold one step's deltas into what waits for the sender thread; True when nothing waited (the request
-        must be put in the outbox), False when they joined the response already waiting (one response per request
-        queued at most: a lagging sender sends fewer, fuller responses, as vLLM's output collector does)."""
-        fresh = self.pending is None
-        if fresh:
-            self.pending = {"texts": list(texts), "tokens": list(tokens), "logprobs": list(logprobs), "done": done}
-        else:
-            pending = self.pending
-            for index, text in enumerate(texts):
-                if index == len(pending["texts"]):  # a choice that produced its first delta in this step
-                    pending["texts"].append("")
-                    pending["tokens"].append(0)
-                    pending["logprobs"].append(None)
-                pending["texts"][index] += text
-                pending["tokens"][index] += tokens[index]
-                if logprobs[index] is not None:
-                    pending["logprobs"][index] = (pending["logprobs"][index] or []) + logprobs[index]
-            pending["done"] = pending["done"] or done
-        self.pending["finish"] = list(self.finish)
-        self.pending["prompt_tokens"] = self.prompt_tokens
-        return fresh
 
 
 class _EmbedRequest:
     """An embedding request in flight: one answer, no deltas (NVIDIA's EmbedRequest.create_response)."""
 
-    __slots__ = ("sender", "flags", "closed")
+    __slots__ = ("sender", "flags")
 
     def __init__(self, sender, flags: dict):
         self.sender = sender
         self.flags = flags
-        self.closed = False  # as _Request.closed
 
     def response(self, message: dict):
         # The vector as JSON text, as NVIDIA's backend sends it (json.dumps of the floats: they read back exactly).
@@ -335,17 +301,10 @@ class TritonPythonModel:
         # What the engine serves: ["generate"], or ["embed"] for a pooling model (model.json `runner: pooling`).
         self.tasks = tuple(self.info.get("tasks", ("generate",)))
         self.logger.log_info(f"[vllm] engine ready for {self.model_name}: {self.info} (pid {self._engine.pid})")
-        # Held by whoever answers a request (the engine's thread for errors and one-answer requests, the sender
-        # thread, the cancellation watcher, the engine's death), so that nothing is sent to a sender after its
-        # final response (`_Request.closed`).
+        # Held by whoever answers a request (the reader thread, the cancellation watcher), so that nothing is sent
+        # to a sender after its final response.
         self._respond_lock = threading.Lock()
         self._stopped = threading.Event()
-        # Streamed deltas go to Triton from a thread of their own: the stub's `send` blocks until Triton has taken
-        # the response, and on the engine's thread every send stalled vLLM's output processing for every request.
-        self._outbox: collections.deque[_Request] = collections.deque()
-        self._outbox_ready = threading.Condition()
-        self._sender = threading.Thread(target=self._send_queued, name="vllm-stand-in-sender", daemon=True)
-        self._sender.start()
         self._engine.start_reading(self._on_message, self._engine_died, name="vllm-stand-in-reader")
         self._watcher = threading.Thread(target=self._watch_cancellations, name="vllm-stand-in-cancel", daemon=True)
         self._watcher.start()
@@ -355,9 +314,6 @@ class TritonPythonModel:
         self._closing = True
         self._stopped.set()
         self._engine.close()
-        with self._outbox_ready:
-            self._outbox_ready.notify_all()
-        self._sender.join(timeout=10)
         self._watcher.join(timeout=10)
 
     # -- requests ----------------------------------------------------------------------------------------------
@@ -428,8 +384,10 @@ class TritonPythonModel:
             self._error(sender, f"the engine is gone: {exc}", pb_utils.TritonError.UNAVAILABLE)
 
     def _on_message(self, message: dict) -> None:
-        """On the engine's thread. Errors and one-answer requests are answered here; streamed steps (and a
-        non-streaming request's end) are queued for the sender thread."""
+        with self._respond_lock:
+            self._answer(message)
+
+    def _answer(self, message: dict) -> None:
         request_id = message["id"]
         with self._lock:
             state = self._requests.get(request_id)
@@ -440,60 +398,23 @@ class TritonPythonModel:
             code = {"INVALID_ARG": pb_utils.TritonError.INVALID_ARG,
                     "UNAVAILABLE": pb_utils.TritonError.UNAVAILABLE}.get(message.get("code"),
                                                                           pb_utils.TritonError.INTERNAL)
-            with self._respond_lock:
-                if not state.closed:
-                    state.closed = True
-                    self._error(state.sender, message["error"], code)
+            self._error(state.sender, message["error"], code)
             return
         if isinstance(state, _EmbedRequest):
             self._drop(request_id)
-            with self._respond_lock:
-                if not state.closed:
-                    state.closed = True
-                    state.sender.send(state.response(message), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            state.sender.send(state.response(message), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         texts, tokens, logprobs = state.add(message)
         done = bool(message["done"])
         if done:
             self._drop(request_id)
-        if not state.stream and not done:
-            return  # a non-streaming request answers once, at its end
-        with self._outbox_ready:
-            if state.queue_step(texts, tokens, logprobs, done):
-                self._outbox.append(state)
-                self._outbox_ready.notify()
-
-    def _send_queued(self) -> None:
-        """The sender thread: each request in the outbox gets one response with everything queued for it."""
-        while True:
-            with self._outbox_ready:
-                while not self._outbox and not self._stopped.is_set():
-                    self._outbox_ready.wait()
-                if not self._outbox:
-                    return  # stopped, nothing left to send
-                state = self._outbox.popleft()
-                pending, state.pending = state.pending, None
-            flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if pending["done"] else 0
-            with self._respond_lock:
-                if state.closed:
-                    continue  # cancelled, failed or its engine died meanwhile: its final response went already
-                try:
-                    if state.stream:
-                        response = state.response(pending["texts"], pending["tokens"], pending["logprobs"],
-                                                  finish=pending["finish"], prompt_tokens=pending["prompt_tokens"])
-                    else:
-                        response = state.response(state.texts, state.tokens, state.logprobs,
-                                                  state.prompt if state.prepend else "")
-                    state.sender.send(response, flags=flags)
-                except Exception as exc:  # noqa: BLE001 - one sender failing must not stop the others' responses
-                    self.logger.log_error(f"[vllm] sending a response failed: {exc!r}")
-                    try:
-                        self._error(state.sender, f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
-                    except Exception:  # noqa: BLE001 - the sender is unusable: nothing more can reach its client
-                        pass
-                    flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-                if flags:
-                    state.closed = True
+        if state.stream:
+            state.sender.send(state.response(texts, tokens, logprobs),
+                              flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if done else 0)
+        elif done:
+            state.sender.send(state.response(state.texts, state.tokens, state.logprobs,
+                                             state.prompt if state.prepend else ""),
+                              flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _cancel(self, request_id: str, state: _Request) -> None:
         """Abort a request its client cancelled, in the engine too, and end it with CANCELLED (as NVIDIA's backend
@@ -504,7 +425,6 @@ class TritonPythonModel:
         except OSError:
             pass
         self.logger.log_info("[vllm] Cancelling the request")
-        state.closed = True  # what the sender thread still holds for it is not sent
         state.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
             message="Request was cancelled", code=pb_utils.TritonError.CANCELLED)),
             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -540,15 +460,11 @@ class TritonPythonModel:
         with self._lock:
             pending, self._requests = list(self._requests.values()), {}
         for state in pending:
-            with self._respond_lock:
-                if state.closed:
-                    continue
-                state.closed = True
-                try:
-                    self._error(state.sender, f"Model is unavailable due to unhealthy vLLM engine: {reason}",
-                                pb_utils.TritonError.UNAVAILABLE)
-                except Exception as exc:  # a sender whose client is gone: nothing more to tell it
-                    self.logger.log_warn(f"[vllm] could not fail a request: {exc}")
+            try:
+                self._error(state.sender, f"Model is unavailable due to unhealthy vLLM engine: {reason}",
+                            pb_utils.TritonError.UNAVAILABLE)
+            except Exception as exc:  # a sender whose client is gone: nothing more to tell it
+                self.logger.log_warn(f"[vllm] could not fail a request: {exc}")
         try:
             pb_utils.unload_model(self.model_name)
         except Exception as exc:  # not in explicit model control mode: the model stays, answering UNAVAILABLE
