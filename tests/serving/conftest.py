@@ -126,10 +126,10 @@ def openai_server(demo_model_dir, tmp_path_factory):
     Limits, the same for every test: API keys OPENAI_KEYS (clients send OPENAI_KEY: `openai_client`, OPENAI_AUTH),
     OPENAI_MAX_CONCURRENT requests in flight, OPENAI_BODY_CAP bytes a body. Tests that need other limits do not
     change this server: a limit that is a property of the request (its key, its body, how many run at once) is
-    exercised by sending such requests, and every test leaves nothing in flight (each waits for its requests'
-    records); a setting that needs another server (a drain delay, a stop) gets a server of its own
-    (test_server_lifecycle.py). Tests read counters and logs as differences from what they saw before their own
-    requests (another module may have run first)."""
+    exercised by sending such requests, and the tests that abandon or cancel requests wait until the engine let
+    them go (its running count back to 0, the request's 499 record) before they end; a setting that needs another
+    server (a drain delay, a stop) gets a server of its own (test_server_lifecycle.py). Tests read counters and logs
+    as differences from what they saw before their own requests (another module may have run first)."""
     from llm_serving import pod_contract as pc
     from llm_serving.manifest import ServingMode
     from llm_serving_cli.demo_packages import build_ranker_packages
