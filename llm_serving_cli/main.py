@@ -7,18 +7,19 @@ either virtual environment.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 
-from llm_serving.manifest import Backend, ServingMode
+from llm_serving.manifest import Backend, ParallelLayout, ServingMode
 from llm_serving.package import PackageError, PackageSpec, build_package
-from llm_serving.store import LocalStore, PublishError, open_store
+from llm_serving.store import LocalStore, PublishedPackage, PublishError, open_store
+from llm_serving_cli.local_versions import CONTENT_VERSION, build_local_package
 
 console = Console(stderr=True)
 REPO_CACHE = Path(os.environ.get("LLM_SERVING_CACHE", Path.cwd() / ".cache" / "llm-serving"))
@@ -40,21 +41,6 @@ def _model_id_from_dir(path: Path) -> str:
     return name or "model"
 
 
-def _content_version(model_dir: Path, engine_args: dict, serving_mode: ServingMode = ServingMode.OPENAI) -> str:
-    """A version that changes exactly when the package's content does: the weights, the engine arguments or the
-    serving mode (chosen per deployment at packaging, so part of the package). Publishing is immutable: `make up`
-    then `make up MODE=standalone` are two packages, two versions."""
-    digest = hashlib.sha256(json.dumps({"engine_args": engine_args, "serving_mode": str(serving_mode)},
-                                       sort_keys=True).encode())
-    for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and not p.name.startswith(".")):
-        digest.update(path.relative_to(model_dir).as_posix().encode())
-        digest.update(str(path.stat().st_size).encode())
-        with open(path, "rb") as handle:
-            while chunk := handle.read(1 << 20):
-                digest.update(chunk)
-    return f"local-{digest.hexdigest()[:10]}"
-
-
 def _step(text: str) -> tuple[str, str]:
     model_id, sep, version = text.partition("=")
     if not sep or not model_id or not version:
@@ -70,9 +56,13 @@ def cmd_package(args: argparse.Namespace) -> int:
         backend=Backend(args.backend),
         serving_mode=ServingMode(args.serving_mode),
         engine_args=dict(args.engine_arg or []),
+        parallel=ParallelLayout(tensor=args.tensor_parallel, pipeline=args.pipeline_parallel,
+                                data=args.data_parallel),
         plugins=tuple(args.plugin or ()),
         python_model=args.python_model,
         config_pbtxt=args.config_pbtxt,
+        python_dependencies=tuple(args.python_dependency or ()),
+        execution_env=args.execution_env,
         ensemble_config=args.ensemble_config,
         ensemble_steps=tuple(args.step or ()),
     )
@@ -152,19 +142,39 @@ def cmd_up(args: argparse.Namespace) -> int:
         engine_args = {"max_model_len": min(int(max_len), 4096), "kv_cache_memory_bytes": 1 << 30}
     engine_args.update(dict(args.engine_arg or []))
     serving_mode = ServingMode(getattr(args, "serving_mode", "openai"))
-    version = _content_version(model_dir, engine_args, serving_mode)
-    console.print(f"[bold]model[/] {model_dir} -> {model_id} {version}")
+    published = publish_for_up(cache, model_dir, model_id, engine_args, serving_mode,
+                               with_companions=args.model is None)
+    from serving_image.startup import StartupConfig, run
+
+    config = StartupConfig(package=published.package, workdir=cache / "run", companions=list(published.companions))
+    return run(config, on_ready=_print_ready)
+
+
+@dataclass(frozen=True)
+class UpPackages:
+    """What `up` serves: the LLM's and its companions' directories on the local model cache."""
+
+    package: Path
+    companions: tuple[Path, ...]
+
+
+def publish_for_up(cache: Path, model_dir: Path, model_id: str, engine_args: dict, serving_mode: ServingMode, *,
+                   with_companions: bool) -> UpPackages:
+    """`up`'s packaging and publishing, everything before the server starts: the LLM and (`with_companions`, the
+    demo) the ranker family, each with a version derived from its bytes (llm_serving_cli/local_versions.py), so the
+    same content publishes again as a no-op and other content (the other serving mode, other weights) as a new
+    version, never refused as immutable."""
     with console.status("packaging"):
-        package = build_package(PackageSpec(model_dir, model_id, version, engine_args=engine_args,
-                                            serving_mode=serving_mode),
-                                cache / "packages" / f"{model_id}-{version}.tar.gz")
-    console.print(f"[green]packaged[/] {package}")
+        built = build_local_package(PackageSpec(model_dir, model_id, CONTENT_VERSION, engine_args=engine_args,
+                                                serving_mode=serving_mode), cache / "packages")
+    console.print(f"[bold]model[/] {model_dir} -> {model_id} {built.version}")
+    console.print(f"[green]packaged[/] {built.path}")
     store = LocalStore(cache / "store", cache / "model-cache")
     with console.status("publishing to the local model store"):
-        published = store.publish(package)
-    console.print(f"[green]published[/] {published.package_uri}\n          model cache {published.model_cache_uri}")
+        published = store.publish(built.path)
+    _print_published(published)
     companions = []
-    if args.model is None:
+    if with_companions:
         # Every model kind on one Triton (docs/architecture.md §3.4, "Model kinds"): the demo ranker (XGBoost,
         # trained now) and its pipeline (an ensemble), each packaged and published like any other package, served
         # beside the LLM by tritonserver (standalone) or by the Triton embedded in the OpenAI front-end (openai).
@@ -175,12 +185,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         for path in extra:
             with console.status(f"publishing {path.name}"):
                 companion = store.publish(path)
-            console.print(f"[green]published[/] {companion.package_uri}")
+            _print_published(companion)
             companions.append(Path(companion.model_cache_uri))
-    from serving_image.startup import StartupConfig, run
+    return UpPackages(Path(published.model_cache_uri), tuple(companions))
 
-    config = StartupConfig(package=Path(published.model_cache_uri), workdir=cache / "run", companions=companions)
-    return run(config, on_ready=_print_ready)
+
+def _print_published(published: PublishedPackage) -> None:
+    state = "already published (identical)" if published.already_published else "published"
+    console.print(f"[green]{state}[/] {published.model_id} {published.version}: {published.package_uri}",
+                  markup=True, highlight=False)
 
 
 def _rollout(args: argparse.Namespace) -> int:
@@ -212,10 +225,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--serving-mode", choices=[m.value for m in ServingMode], default="openai")
     p.add_argument("--engine-arg", type=_engine_arg, action="append", metavar="KEY=VALUE",
                    help="vLLM engine argument (JSON value or string), repeatable")
+    for axis in ("tensor", "pipeline", "data"):
+        p.add_argument(f"--{axis}-parallel", type=int, default=1, metavar="N",
+                       help=f"the engine's {axis}-parallel size ([engine.parallel]; GPUs per pod = the product)")
     p.add_argument("--plugin", type=Path, action="append", help="plugin wheel, repeatable")
     p.add_argument("--python-model", type=Path,
                    help="model.py, or a directory with model.py and its helper modules (python backend)")
     p.add_argument("--config-pbtxt", type=Path, help="config.pbtxt with explicit I/O (python backend)")
+    p.add_argument("--python-dependency", action="append", metavar="REQUIREMENT",
+                   help='what model.py imports, a PEP 508 requirement ("xgboost==3.0.5"), repeatable (python backend; '
+                        "the image's stub must meet it, or --execution-env)")
+    p.add_argument("--execution-env", type=Path,
+                   help="a conda-pack / venv-pack .tar.gz for the stub's Python that meets --python-dependency")
     p.add_argument("--ensemble-config", type=Path,
                    help='the ensemble\'s config.pbtxt (platform "ensemble", explicit I/O; ensemble backend)')
     p.add_argument("--step", type=_step, action="append", metavar="MODEL_ID=VERSION",

@@ -12,9 +12,9 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
-from llm_serving.manifest import MANIFEST_NAME, ServingMode, parse_manifest
+from llm_serving.manifest import MANIFEST_NAME, parse_manifest
 from llm_serving.package import open_package
-from llm_serving_cli.main import _content_version, _model_id_from_dir
+from llm_serving_cli.main import _model_id_from_dir
 from tests.serving.wheels import make_wheel, wheel_filename
 
 CLI = Path(sys.executable).parent / "llm-serving"  # the console script installed beside this interpreter
@@ -83,12 +83,6 @@ def test_refusals_exit_2_naming_the_problem(model_dir: Path, tmp_path: Path):
     assert bad_store.returncode == 2 and "unsupported store" in bad_store.stderr
 
 
-def test_make_up_model_identity_and_content_version(model_dir: Path):
+def test_make_up_model_identity(model_dir: Path):
+    # The version `make up` gives it is derived from the package's content: tests/serving/test_cli_local_versions.py.
     assert _model_id_from_dir(model_dir) == "my-model-v2"
-    first = _content_version(model_dir, {"max_model_len": 4096})
-    assert first == _content_version(model_dir, {"max_model_len": 4096})
-    assert first != _content_version(model_dir, {"max_model_len": 2048})
-    # the serving mode is part of the package: `make up` then `make up MODE=standalone` publish two versions
-    assert first != _content_version(model_dir, {"max_model_len": 4096}, ServingMode.STANDALONE)
-    (model_dir / "model.safetensors").write_bytes(b"\x01" * 1024)
-    assert first != _content_version(model_dir, {"max_model_len": 4096})
