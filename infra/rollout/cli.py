@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "checks the package's replicas and I/O fingerprint there with any runner (the "
                              "automation runner always checks, against S3)")
     parser.add_argument("--project", type=Path, default=REPO_ROOT, help="the Pulumi project directory")
+    parser.add_argument("--policy-pack", type=Path,
+                        help="automation runner: the CrossGuard pack every `pulumi up` runs (default: the project's "
+                             "policies/)")
     parser.add_argument("--config-dir", type=Path,
                         help="mock runner: the stack config files to edit (default: the project's stackConfigDir)")
     parser.add_argument("--state-dir", type=Path, default=REPO_ROOT / ".cache" / "rollout-mock",
@@ -106,11 +109,20 @@ def _runner(args: argparse.Namespace, policy_gate: PolicyGate | None):
     if args.runner == "automation":
         if args.mock_never_ready or args.config_dir:
             raise RolloutError("--mock-never-ready and --config-dir only apply to --runner mock")
+        if args.control is not None:
+            raise RolloutError("--control only applies to --runner rehearsal")
         from infra.rollout.runner import AutomationRunner
 
+        # The SDK hands over each line of the CLI's output without its newline. Every update runs the project's
+        # CrossGuard pack (`pulumi up --policy-pack`), as the mock runner's updates run its rules offline.
         return AutomationRunner(args.project, on_output=lambda line: console.print(line, markup=False,
-                                                                                     highlight=False, end=""))
+                                                                                     highlight=False),
+                                policy_pack=args.policy_pack or args.project / "policies")
     from infra.rollout.runner import MockRunner, RehearsalRunner
+
+    if args.policy_pack is not None:
+        raise RolloutError("--policy-pack only applies to --runner automation (the other runners' updates are checked "
+                           "by the policy gate `llm-serving rollout` passes)")
 
     if args.runner == "rehearsal":
         if args.control is None or args.config_dir is None:

@@ -1,9 +1,10 @@
 """Stack runners: what runs `pulumi up` for one stack after the rollout tool has edited its config file.
 
 - `AutomationRunner`: Pulumi's Automation API (`pulumi.automation`) on the project directory, so the update reads
-  the edited `stacks/Pulumi.<stack>.yaml` exactly as `pulumi up` would. Written against the real API but NOT
-  runnable on this machine: the Automation API drives the Pulumi CLI, which cannot be installed here
-  (docs/local-environment.md, "Pulumi offline"). Nothing in the tests calls it.
+  the edited `stacks/Pulumi.<stack>.yaml` exactly as `pulumi up` would. The Automation API drives the Pulumi CLI,
+  which cannot be installed on this machine (docs/local-environment.md, "Pulumi offline"): the tests run it against
+  a fake `pulumi` that records its arguments and answers as the CLI does (tests/infra/test_rollout_automation.py);
+  what that leaves unproven is in docs/first-update.md, "The rollout's Automation runner".
 - `MockRunner`: runs the real program (`infra/__main__.py`) under Pulumi's mock runtime on the edited config file
   (infra.mockrun), then plays the update of the recorded resource graph through `infra.rollout.engine` against the
   stack's recorded live state (a JSON file per stack). This is what the tests and `--runner mock` use. Before each
@@ -17,6 +18,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,52 +61,185 @@ class StackRunner(Protocol):
 
 
 class RunnerUnavailable(RuntimeError):
-    """The runner cannot run here (no Pulumi CLI); raised before any stack file is edited."""
+    """The runner cannot run here (no usable Pulumi CLI, no Pulumi project); raised before any stack file is
+    edited."""
+
+
+class StackUnavailable(RunnerUnavailable):
+    """The CLI runs but this stack cannot be updated from here (no such stack in the backend, no backend login, its
+    refresh failed); raised by `prepare`, before this stack's file is edited."""
 
 
 class AutomationRunner:
-    """`pulumi up` through the Automation API. Not runnable here (no Pulumi CLI); see the module docstring."""
+    """`pulumi up` through the Automation API on the project directory, with the `pulumi` on PATH.
+
+    Each command's stdout and stderr go to `on_output` line by line as the CLI prints them; a failed command is
+    reported by what the CLI said went wrong (`cli_failure`), not by its whole output. Tested against a fake CLI
+    (tests/infra/test_rollout_automation.py); what that cannot show is listed in docs/first-update.md."""
 
     def __init__(self, project_dir: Path, on_output: Callable[[str], None] | None = None,
                  policy_pack: Path | None = None):
         self.project_dir = Path(project_dir)
+        if not (self.project_dir / "Pulumi.yaml").is_file():
+            raise RunnerUnavailable(f"{self.project_dir} is not a Pulumi project: it has no Pulumi.yaml")
+        if policy_pack is not None and not (Path(policy_pack) / "PulumiPolicy.yaml").is_file():
+            raise RunnerUnavailable(f"policy pack {policy_pack}: no PulumiPolicy.yaml there")
         self.on_output = on_output
         self.policy_pack = policy_pack
+        self._command: Any = None  # pulumi.automation.PulumiCommand, checked once
 
     def config_path(self, stack: str) -> Path:
         from infra.mockrun import stack_config_path
 
         return stack_config_path(stack, self.project_dir)
 
-    def _stack(self, stack: str):
+    def _cli(self) -> Any:
+        """The CLI on PATH, its version checked once against the SDK's minimum (what `LocalWorkspace` does on every
+        construction when given none)."""
+        if self._command is None:
+            from pulumi import automation as auto
+
+            try:
+                self._command = auto.PulumiCommand()
+            except FileNotFoundError:  # what subprocess raises for a `pulumi` that is not on PATH
+                raise RunnerUnavailable("the Automation API runs the Pulumi CLI and there is no `pulumi` on PATH; "
+                                        "install it, or use --runner mock offline") from None
+            except PermissionError as err:
+                raise RunnerUnavailable(f"the `pulumi` on PATH cannot be run: {err}") from None
+            except subprocess.CalledProcessError as err:
+                raise RunnerUnavailable(f"`pulumi version` failed (exit status {err.returncode}); the CLI on PATH "
+                                        f"is not usable") from None
+            except auto.InvalidVersionError as err:
+                raise RunnerUnavailable(f"the `pulumi` on PATH is not one this SDK can drive: {err}") from None
+        return self._command
+
+    def _stack(self, stack: str, output: _CliOutput) -> Any:
         from pulumi import automation as auto
 
-        # LocalWorkspace reads Pulumi.yaml (and its stackConfigDir) from work_dir, so the edited file is used as is.
-        try:
-            return auto.select_stack(stack_name=stack, work_dir=str(self.project_dir))
-        except FileNotFoundError as err:
-            raise RunnerUnavailable(f"the Automation API needs the Pulumi CLI ({err}); offline, use --runner mock"
-                                    ) from None
+        # LocalWorkspace reads Pulumi.yaml (and its stackConfigDir) from work_dir, so the edited file is used as is;
+        # `stack select` fails here for a stack the backend does not hold.
+        output.command = "pulumi stack select"
+        return auto.select_stack(stack_name=stack, work_dir=str(self.project_dir),
+                                 opts=auto.LocalWorkspaceOptions(pulumi_command=self._cli()))
 
     def prepare(self, stack: str) -> None:
-        # Refresh first: the update must start from what is really deployed, not from the last recorded state.
-        self._stack(stack).refresh(on_output=self.on_output, color="never")
+        """Refresh first: the update must start from what is really deployed, not from the last recorded state."""
+        from pulumi import automation as auto
+
+        output = _CliOutput(self.on_output)
+        try:
+            selected = self._stack(stack, output)
+            output.command = "pulumi refresh"
+            selected.refresh(on_output=output.out, on_error=output.err, color="never",
+                             config_file=str(self.config_path(stack)))
+        except auto.CommandError:
+            raise StackUnavailable(f"stack {stack}: {output.failure()} (its stack file was not edited)") from None
 
     def up(self, stack: str) -> UpResult:
         from pulumi import automation as auto
 
+        output = _CliOutput(self.on_output)
         try:
-            result = self._stack(stack).up(
-                on_output=self.on_output, color="never", config_file=str(self.config_path(stack)),
+            selected = self._stack(stack, output)
+            output.command = "pulumi up"
+            result = selected.up(
+                on_output=output.out, on_error=output.err, color="never", config_file=str(self.config_path(stack)),
                 policy_packs=[str(self.policy_pack)] if self.policy_pack else None)
-        except auto.CommandError as err:
-            return UpResult(stack, ok=False, message=str(err))
+        except auto.CommandError:
+            return UpResult(stack, ok=False, message=output.failure())
         outputs = {k: v.value for k, v in result.outputs.items()}
+        # The SDK raises for a non-zero exit, so this is the CLI's record of an update it reported as finished.
         ok = result.summary.result == "succeeded"
         return UpResult(stack, ok=ok, message=result.summary.message or result.summary.result, outputs=outputs)
 
     def outputs(self, stack: str) -> dict:
-        return {k: v.value for k, v in self._stack(stack).outputs().items()}
+        from pulumi import automation as auto
+
+        output = _CliOutput(None)
+        try:
+            selected = self._stack(stack, output)
+            output.command = "pulumi stack output"
+            return {k: v.value for k, v in selected.outputs().items()}
+        except auto.CommandError:
+            raise StackUnavailable(f"stack {stack}: {output.failure()}") from None
+
+
+class _CliOutput:
+    """One Automation API call's output: forwarded line by line (the SDK strips each line's newline), and kept so
+    that a failure can be reported by what the CLI said went wrong."""
+
+    def __init__(self, forward: Callable[[str], None] | None):
+        self.forward = forward
+        self.command = "pulumi"
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+
+    def out(self, line: str) -> None:
+        self.stdout.append(line)
+        if self.forward:
+            self.forward(line)
+
+    def err(self, line: str) -> None:
+        self.stderr.append(line)
+        if self.forward:
+            self.forward(line)
+
+    def failure(self) -> str:
+        return f"`{self.command}` failed: {cli_failure(self.stdout, self.stderr)}"
+
+
+def cli_failure(stdout: Sequence[str], stderr: Sequence[str]) -> str:
+    """What went wrong, from a failed command's output as the CLI prints it (`--color never`, non-interactive):
+
+    - the `Diagnostics:` section's errors, one per resource (`  <type> (<name>):` then `    error: ...` and its
+      continuation lines), without the stack's bare `error: update failed` when a resource says more;
+    - the `Policies:` section's mandatory violations (`        - [mandatory]  <policy>  (<type>: <name>)`, then the
+      policy's description and the violation's message, indented under it);
+    - the `error:` lines on stderr (a missing stack, no project, no backend login, a config file that is missing).
+    Failing all three, the last lines of stderr, else of stdout, so the message is never empty."""
+    found: list[str] = []
+    section, resource, block = "", "", []
+
+    def flush() -> None:
+        if block:
+            found.append(f"{resource}: {' '.join(block)}" if resource else " ".join(block))
+        block.clear()
+
+    for raw in stdout:
+        line = raw.rstrip()
+        if line and not line.startswith(" "):  # a top-level section: `Diagnostics:`, `Policies:`, `Resources:`, ...
+            flush()
+            section, resource = line.rstrip(":"), ""
+            continue
+        text = line.strip()
+        if section == "Diagnostics":
+            if line.startswith("  ") and not line.startswith("   ") and text.endswith(":"):
+                flush()
+                resource = text[:-1]
+            elif text.startswith(("error:", "mandatory:")):
+                flush()
+                block.append(text)
+            elif text and block:
+                block.append(text)
+            elif not text:
+                flush()
+        elif section == "Policies":
+            if text.startswith("- [mandatory]"):
+                flush()
+                resource = ""
+                block.append(" ".join(text.split()))
+            elif text.startswith("- ["):  # an advisory finding: not why the update failed
+                flush()
+            elif text and block and not text.startswith(("❌", "✅", "⚠")):
+                block.append(text)
+    flush()
+    specific = [f for f in found if not f.endswith(("error: update failed", "error: refresh failed"))]
+    found = specific or found
+    found += [line.strip() for line in stderr if line.strip().startswith("error:")]
+    if not found:
+        tail = [line.strip() for line in (stderr if any(s.strip() for s in stderr) else stdout) if line.strip()]
+        found = tail[-3:] or ["the CLI printed nothing"]
+    return "; ".join(dict.fromkeys(found))
 
 
 # -- the engine simulation, on two graph sources ---------------------------------------------------------------
