@@ -96,11 +96,13 @@ def package_version(stack: StackConfig, package: str) -> str:
 
 
 def container_env(model_id: str, version: str, io_fingerprint: str,
-                  companions: tuple[tuple[str, str], ...] = ()) -> list[dict]:
+                  companions: tuple[tuple[str, str], ...] = (),
+                  parallel: tuple[int, int, int] | None = None) -> list[dict]:
     """The model container's environment for the package of (model id, package version): what the startup reads
     (pc.STARTUP_ENV), and the image's ENV that the pod must not leave to the image's defaults (pc.POD_ENV: the
     metrics directory, offline hubs, the caches on the writable cache volume). `companions`: the (id, version) of
-    the other packages the pod serves on the same Triton (an ensemble's steps), in pc.ENV_COMPANION_PACKAGES."""
+    the other packages the pod serves on the same Triton (an ensemble's steps), in pc.ENV_COMPANION_PACKAGES.
+    `parallel`: a vllm model's declared engine layout (tensor, pipeline, data), in pc.ENV_PARALLEL."""
     env = {
         pc.ENV_MODEL_ID: model_id,
         pc.ENV_MODEL_VERSION: version,
@@ -111,6 +113,8 @@ def container_env(model_id: str, version: str, io_fingerprint: str,
     }
     if companions:
         env[pc.ENV_COMPANION_PACKAGES] = pc.COMPANION_SEPARATOR.join(package_path(i, v) for i, v in companions)
+    if parallel is not None:
+        env[pc.ENV_PARALLEL] = pc.parallel_env_value(*parallel)
     return [{"name": k, "value": v} for k, v in env.items()]
 
 
@@ -180,7 +184,9 @@ def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, repli
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         "env": container_env(model.id, package_version(stack, pkg.package), pkg.io_fingerprint,
-                             companion_packages(model, version)),
+                             companion_packages(model, version),
+                             (model.layout.tensor, model.layout.pipeline, model.layout.data)
+                             if model.kind == "vllm" else None),
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in PORTS.items()],
         # §3.2/§3.7: ready only once the engine is; the startup probe's budget is the model's load time.
         "startupProbe": {"httpGet": {"path": pc.READY_PATH, "port": pc.PROBE_PORT_NAME},

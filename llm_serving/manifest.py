@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from llm_serving.python_deps import parse_requirements
+
 MANIFEST_NAME = "package.toml"
 MANIFEST_VERSION = 1
 SUPPORTED_MANIFEST_VERSIONS = (MANIFEST_VERSION,)
@@ -71,12 +73,42 @@ class ModelIdentity(_Strict):
         return v
 
 
+# vLLM's engine arguments for the layout; only [engine.parallel] sets them (one place that states a package's GPUs).
+PARALLEL_ENGINE_ARGS = {"tensor": "tensor_parallel_size", "pipeline": "pipeline_parallel_size",
+                        "data": "data_parallel_size"}
+
+
+class ParallelLayout(_Strict):
+    """How the engine spreads over GPUs: tensor × pipeline × data parallel = the GPUs one server uses.
+
+    Stated by the package (`[engine.parallel]`: it was built and tested for it) and declared again by the stack for
+    each model (`models[].parallel`: the stack names packages only by URI and cannot read them); a pod's GPUs must equal
+    `gpus`. The schema and a policy check the stack's side, `llm-serving rollout` and the pod's startup check that the
+    two declarations agree (docs/first-update.md, "Engine parallelism"). Omitted: one GPU (1 × 1 × 1)."""
+
+    tensor: int = Field(default=1, ge=1, le=64)
+    pipeline: int = Field(default=1, ge=1, le=64)
+    data: int = Field(default=1, ge=1, le=64)
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+    def engine_args(self) -> dict[str, int]:
+        """vLLM's engine arguments for this layout (model.json)."""
+        return {arg: getattr(self, key) for key, arg in PARALLEL_ENGINE_ARGS.items()}
+
+    def describe(self) -> str:
+        return f"tensor {self.tensor} x pipeline {self.pipeline} x data {self.data} = {self.gpus} GPU(s)"
+
+
 class VllmEngine(_Strict):
     """vLLM engine arguments. `model` and `tokenizer` are paths inside the package (under the model cache root)."""
 
     model: str = "weights"
     tokenizer: str | None = None
     args: dict[str, Any] = Field(default_factory=dict)
+    parallel: ParallelLayout = ParallelLayout()
     # What the model serves: "generate" (completions, chat), "embed" (/v1/embeddings, a pooling engine on the same
     # weights) and "score" (/v1/score, prefill-only scoring: through Triton a Python-backend model of the platform's
     # own with an engine of its own, docs/kserve.md "Embeddings and scoring through Triton").
@@ -106,6 +138,10 @@ class VllmEngine(_Strict):
                 raise ValueError(
                     f"engine.args.{key} is not allowed: weights are read from the package on the model cache"
                 )
+        for key, arg in PARALLEL_ENGINE_ARGS.items():
+            if arg in v:
+                raise ValueError(f"engine.args.{arg} is not allowed: the parallel layout is [engine.parallel] "
+                                 f"{key} = {v[arg]!r}, which the stack and the pod's GPUs are checked against")
         return v
 
 
@@ -115,11 +151,34 @@ class PythonModel(_Strict):
     model_py: str = "python/model.py"
     config_pbtxt: str = "python/config.pbtxt"
     weights: str | None = "weights"
+    # What model.py imports, as PEP 508 requirement strings ("xgboost==3.0.5"): met by the image's Python backend
+    # stub (compat.toml's stub pins) or by `execution_env` (llm_serving/python_deps.py; docs/architecture.md §3.4).
+    dependencies: list[str] = Field(default_factory=list)
+    # A conda-pack / venv-pack tarball inside the package that Triton's Python backend runs the model in
+    # (EXECUTION_ENV_PATH), and the Python it was packed for, which must be the stub's (recorded at packaging).
+    execution_env: str | None = None
+    execution_env_python: str | None = None
 
-    @field_validator("model_py", "config_pbtxt", "weights")
+    @field_validator("model_py", "config_pbtxt", "weights", "execution_env")
     @classmethod
     def _check_paths(cls, v: str | None, info) -> str | None:
         return None if v is None else _relative_path(v, f"python.{info.field_name}")
+
+    @field_validator("dependencies")
+    @classmethod
+    def _check_dependencies(cls, v: list[str]) -> list[str]:
+        parse_requirements(v, "python.dependencies")
+        return v
+
+    @model_validator(mode="after")
+    def _check_execution_env(self) -> PythonModel:
+        if self.execution_env is not None and not self.execution_env.endswith(".tar.gz"):
+            raise ValueError(f"python.execution_env {self.execution_env!r} must be a .tar.gz (conda-pack or "
+                             "venv-pack), which Triton's Python backend unpacks")
+        if (self.execution_env is None) != (self.execution_env_python is None):
+            raise ValueError("python.execution_env and python.execution_env_python go together: the environment "
+                             "and the Python it was packed for")
+        return self
 
 
 class EnsembleStep(_Strict):

@@ -32,11 +32,19 @@ from llm_serving.manifest import (
     Manifest,
     ManifestError,
     ModelIdentity,
+    ParallelLayout,
     Plugin,
     PythonModel,
     ServingMode,
     VllmEngine,
     parse_manifest,
+)
+from llm_serving.python_deps import (
+    DependencyError,
+    check_execution_env,
+    inspect_execution_env,
+    load_stub,
+    parse_requirements,
 )
 from llm_serving.tensor_contract import VLLM_IO_FINGERPRINT, PbtxtError, ensemble_step_names, io_fingerprint, pbtxt_io
 
@@ -187,8 +195,8 @@ def _verify_semantics(manifest: Manifest, root_files: set[str], read_text) -> No
         expected = io_fingerprint(*pbtxt_io(text))
     else:
         assert manifest.python is not None
-        for rel in (manifest.python.model_py, manifest.python.config_pbtxt):
-            if rel not in root_files:
+        for rel in (manifest.python.model_py, manifest.python.config_pbtxt, manifest.python.execution_env):
+            if rel is not None and rel not in root_files:
                 raise PackageError(f"{rel}: named in {MANIFEST_NAME} [python] but missing from the package")
         expected = io_fingerprint(*pbtxt_io(read_text(manifest.python.config_pbtxt)))
     if manifest.model.io_fingerprint != expected:
@@ -336,12 +344,17 @@ class PackageSpec:
     serving_mode: ServingMode = ServingMode.OPENAI
     engine_args: dict | None = None
     tasks: tuple[str, ...] = ("generate",)
+    parallel: ParallelLayout = ParallelLayout()  # the engine's layout over a pod's GPUs ([engine.parallel])
     plugins: tuple[Path, ...] = ()
     python_model: Path | None = None  # model.py, or a directory holding model.py and its helper modules
     config_pbtxt: Path | None = None
     # ensemble packages: the ensemble's config.pbtxt and its step models as (id, version)
     ensemble_config: Path | None = None
     ensemble_steps: tuple[tuple[str, str], ...] = ()
+    # python packages: what model.py imports (PEP 508 strings), and optionally an environment that meets them (a
+    # conda-pack / venv-pack .tar.gz); without one the serving image's stub must (llm_serving/python_deps.py).
+    python_dependencies: tuple[str, ...] = ()
+    execution_env: Path | None = None
 
 
 def _copy_tree(src: Path, dst: Path) -> Iterable[Path]:
@@ -387,7 +400,7 @@ def build_package(spec: PackageSpec, out: Path) -> Path:
             if spec.model_dir is None:
                 raise PackageError("a vllm-backend package needs a model directory")
             engine = VllmEngine(model="weights", tokenizer="weights", args=dict(spec.engine_args or {}),
-                                tasks=list(spec.tasks))
+                                tasks=list(spec.tasks), parallel=spec.parallel)
             fingerprint = VLLM_IO_FINGERPRINT
         elif spec.backend is Backend.ENSEMBLE:
             if spec.ensemble_config is None or not spec.ensemble_steps:
@@ -424,7 +437,7 @@ def build_package(spec: PackageSpec, out: Path) -> Path:
             else:
                 shutil.copyfile(source, staging / "python" / "model.py")
             shutil.copyfile(spec.config_pbtxt, staging / "python" / "config.pbtxt")
-            python = PythonModel(weights="weights" if spec.model_dir else None)
+            python = _python_model(spec, staging)
             fingerprint = io_fingerprint(*pbtxt_io(Path(spec.config_pbtxt).read_text()))
         files = {}
         for path in sorted(p for p in staging.rglob("*") if p.is_file()):
@@ -457,6 +470,61 @@ def build_package(spec: PackageSpec, out: Path) -> Path:
     finally:
         if staging.exists():
             shutil.rmtree(staging)
+
+
+ENVS_DIR = "envs"  # where a package keeps its execution environment
+
+
+def _python_model(spec: PackageSpec, staging: Path) -> PythonModel:
+    """The [python] table, after checking that the serving image can run the model: its declared dependencies are
+    met by the image's Python backend stub (compat.toml [triton.stub]), or by the environment the package ships,
+    which must be packed for the stub's Python. Refused otherwise, naming the distribution."""
+    if "EXECUTION_ENV_PATH" in Path(spec.config_pbtxt).read_text():
+        raise PackageError(f"{spec.config_pbtxt}: sets EXECUTION_ENV_PATH itself; ship the environment with "
+                           "--execution-env and the repository generator points Triton at it inside the package")
+    owner = f"python package {spec.model_id} {spec.version}"
+    try:
+        requirements = parse_requirements(spec.python_dependencies, "python.dependencies")
+        stub = load_stub("triton")
+        env = env_python = None
+        if spec.execution_env is not None:
+            source = Path(spec.execution_env)
+            if not source.is_file() or not source.name.endswith(".tar.gz"):
+                raise PackageError(f"{source}: an execution environment is a conda-pack or venv-pack .tar.gz file")
+            env = f"{ENVS_DIR}/{source.name}"
+            packed = inspect_execution_env(source, env)
+            check_execution_env(packed, stub, requirements, owner)
+            (staging / ENVS_DIR).mkdir()
+            shutil.copyfile(source, staging / env)
+            env_python = packed.python
+        else:
+            stub.check(requirements, owner)
+    except DependencyError as exc:
+        raise PackageError(str(exc)) from exc
+    return PythonModel(weights="weights" if spec.model_dir else None, dependencies=list(spec.python_dependencies),
+                       execution_env=env, execution_env_python=env_python)
+
+
+def check_python_dependencies(package: VerifiedPackage, runtime: str) -> str | None:
+    """The startup's check (and anyone's who serves a verified package): the stub of `runtime` ('triton' in the
+    image, 'local' here) meets the package's declared dependencies, or its execution environment does and is for
+    the stub's Python. Returns a line for the log (None for a package that is not python-backend); raises
+    PackageError naming the distribution."""
+    python = package.manifest.python
+    if python is None:
+        return None
+    owner = f"python package {package.manifest.model.id} {package.manifest.model.version}"
+    try:
+        requirements = parse_requirements(python.dependencies, "python.dependencies")
+        stub = load_stub(runtime)
+        if python.execution_env is not None:
+            packed = inspect_execution_env(package.root / python.execution_env, python.execution_env)
+            check_execution_env(packed, stub, requirements, owner)
+            return f"{owner}: {len(requirements)} dependencies met by {packed.where} (Python {packed.python})"
+        stub.check(requirements, owner)
+    except DependencyError as exc:
+        raise PackageError(str(exc)) from exc
+    return f"{owner}: {len(requirements)} dependencies met by {stub.where}"
 
 
 def write_tarball(root: Path, out: Path) -> None:

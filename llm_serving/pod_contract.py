@@ -102,6 +102,11 @@ ENV_IO_FINGERPRINT = "LLM_SERVING_IO_FINGERPRINT"  # the stack's; startup refuse
 ENV_MODEL_CACHE = "LLM_SERVING_MODEL_CACHE"  # set: the package must be a directory below it (no tarball in a pod)
 ENV_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 ENV_RUNTIME = "LLM_SERVING_RUNTIME"
+# The engine's parallel layout the stack declares for a vllm model (`models[].parallel`), as
+# "tensor=<t>,pipeline=<p>,data=<d>": startup refuses a package whose [engine.parallel] differs, and a pod whose
+# visible GPUs (NVIDIA_VISIBLE_DEVICES, set by the device plugin) are not t x p x d.
+ENV_PARALLEL = "LLM_SERVING_PARALLEL"
+PARALLEL_KEYS = ("tensor", "pipeline", "data")
 
 # Every cache a library writes at start or at the first request, on the writable cache volume (the root file system
 # is read-only). The startup procedure creates them.
@@ -148,7 +153,7 @@ class PodContractError(ValueError):
     pass
 
 
-def _segment(what: str, value: str) -> str:
+def key_segment(what: str, value: str) -> str:
     if not isinstance(value, str) or not _SEGMENT.match(value) or value in (".", ".."):
         raise PodContractError(f"{what} {value!r} cannot be part of a store key (letters, digits, '.', '_', '+', "
                                f"'-', not starting with a punctuation mark)")
@@ -158,13 +163,13 @@ def _segment(what: str, value: str) -> str:
 def model_cache_key(model_id: str, version: str) -> str:
     """The key, below a store's prefix, of the unpacked package of (model id, version): `model-cache/<id>/<version>`.
     `llm-serving publish` writes there; a stack names it; the pod reads it in place on FSx."""
-    return f"{MODEL_CACHE_PREFIX}/{_segment('model id', model_id)}/{_segment('version', version)}"
+    return f"{MODEL_CACHE_PREFIX}/{key_segment('model id', model_id)}/{key_segment('version', version)}"
 
 
 def package_archive_key(model_id: str, version: str) -> str:
     """The key of the published archive (`packages/<id>/<version>.tar.gz`): what replication and immutability
     checks look at; pods never read it."""
-    return f"{PACKAGES_PREFIX}/{_segment('model id', model_id)}/{_segment('version', version)}.tar.gz"
+    return f"{PACKAGES_PREFIX}/{key_segment('model id', model_id)}/{key_segment('version', version)}.tar.gz"
 
 
 def package_uri(bucket: str, model_prefix: str, model_id: str, version: str) -> str:
@@ -186,8 +191,8 @@ def parse_package_uri(uri: str, model_prefix: str) -> tuple[str, str, str]:
         raise PodContractError(f"{uri!r} is not a published package directory "
                                f"s3://<bucket>/{head}<model id>/<version>/")
     model_id, version = parts
-    _segment("model id", model_id)
-    _segment("version", version)
+    key_segment("model id", model_id)
+    key_segment("version", version)
     return bucket, model_id, version
 
 
@@ -200,3 +205,31 @@ def package_path_in_pod(model_id: str, version: str) -> str:
 def manifest_key(cache_uri_or_key: str) -> str:
     """The manifest's key inside a published package directory."""
     return f"{cache_uri_or_key.rstrip('/')}/package.toml"
+
+
+def parallel_env_value(tensor: int, pipeline: int, data: int) -> str:
+    """ENV_PARALLEL's value for a layout."""
+    return ",".join(f"{k}={v}" for k, v in zip(PARALLEL_KEYS, (tensor, pipeline, data), strict=True))
+
+
+def parse_parallel_env(value: str) -> dict[str, int]:
+    """ENV_PARALLEL's value as {"tensor": t, "pipeline": p, "data": d}; every key exactly once, each a positive int."""
+    out: dict[str, int] = {}
+    for part in value.split(","):
+        key, sep, number = part.strip().partition("=")
+        if not sep or key not in PARALLEL_KEYS or key in out or not number.isdigit() or int(number) < 1:
+            raise PodContractError(f"{ENV_PARALLEL}={value!r}: expected tensor=<n>,pipeline=<n>,data=<n> with each "
+                                   f"n >= 1 (bad part {part!r})")
+        out[key] = int(number)
+    if set(out) != set(PARALLEL_KEYS):
+        missing = ", ".join(k for k in PARALLEL_KEYS if k not in out)
+        raise PodContractError(f"{ENV_PARALLEL}={value!r}: missing {missing}")
+    return out
+
+
+def visible_gpu_count(value: str | None) -> int | None:
+    """How many GPUs NVIDIA_VISIBLE_DEVICES (set by NVIDIA's device plugin to the allocated GPUs' UUIDs or indices)
+    gives the container; None when it does not list devices (unset, "all", "void", "none": nothing to compare)."""
+    if value is None or value.strip().lower() in ("", "all", "void", "none"):
+        return None
+    return len([d for d in value.split(",") if d.strip()])

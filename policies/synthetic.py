@@ -139,6 +139,7 @@ def deployment_inputs(model_id: str, version: str, replicas: int = 2, env: str =
                                 {"name": "LLM_SERVING_MODEL_VERSION", "value": version},
                                 {"name": "LLM_SERVING_IO_FINGERPRINT", "value": FINGERPRINT_A},
                                 {"name": "LLM_SERVING_MODEL_CACHE", "value": "/mnt/model-cache"},
+                                {"name": "LLM_SERVING_PARALLEL", "value": "tensor=1,pipeline=1,data=1"},
                                 {"name": "PROMETHEUS_MULTIPROC_DIR", "value": "/var/run/llm-serving/prometheus"}],
                         "ports": [{"containerPort": p} for p in (8000.0, 8001.0, 8002.0, 9000.0)],
                         "resources": {"limits": {"nvidia.com/gpu": "1", "memory": "64Gi"},

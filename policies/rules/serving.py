@@ -469,6 +469,52 @@ def _validate_model_cache(args: StackValidationArgs, report: ReportViolation) ->
                 report(f"Deployment {dep.name!r}: {problem}; serving pods mount the model cache read-only", dep.urn)
 
 
+def _env_value(container: Mapping[str, Any], name: str) -> str | None:
+    for env in iter_mappings(container.get("env")):
+        if env.get("name") == name:
+            return None if env.get("value") is None else str(env.get("value"))
+    return None
+
+
+def _validate_engine_parallelism(args: ResourceValidationArgs, report: ReportViolation) -> None:
+    """A vllm model's pod says its engine's layout (pc.ENV_PARALLEL, what startup checks against the package), and
+    that layout uses exactly the GPUs the container holds: read from the rendered Deployment, not from the sizing
+    code, so a Deployment that asks for 8 GPUs and runs a 1-GPU engine is refused whatever produced it."""
+    if not _serving(args):
+        return
+    model_id, _ = model_identity(args.props)
+    try:
+        model = model_configs(stack_context(args)).get(model_id) if model_id else None
+    except PolicyContextError as err:
+        report(str(err), None)
+        return
+    if model is None or model.kind != "vllm":
+        return
+    declared = model.layout
+    for container in serving_containers(args.props):
+        value = _env_value(container, pc.ENV_PARALLEL)
+        where = f"Deployment {args.name!r} container {_cname(container)!r}"
+        if value is None:
+            report(f"{where} has no {pc.ENV_PARALLEL}: a vllm model's pod states its engine's parallel layout "
+                   f"(the stack's models[].parallel, {declared.describe()}), which startup checks against the "
+                   f"package", None)
+            continue
+        try:
+            layout = pc.parse_parallel_env(value)
+        except pc.PodContractError as err:
+            report(f"{where}: {err}", None)
+            continue
+        product = layout["tensor"] * layout["pipeline"] * layout["data"]
+        gpus = gpu_limit(container)
+        if gpus is None or product != gpus:
+            report(f"{where}: the engine's layout {pc.ENV_PARALLEL}={value} uses {product} GPU(s), the container "
+                   f"holds {GPU_RESOURCE}={gpus if gpus is None else f'{gpus:g}'}: vLLM would leave GPUs idle or "
+                   f"fail to start; GPUs per pod must equal tensor x pipeline x data", None)
+        if layout != declared.model_dump():
+            report(f"{where}: {pc.ENV_PARALLEL}={value} differs from the stack's models[].parallel "
+                   f"({declared.describe()})", None)
+
+
 def _strings(container: Mapping[str, Any]) -> Iterable[tuple[str, str]]:
     for field in ("command", "args"):
         for i, value in enumerate(as_list(container.get(field))):
@@ -635,6 +681,13 @@ serving_gpu_resources = ResourceValidationPolicy(
     validate=_validate_gpus,
     enforcement_level=EnforcementLevel.MANDATORY,
 )
+serving_engine_parallelism = ResourceValidationPolicy(
+    name="serving-engine-uses-pod-gpus",
+    description="A vllm model's pod states its engine's parallel layout (tensor x pipeline x data), as the stack "
+                "declares it, and that layout uses exactly the GPUs the pod holds.",
+    validate=_validate_engine_parallelism,
+    enforcement_level=EnforcementLevel.MANDATORY,
+)
 serving_cpu_model_no_gpu = StackValidationPolicy(
     name="serving-cpu-model-no-gpu",
     description="A model configured without gpu neither requests nor tolerates GPUs and runs on its CPU node group, "
@@ -710,6 +763,7 @@ POLICIES = [
     serving_image_digest,
     serving_image_pins,
     serving_gpu_resources,
+    serving_engine_parallelism,
     serving_cpu_model_no_gpu,
     serving_probes,
     serving_update_timeout,

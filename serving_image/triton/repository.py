@@ -169,6 +169,9 @@ def vllm_engine_json(manifest: Manifest, package_root: PurePosixPath, release: T
     assert engine is not None
     args = structured_engine_args(engine.args, release)
     args.setdefault("disable_log_stats", False)  # vLLM's metrics feed the merged /metrics (§3.8)
+    # The layout the package states ([engine.parallel]), always written: NVIDIA's backend hands model.json to vLLM's
+    # engine arguments, and without them vLLM serves on one GPU whatever the pod has.
+    args.update(engine.parallel.engine_args())
     return {"model": str(package_root / engine.model), "tokenizer": str(package_root / (engine.tokenizer or
                                                                                           engine.model)), **args}
 
@@ -189,6 +192,10 @@ def python_model_config(manifest: Manifest, config_pbtxt: str, package_root: Pur
     assert manifest.python is not None
     if manifest.python.weights:
         config.parameters["weights_dir"].string_value = str(package_root / manifest.python.weights)
+    if manifest.python.execution_env:
+        # The package's own environment (llm_serving/python_deps.py), read in place from the package as the weights
+        # are: Triton's Python backend unpacks it and runs the stub's Python with its site-packages.
+        config.parameters["EXECUTION_ENV_PATH"].string_value = str(package_root / manifest.python.execution_env)
     return config
 
 

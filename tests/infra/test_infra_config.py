@@ -62,7 +62,15 @@ def mutate(path: str, value, values: dict | None = None) -> dict:
     ("models[0].replicas", 0, "llm-serving:models[0].replicas: Input should be greater than or equal to 1"),
     ("models[0].gpu.nodeGroup", "a100",
      "llm-serving:models[0].gpu.nodeGroup: 'a100' is not a GPU node group; allowed: ['h100', 'l40s']"),
-    ("models[0].gpu.count", 16, "llm-serving:models[0].gpu.count: 16 GPUs do not fit on one node of 'h100'"),
+    ("models[0].gpu.count", 16, "llm-serving:models[0].gpu.count: 16 GPUs per pod, but the engine's parallel "
+     "layout is tensor 8 x pipeline 1 x data 1 = 8 GPU(s); vLLM uses exactly that many"),
+    ("models[0].gpu.count", 4, "llm-serving:models[0].gpu.count: 4 GPUs per pod, but the engine's parallel "
+     "layout is tensor 8 x pipeline 1 x data 1 = 8 GPU(s)"),
+    ("models[0].parallel", {"tensor": 4, "pipeline": 4}, "llm-serving:models[0].gpu.count: 8 GPUs per pod, but the "
+     "engine's parallel layout is tensor 4 x pipeline 4 x data 1 = 16 GPU(s)"),
+    ("models[0].parallel", {"tensor": 8, "expert": 2}, "llm-serving:models[0].parallel.expert"),
+    ("models[0].parallel", None, "llm-serving:models[0].gpu.count: 8 GPUs per pod, but the engine's parallel "
+     "layout is tensor 1 x pipeline 1 x data 1 = 1 GPU(s)"),
     ("models[0].versions[0].ioFingerprint", "md5:abc",
      "llm-serving:models[0].versions[0].ioFingerprint: String should match pattern"),
     ("models[0].versions[0].package", "s3://someone-elses-bucket/models/x/",
@@ -171,3 +179,20 @@ def test_plain_and_structured_values_reach_the_program_as_pulumi_hands_them_over
     assert bucket.inputs["tags"]["team"] == "search-ranking" and bucket.inputs["tags"]["env"] == "dev"
     with pytest.raises(ConfigError, match=r"^llm-serving:cluster: Input should be a valid dictionary"):
         run_stack("dev-us-east-1", {"cluster": "big"})
+
+
+def test_a_layout_that_matches_its_gpus_must_still_fit_one_node():
+    values = mutate("models[0].gpu.count", 16, mutate("models[0].parallel", {"tensor": 16}))
+    assert "llm-serving:models[0].gpu.count: 16 GPUs do not fit on one node of 'h100'" in error_for(values)
+
+
+def test_parallel_is_only_for_vllm_models_and_others_use_one_gpu():
+    cfg = base()
+    ranker = {"id": "ranker", "kind": "python", "replicas": 1, "gpu": {"nodeGroup": "l40s", "count": 2},
+              "strategy": "versioned", "versions": [{"version": "1", "package": cfg["models"][0]["versions"][0][
+                  "package"].replace("chat-large/2.3.0", "ranker/1"), "ioFingerprint": "sha256:" + "1" * 64}]}
+    assert "models[2].gpu.count: a python model's Triton instance uses one GPU" in error_for(
+        mutate("models", [*cfg["models"], ranker]))
+    ranker = {**ranker, "gpu": {"nodeGroup": "l40s", "count": 1}, "parallel": {"tensor": 1}}
+    assert "models[2].parallel: only a vllm model runs an engine with a parallel layout" in error_for(
+        mutate("models", [*cfg["models"], ranker]))

@@ -37,7 +37,9 @@ EXTRA_MANDATORY = {"iam-irsa-trust-scoped", "serving-update-timeout", "rollout-g
                    "crds-before-custom-resources", "gpu-capacity-autoscaled", "routes-wait-for-controller",
                    "ecr-one-build-replicated", "serving-pod-contract",
                    # Issue 15 (every model kind): models without GPUs on CPU node groups.
-                   "serving-cpu-model-no-gpu", "cpu-nodes-no-gpu-approved-types"}
+                   "serving-cpu-model-no-gpu", "cpu-nodes-no-gpu-approved-types",
+                   # Issue 30 (the first production deploy): the engine uses the GPUs its pod holds.
+                   "serving-engine-uses-pod-gpus"}
 
 
 @pytest.fixture

@@ -208,6 +208,11 @@ MUTATIONS: dict[str, Callable] = {
     "serving-image-pins": lambda res, cfg: _move_stated_release(res, "24.01"),
     "serving-gpu-resources": lambda res, cfg: [r.pop("nvidia.com/gpu", None)
                                                for r in _server(res)["resources"].values()],
+    # The 8-GPU model's pod states a 1-GPU engine: vLLM would serve on one GPU and leave seven idle.
+    "serving-engine-uses-pod-gpus": lambda res, cfg: [
+        e.update(value="tensor=1,pipeline=1,data=1") for r in _serving(res)
+        for c in r.inputs["spec"]["template"]["spec"]["containers"] for e in c.get("env", [])
+        if e["name"] == "LLM_SERVING_PARALLEL" and e["value"].startswith("tensor=8")],
     "serving-probes": lambda res, cfg: _server(res).pop("livenessProbe"),
     "serving-update-timeout": lambda res, cfg: _serving(res)[0].custom_timeouts.update(update="2m"),
     "serving-model-from-fsx": lambda res, cfg: _server(res).update(volumeMounts=[]),

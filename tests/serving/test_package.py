@@ -10,11 +10,11 @@ import hashlib
 import io
 import json
 import tarfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 
-from llm_serving.manifest import MANIFEST_NAME, Backend, ServingMode, parse_manifest
+from llm_serving.manifest import MANIFEST_NAME, Backend, ParallelLayout, ServingMode, parse_manifest
 from llm_serving.package import PackageError, PackageSpec, build_package, open_package
 from llm_serving.tensor_contract import VLLM_IO_FINGERPRINT
 from tests.serving.wheels import make_wheel
@@ -144,6 +144,25 @@ def test_build_refuses_a_plugin_that_pins_vllm(model_dir: Path, tmp_path: Path):
     with pytest.raises(PackageError, match=r"sneaky-0.1-py3-none-any.whl: pins vllm"):
         build_package(PackageSpec(model_dir, "demo", "1", plugins=(plugin,)), tmp_path / "pkg")
     assert not (tmp_path / "pkg").exists()
+
+
+def test_the_parallel_layout_is_stated_in_engine_parallel_and_written_to_model_json(model_dir: Path,
+                                                                                     tmp_path: Path):
+    """[engine.parallel] is the one place a package states its GPUs: the generated model.json hands it to vLLM, and
+    the same setting as a raw engine argument is refused, naming the table to use."""
+    from serving_image.triton.pins import load_pins
+    from serving_image.triton.repository import vllm_engine_json
+
+    out = build_package(PackageSpec(model_dir, "demo", "1", parallel=ParallelLayout(tensor=4, pipeline=2)),
+                        tmp_path / "pkg")
+    manifest = parse_manifest((out / MANIFEST_NAME).read_text())
+    assert manifest.engine.parallel.gpus == 8
+    engine_json = vllm_engine_json(manifest, PurePosixPath("/models/demo/1"), load_pins().release())
+    assert (engine_json["tensor_parallel_size"], engine_json["pipeline_parallel_size"],
+            engine_json["data_parallel_size"]) == (4, 2, 1)
+    with pytest.raises(PackageError, match=r"engine.args.tensor_parallel_size is not allowed: the parallel layout "
+                                           r"is \[engine.parallel\] tensor = 8"):
+        build_package(PackageSpec(model_dir, "demo", "2", engine_args={"tensor_parallel_size": 8}), tmp_path / "p2")
 
 
 def test_build_refuses_bad_identity_naming_the_key(model_dir: Path, tmp_path: Path):

@@ -135,6 +135,39 @@ def test_a_fingerprint_that_differs_from_the_published_manifest_is_refused_namin
            f"{actual}" in str(err.value)
 
 
+def test_a_declared_parallel_layout_that_differs_from_the_package_is_refused_naming_both(published, tmp_path):
+    """The stack declares tensor 8 for a package built for one GPU: step 1 refuses before vLLM loads anything."""
+    actual = startup.open_package(published).manifest.model.io_fingerprint
+    config = _config(published, tmp_path, model_id="demo", version="1.0.0", io_fingerprint=actual,
+                     model_cache=tmp_path / "fsx", parallel={"tensor": 8, "pipeline": 1, "data": 1})
+    with pytest.raises(startup.StartupError) as err:
+        asyncio.run(startup.start(config))
+    assert err.value.number == 1
+    assert ("LLM_SERVING_PARALLEL=tensor=8,pipeline=1,data=1 differs from the published manifest's engine.parallel "
+            "(tensor 1 x pipeline 1 x data 1 = 1 GPU(s)") in str(err.value)
+
+
+def test_a_pod_whose_visible_gpus_differ_from_the_layout_is_refused(published, tmp_path, monkeypatch):
+    """NVIDIA's device plugin names the container's GPUs in NVIDIA_VISIBLE_DEVICES: two GPUs for a one-GPU engine
+    are refused (one would sit idle); "all" or unset lists nothing to compare."""
+    actual = startup.open_package(published).manifest.model.io_fingerprint
+    monkeypatch.setenv(pc.ENV_MODEL_ID, "demo")
+    monkeypatch.setenv(pc.ENV_IO_FINGERPRINT, actual)
+    monkeypatch.setenv(pc.ENV_PARALLEL, "tensor=1,pipeline=1,data=1")
+    monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", "GPU-0a1b,GPU-2c3d")
+    expected = startup.PodExpectation.from_env()
+    assert expected.parallel == {"tensor": 1, "pipeline": 1, "data": 1} and expected.visible_gpus == 2
+    package = startup.open_package(published)
+    with pytest.raises(RuntimeError, match=r"engine.parallel is tensor 1 x pipeline 1 x data 1 = 1 GPU\(s\), but "
+                                           r"the pod sees 2 GPU\(s\) \(NVIDIA_VISIBLE_DEVICES\)"):
+        expected.check_manifest(package)
+    monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", "all")
+    startup.PodExpectation.from_env().check_manifest(package)
+    monkeypatch.setenv(pc.ENV_PARALLEL, "tensor=1,pipeline=x")
+    with pytest.raises(pc.PodContractError, match="LLM_SERVING_PARALLEL='tensor=1,pipeline=x'"):
+        startup.PodExpectation.from_env()
+
+
 def test_the_package_is_read_in_place_from_the_model_cache(published, tmp_path):
     actual = startup.open_package(published).manifest.model.io_fingerprint
     config = _config(published, tmp_path, model_id="demo", version="1.0.0", io_fingerprint=actual,
