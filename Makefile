@@ -19,10 +19,16 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 NATIVE_SOURCES := native/CMakeLists.txt $(wildcard native/src/* native/include/* native/triton/*)
 
-.PHONY: up test test-fast plan bench rehearse lint serving-env infra-env checkov-env triton-env crd-validate-env clean
+.PHONY: up check-up-modes test test-fast plan bench rehearse lint serving-env infra-env checkov-env triton-env crd-validate-env clean
 
 up: serving-env triton-env
 	$(SERVING)/bin/llm-serving up $(if $(MODEL),--model "$(MODEL)",) $(if $(MODE),--serving-mode "$(MODE)",)
+
+# `make up`, then `make up MODE=standalone`, then `make up` again, each until it serves and stopped as Ctrl-C stops
+# it (bench/scripts/make_up_modes.py; logs and summary.json under .cache/check-up-modes). Uses the fixed ports of
+# `make up`. Not part of `make test` (three engine starts, its time budget): a check of its own, on a clone.
+check-up-modes: serving-env triton-env
+	$(SERVING)/bin/python bench/scripts/make_up_modes.py
 
 test: serving-env infra-env checkov-env triton-env crd-validate-env
 	$(SERVING)/bin/ruff check .
