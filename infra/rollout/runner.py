@@ -132,8 +132,8 @@ class AutomationRunner:
             output.command = "pulumi refresh"
             selected.refresh(on_output=output.out, on_error=output.err, color="never",
                              config_file=str(self.config_path(stack)))
-        except auto.CommandError:
-            raise StackUnavailable(f"stack {stack}: {output.failure()} (its stack file was not edited)") from None
+        except auto.CommandError as err:
+            raise StackUnavailable(f"stack {stack}: {output.failure(err)} (its stack file was not edited)") from None
 
     def up(self, stack: str) -> UpResult:
         from pulumi import automation as auto
@@ -145,8 +145,8 @@ class AutomationRunner:
             result = selected.up(
                 on_output=output.out, on_error=output.err, color="never", config_file=str(self.config_path(stack)),
                 policy_packs=[str(self.policy_pack)] if self.policy_pack else None)
-        except auto.CommandError:
-            return UpResult(stack, ok=False, message=output.failure())
+        except auto.CommandError as err:
+            return UpResult(stack, ok=False, message=output.failure(err))
         outputs = {k: v.value for k, v in result.outputs.items()}
         # The SDK raises for a non-zero exit, so this is the CLI's record of an update it reported as finished.
         ok = result.summary.result == "succeeded"
@@ -160,8 +160,8 @@ class AutomationRunner:
             selected = self._stack(stack, output)
             output.command = "pulumi stack output"
             return {k: v.value for k, v in selected.outputs().items()}
-        except auto.CommandError:
-            raise StackUnavailable(f"stack {stack}: {output.failure()}") from None
+        except auto.CommandError as err:
+            raise StackUnavailable(f"stack {stack}: {output.failure(err)}") from None
 
 
 class _CliOutput:
@@ -184,8 +184,14 @@ class _CliOutput:
         if self.forward:
             self.forward(line)
 
-    def failure(self) -> str:
-        return f"`{self.command}` failed: {cli_failure(self.stdout, self.stderr)}"
+    def failure(self, err: Exception) -> str:
+        stdout, stderr = self.stdout, self.stderr
+        if not stdout and not stderr:
+            # A command the SDK runs without callbacks (`stack select`): its output is only in the CommandError's
+            # text, which the SDK writes as "\n code: N\n stdout: ...\n stderr: ..." (pulumi/automation/_cmd.py).
+            head, _, err_text = str(err).rpartition("\n stderr: ")
+            stdout, stderr = head.partition("\n stdout: ")[2].splitlines(), err_text.splitlines()
+        return f"`{self.command}` failed: {cli_failure(stdout, stderr)}"
 
 
 def cli_failure(stdout: Sequence[str], stderr: Sequence[str]) -> str:
