@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from infra.instances import INSTANCE_FACTS, MIN_IMAGE_VOLUME_GIB
 from llm_serving.manifest import Backend
 from llm_serving.pod_contract import PodContractError, package_uri, parse_package_uri
+from llm_serving.python_deps import DependencyError, parse_requirements
 from llm_serving.tensor_contract import VLLM_IO_FINGERPRINT
 
 PROJECT = "llm-serving"
@@ -386,6 +387,22 @@ class ModelConfig(_Camel):
     # The startupProbe's budget: how long the engine may take to load the weights from the model cache.
     load_time_seconds: int = Field(default=600, ge=30, le=7200)
     autoscaling: AutoscalingConfig | None = None
+    # What the model's packages import (their [python] dependencies, PEP 508 strings), stated again by the stack
+    # because it names packages by URI only: the policy serving-python-dependencies-in-image checks them against the
+    # image's stub pins (compat.toml [triton.stub]). Only for kind: python and ensemble (its steps' packages).
+    python_dependencies: list[str] = Field(default_factory=list)
+
+    @field_validator("python_dependencies")
+    @classmethod
+    def _check_python_dependencies(cls, v: list[str], info) -> list[str]:
+        if v and info.data.get("kind") == "vllm":
+            raise ValueError("only a python or ensemble model runs Python-backend packages; a vllm model's "
+                             "dependencies are the image's")
+        try:
+            parse_requirements(v, "pythonDependencies")
+        except DependencyError as exc:
+            raise ValueError(str(exc)) from exc
+        return v
 
     @model_validator(mode="after")
     def _placement_and_kind(self) -> ModelConfig:

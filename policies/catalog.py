@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pulumi_policy import EnforcementLevel, Policy
 
-from .rules import bootstrap, capacity, cost, fsx, gpu_nodes, iam, nodes, platform, rollout, s3, serving
+from .rules import bootstrap, capacity, cost, fsx, gpu_nodes, iam, nodes, platform, python_deps, rollout, s3, serving
 
 ALL_POLICIES: list[Policy] = [
     *s3.POLICIES,
@@ -16,6 +16,7 @@ ALL_POLICIES: list[Policy] = [
     *bootstrap.POLICIES,
     *iam.POLICIES,
     *serving.POLICIES,
+    *python_deps.POLICIES,
     *rollout.POLICIES,
     *platform.POLICIES,
     *cost.POLICIES,

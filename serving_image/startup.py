@@ -33,7 +33,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 
 from llm_serving import pod_contract as pc
 from llm_serving.manifest import Backend
-from llm_serving.package import VerifiedPackage, open_package
+from llm_serving.package import VerifiedPackage, check_python_dependencies, open_package
 
 log = logging.getLogger("llm_serving.startup")
 
@@ -173,6 +173,12 @@ def _unpack(config: StartupConfig) -> tuple[str, list[VerifiedPackage]]:
         config.expected.check_manifest(packages[0])
     details = [f"{p.manifest.model.id} {p.manifest.model.version}, backend {p.manifest.model.backend}, "
                f"{len(p.manifest.files)} files verified" for p in packages]
+    # Every Python-backend package's [python] dependencies, the companions' too, are met by this runtime's stub
+    # (compat.toml: [triton.stub] in the image, [local.triton] here) or by its own execution environment: refused
+    # here, naming the distribution, rather than failing at `import` inside Triton after the pod was scheduled.
+    from serving_image.triton.runtime import runtime
+
+    details += [line for p in packages if (line := check_python_dependencies(p, runtime()))]
     return "; ".join(details), packages
 
 

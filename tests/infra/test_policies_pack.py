@@ -39,7 +39,9 @@ EXTRA_MANDATORY = {"iam-irsa-trust-scoped", "serving-update-timeout", "rollout-g
                    # Issue 15 (every model kind): models without GPUs on CPU node groups.
                    "serving-cpu-model-no-gpu", "cpu-nodes-no-gpu-approved-types",
                    # Issue 30 (the first production deploy): the engine uses the GPUs its pod holds.
-                   "serving-engine-uses-pod-gpus"}
+                   "serving-engine-uses-pod-gpus",
+                   # Issue 30: Python-backend models' dependencies are in the image.
+                   "serving-python-dependencies-in-image"}
 
 
 @pytest.fixture

