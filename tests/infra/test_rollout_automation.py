@@ -79,7 +79,8 @@ def _stack_cmd(*args: str) -> list[str]:
     return ["--non-interactive", *args, "--stack", STACK]
 
 
-def test_prepare_selects_the_stack_and_refreshes_it_from_the_project_directory(project, fake):
+def test_prepare_selects_the_stack_and_refreshes_it_from_the_project_directory(project, fake, monkeypatch):
+    monkeypatch.setenv("PULUMI_CONFIG_PASSPHRASE", "not-recorded")  # a passphrase secrets provider's, passed through
     lines: list[str] = []
     _runner(project, lines).prepare(STACK)
     config = str(project / "stacks" / f"Pulumi.{STACK}.yaml")
@@ -94,6 +95,7 @@ def test_prepare_selects_the_stack_and_refreshes_it_from_the_project_directory(p
     assert {c["cwd"] for c in calls[1:]} == {str(project)}  # the directory that holds Pulumi.yaml
     assert all(c["env"]["PULUMI_AUTOMATION_API"] == "true" for c in calls[1:])
     assert calls[0]["env"]["PULUMI_SKIP_UPDATE_CHECK"] == "true"
+    assert {c["env"]["PULUMI_CONFIG_PASSPHRASE"] for c in calls} == {"set"}
     # The CLI's lines reach on_output one by one, without their newlines (the SDK strips them).
     assert lines[0] == f"Refreshing ({STACK}):" and "Resources:" in lines
     assert [h["kind"] for h in fake.history(STACK)] == ["refresh"]
