@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from infra.instances import INSTANCE_FACTS, MIN_IMAGE_VOLUME_GIB
-from llm_serving.manifest import Backend
+from infra.model_fit import OTHER_GPU_MEMORY_UTILIZATION, VLLM_GPU_MEMORY_UTILIZATION, LoadTime, gpu_memory_fit
+from llm_serving.manifest import Backend, ParallelLayout
 from llm_serving.pod_contract import PodContractError, package_uri, parse_package_uri
 from llm_serving.python_deps import DependencyError, parse_requirements
 from llm_serving.tensor_contract import VLLM_IO_FINGERPRINT
@@ -343,6 +344,10 @@ class ModelVersion(_Camel):
     # its own server): each a published package by (id, version), as the ensemble's manifest names them
     # ([ensemble] steps). Only for `kind: ensemble`.
     steps: list[PackageRef] = Field(default_factory=list)
+    # The package's weights in GiB (its weights directory), the stack's declaration: the GPU memory check and the
+    # model cache's load time use it, `llm-serving rollout` compares it with the published package. Required for a
+    # vllm model (ModelConfig below), optional for the other kinds.
+    weights_gib: float | None = Field(default=None, gt=0, le=16384)
 
     @field_validator("steps")
     @classmethod
@@ -387,6 +392,13 @@ class ModelConfig(_Camel):
     # The startupProbe's budget: how long the engine may take to load the weights from the model cache.
     load_time_seconds: int = Field(default=600, ge=30, le=7200)
     autoscaling: AutoscalingConfig | None = None
+    # A vllm model's engine layout over its pod's GPUs (the packages' [engine.parallel], llm_serving.manifest):
+    # t x p x d must equal gpu.count. Omitted: 1 x 1 x 1. Only for kind: vllm (other kinds run no engine).
+    parallel: ParallelLayout | None = None
+    # A vllm model's KV cache per pod, in GiB: what the engine must find in GPU memory beside the weights for the
+    # context lengths and concurrency the model serves (vLLM refuses to start when max_model_len's cache does not
+    # fit). The stack's declaration; required for kind: vllm, only for it.
+    kv_cache_gib: float | None = Field(default=None, gt=0, le=16384)
     # What the model's packages import (their [python] dependencies, PEP 508 strings), stated again by the stack
     # because it names packages by URI only: the policy serving-python-dependencies-in-image checks them against the
     # image's stub pins (compat.toml [triton.stub]). Only for kind: python and ensemble (its steps' packages).
@@ -417,6 +429,16 @@ class ModelConfig(_Camel):
         if self.kind == "vllm" and self.gpu is None:
             raise ValueError("gpu: a vllm model (an LLM) runs on GPUs (NVIDIA's vLLM backend); give gpu: "
                              "{nodeGroup, count}")
+        if self.kind == "vllm" and self.gpu is not None and self.gpu.count != self.layout.gpus:
+            raise ValueError(f"gpu.count: {self.gpu.count} GPUs per pod, but the engine's parallel layout is "
+                             f"{self.layout.describe()}; vLLM uses exactly that many (declare parallel: {{tensor, "
+                             f"pipeline, data}} as the packages' [engine.parallel] say, or change gpu.count)")
+        if self.kind != "vllm" and self.parallel is not None:
+            raise ValueError(f"parallel: only a vllm model runs an engine with a parallel layout; this model is "
+                             f"kind: {self.kind}")
+        if self.kind != "vllm" and self.gpus > 1:
+            raise ValueError(f"gpu.count: a {self.kind} model's Triton instance uses one GPU (instance_group "
+                             f"KIND_GPU); {self.gpus} GPUs per pod would leave {self.gpus - 1} idle")
         for j, v in enumerate(self.versions):
             if self.kind == "vllm" and v.io_fingerprint != VLLM_IO_FINGERPRINT:
                 raise ValueError(f"versions[{j}].ioFingerprint: {v.io_fingerprint} is not the vLLM tensor contract's "
@@ -432,6 +454,28 @@ class ModelConfig(_Camel):
                 raise ValueError(f"versions[{j}].steps: {self.id!r} is the ensemble itself; a step is another "
                                  f"package")
         return self
+
+    @model_validator(mode="after")
+    def _sizes_declared(self) -> ModelConfig:
+        if self.kind != "vllm":
+            if self.kv_cache_gib is not None:
+                raise ValueError(f"kvCacheGib: only a vllm model (an LLM engine) keeps a KV cache; this model is "
+                                 f"kind: {self.kind}")
+            return self
+        if self.kv_cache_gib is None:
+            raise ValueError("kvCacheGib: a vllm model declares the KV cache one pod needs, in GiB (checked with "
+                             "each version's weightsGib against the GPU memory the pod gets)")
+        for j, v in enumerate(self.versions):
+            if v.weights_gib is None:
+                raise ValueError(f"versions[{j}].weightsGib: a vllm model declares each version's weights size in "
+                                 f"GiB (its package's weights directory): the GPU memory and the model cache's load "
+                                 f"time are checked with it")
+        return self
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The engine's parallel layout the stack declares (1 x 1 x 1 when `parallel` is omitted)."""
+        return self.parallel or ParallelLayout()
 
     @property
     def gpus(self) -> int:
@@ -568,6 +612,35 @@ class StackConfig(_Camel):
             raise ValueError(f"modelStorage.replicaRegions: only the home region ({self.home_region}) replicates")
         if self.region in [r.region for r in self.model_storage.replica_regions]:
             raise ValueError(f"modelStorage.replicaRegions: {self.region} is this stack's own region")
+        return self
+
+    @model_validator(mode="after")
+    def _sizes_fit(self) -> StackConfig:
+        """Each version's weights and the model's KV cache fit the GPUs' memory of the pool's smallest-GPU type, and
+        its weights can be read from the model cache within loadTimeSeconds (infra.model_fit)."""
+        fsx = self.model_storage.fsx
+        for i, model in enumerate(self.models):
+            sized = [(j, v) for j, v in enumerate(model.versions) if v.weights_gib is not None]
+            if model.gpu is not None:
+                group = self.node_group(model)
+                utilization = VLLM_GPU_MEMORY_UTILIZATION if model.kind == "vllm" else OTHER_GPU_MEMORY_UTILIZATION
+                for j, v in sized:
+                    fit = gpu_memory_fit(group.instance_types, model.gpu.count, v.weights_gib,
+                                         model.kv_cache_gib or 0.0, utilization)
+                    if not fit.fits:
+                        raise ValueError(f"models[{i}].versions[{j}].weightsGib: {model.id} {v.version} does not fit "
+                                         f"its pod's GPUs: {fit.describe()}; give it more GPUs (gpu.count), a pool "
+                                         f"with more GPU memory, or a smaller kvCacheGib")
+            # The most pods that read one version's weights at once: a red-black candidate, or a new version of a
+            # versioned model, starts all its replicas together, and KEDA may have scaled the model to maxReplicas.
+            pods = max(model.replicas, model.autoscaling.max_replicas if model.autoscaling else 0)
+            for _, v in sized:
+                load = LoadTime(v.weights_gib, pods, fsx.storage_capacity_gib, fsx.per_unit_storage_throughput,
+                                model.load_time_seconds)
+                if not load.fits:
+                    raise ValueError(f"models[{i}].loadTimeSeconds: {model.id} {v.version}: {load.describe()}; the "
+                                     f"startup probe would restart the pods before they are ready. Raise "
+                                     f"loadTimeSeconds or the model cache's throughput (modelStorage.fsx)")
         return self
 
     def node_group(self, model: ModelConfig) -> GpuNodeGroupConfig | CpuNodeGroupConfig:

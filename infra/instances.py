@@ -5,15 +5,18 @@ Every instance type a stack's node groups or an autoscaler pool may launch must 
 smallest type of its GPU pool, and the `model-pod-fits-nodes` policy checks every serving pod against every type
 its pool may launch. No Pulumi import: the schema, the rollout tool and the policies use it without the runtime.
 
-What a pod can get is the node's *allocatable* capacity, not its size:
+What a pod can get is the node's *allocatable* capacity, not its nominal size:
 
+    capacity    = the memory the node's kubelet reports (status.capacity.memory, the kernel's MemTotal): below the
+                  nominal size by what the hypervisor, the firmware and the kernel keep (NODE_CAPACITY)
     allocatable = capacity - kube-reserved - eviction threshold (the kubelet's own, EKS's formulas)
     for models  = allocatable - DAEMONSET_BUDGET (vpc-cni, kube-proxy, pod identity agent, FSx CSI node, device
                   plugin, node exporter: every DaemonSet a GPU node runs)
 
 EKS computes kube-reserved from the node's max pods (memory: 255 MiB + 11 MiB per pod) and its cores (CPU: 6% of
-the first core, 1% of the second, 0.5% of the next two, 0.25% of the rest). Max pods here is the larger value a
-node can be given (110 below 30 vCPUs, 250 from there), so the reservation is never underestimated.
+the first core, 1% of the second, 0.5% of the next two, 0.25% of the rest). Max pods is the type's ENI limit, as
+the EKS AMIs (AL2023's nodeadm, AL2's bootstrap) and Karpenter's scheduling simulation give it to the kubelet
+(NODE_CAPACITY's `max_pods`).
 """
 
 from __future__ import annotations
@@ -78,6 +81,72 @@ INSTANCE_FACTS: dict[str, InstanceFacts] = {
     "p5en.48xlarge": InstanceFacts(192, 2048, 8, 141, "H200"),
 }
 
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    """What a node of one type tells Kubernetes: its memory capacity (MiB) and the max pods its kubelet is given."""
+
+    kubelet_memory_mib: int  # the capacity pods are sized from: min(measured_mib, the rule's figure)
+    max_pods: int  # the ENI limit, awslabs/amazon-eks-ami templates/shared/runtime/eni-max-pods.txt
+    measured_mib: int | None  # a published measurement of status.capacity.memory, when one exists
+    source: str  # where kubelet_memory_mib comes from
+
+
+# Karpenter's default `vmMemoryOverheadPercent`: its scheduling simulation takes a type's memory capacity to be
+# nominal - ceil(nominal x 0.075) MiB. A pod sized above that never gets a node from a Karpenter NodePool (the
+# simulation finds no type it fits), even where the real node would hold it; below it, it fits both.
+KARPENTER_VM_MEMORY_OVERHEAD = 0.075
+
+
+def karpenter_memory_mib(nominal_gib: int) -> int:
+    """The memory capacity Karpenter's simulation assumes for a type of `nominal_gib` (its default overhead)."""
+    nominal = nominal_gib * 1024
+    return nominal - math.ceil(nominal * KARPENTER_VM_MEMORY_OVERHEAD)
+
+
+RULE_ONLY = ("rule, no measured source: nominal - 7.5% (Karpenter's default vmMemoryOverheadPercent), rounded down "
+             "to a MiB")
+KARPENTER_MEASURED = ("measured: karpenter-provider-aws pkg/providers/instancetype/zz_generated.memory_overhead.go "
+                      "(EC2's MemoryInfo minus the Node's status.capacity.memory on Bottlerocket, the AMI with the "
+                      "largest overhead; hack/code/memory_overhead_gen.go); above the rule, so the rule's figure")
+P4D_UNMEASURED = ("rule, no measured source: zz_generated.memory_overhead.go's p4d.24xlarge row is the whole 1152 GiB "
+                  "(its generator's node never registered, so it measured nothing)")
+
+# Memory capacity as Kubernetes sees it, per type: a reviewed table, never above Karpenter's rule (so a pod sized
+# from it also fits what Karpenter's simulation assumes) and never above a published measurement. Nominal memory
+# (INSTANCE_FACTS) stays for the docs; nothing sizes a pod from it. tests/infra/test_infra_capacity.py recomputes
+# every row from its measurement and the rule.
+NODE_CAPACITY: dict[str, NodeCapacity] = {
+    "m7i.large": NodeCapacity(7577, 29, None, RULE_ONLY),
+    "m7i.xlarge": NodeCapacity(15155, 58, None, RULE_ONLY),
+    "m7i.2xlarge": NodeCapacity(30310, 58, None, RULE_ONLY),
+    "m7i.4xlarge": NodeCapacity(60620, 234, None, RULE_ONLY),
+    "c7i.xlarge": NodeCapacity(7577, 58, None, RULE_ONLY),
+    "c7i.2xlarge": NodeCapacity(15155, 58, None, RULE_ONLY),
+    "c7i.4xlarge": NodeCapacity(30310, 234, None, RULE_ONLY),
+    "g5.xlarge": NodeCapacity(15155, 58, 15794, KARPENTER_MEASURED),
+    "g5.2xlarge": NodeCapacity(30310, 58, 31729, KARPENTER_MEASURED),
+    "g5.4xlarge": NodeCapacity(60620, 234, 63600, KARPENTER_MEASURED),
+    "g5.8xlarge": NodeCapacity(121241, 234, 127436, KARPENTER_MEASURED),
+    "g5.12xlarge": NodeCapacity(181862, 737, 191178, KARPENTER_MEASURED),
+    "g5.48xlarge": NodeCapacity(727449, 345, 765880, KARPENTER_MEASURED),
+    "g6.xlarge": NodeCapacity(15155, 58, None, RULE_ONLY),
+    "g6.2xlarge": NodeCapacity(30310, 58, None, RULE_ONLY),
+    "g6.4xlarge": NodeCapacity(60620, 234, None, RULE_ONLY),
+    "g6.12xlarge": NodeCapacity(181862, 234, None, RULE_ONLY),
+    "g6e.xlarge": NodeCapacity(30310, 58, None, RULE_ONLY),
+    "g6e.2xlarge": NodeCapacity(60620, 58, None, RULE_ONLY),
+    "g6e.4xlarge": NodeCapacity(121241, 234, None, RULE_ONLY),
+    "g6e.12xlarge": NodeCapacity(363724, 292, None, RULE_ONLY),
+    "g6e.24xlarge": NodeCapacity(727449, 492, None, RULE_ONLY),
+    "g6e.48xlarge": NodeCapacity(1454899, 492, None, RULE_ONLY),
+    "p4d.24xlarge": NodeCapacity(1091174, 737, None, P4D_UNMEASURED),
+    "p4de.24xlarge": NodeCapacity(1091174, 737, None, RULE_ONLY),
+    "p5.48xlarge": NodeCapacity(1939865, 100, None, RULE_ONLY),
+    "p5e.48xlarge": NodeCapacity(1939865, 100, None, RULE_ONLY),
+    "p5en.48xlarge": NodeCapacity(1939865, 198, None, RULE_ONLY),
+}
+
 EVICTION_HARD_MIB = 100
 # The least a node's image volume (AL2023's root, Bottlerocket's data volume) may be: the Triton+vLLM serving image
 # is tens of GB unpacked, and an image rollout holds the old and the new one. The schema's diskSizeGib minimum.
@@ -99,8 +168,9 @@ def facts(instance_type: str) -> InstanceFacts:
             f"{', '.join(sorted(INSTANCE_FACTS))}") from None
 
 
-def max_pods(f: InstanceFacts) -> int:
-    return 110 if f.vcpus < 30 else 250
+def node_capacity(instance_type: str) -> NodeCapacity:
+    facts(instance_type)  # an unknown type: the facts table's error, which lists the known types
+    return NODE_CAPACITY[instance_type]
 
 
 def kube_reserved_cpu_millis(vcpus: int) -> int:
@@ -108,15 +178,17 @@ def kube_reserved_cpu_millis(vcpus: int) -> int:
     return math.ceil(reserved)
 
 
-def kube_reserved_memory_mib(f: InstanceFacts) -> int:
-    return 255 + 11 * max_pods(f)
+def kube_reserved_memory_mib(max_pods: int) -> int:
+    return 255 + 11 * max_pods
 
 
 def allocatable(instance_type: str) -> Allocatable:
-    """What pods other than the node's DaemonSets can request on one node of this type."""
-    f = facts(instance_type)
+    """What pods other than the node's DaemonSets can request on one node of this type: from the memory the
+    kubelet reports (NODE_CAPACITY), never the nominal size."""
+    f, node = facts(instance_type), node_capacity(instance_type)
     cpu = f.vcpus * 1000 - kube_reserved_cpu_millis(f.vcpus) - DAEMONSET_CPU_MILLIS
-    memory = f.memory_gib * 1024 - kube_reserved_memory_mib(f) - EVICTION_HARD_MIB - DAEMONSET_MEMORY_MIB
+    memory = (node.kubelet_memory_mib - kube_reserved_memory_mib(node.max_pods) - EVICTION_HARD_MIB
+              - DAEMONSET_MEMORY_MIB)
     return Allocatable(cpu_millis=cpu, memory_mib=memory, gpus=f.gpus)
 
 
