@@ -9,6 +9,7 @@
 import pulumi
 
 from infra.bootstrap import BootstrapArgs, ClusterBootstrap
+from infra.cache_warmer import CacheWarmer, CacheWarmerArgs
 from infra.cluster import Cluster, ClusterArgs
 from infra.config import from_pulumi_config, triton_pin
 from infra.naming import aws_tags
@@ -56,6 +57,13 @@ platform = ServingPlatform("platform", PlatformArgs(
     file_system_id=storage.file_system_id, file_system_dns_name=storage.file_system_dns_name,
     file_system_mount_name=storage.file_system_mount_name, fsx_csi_addon=cluster.fsx_csi_addon,
     gateway_class=bootstrap.gateway_class, cluster_issuer=bootstrap.cluster_issuer, tags=tags))
+# Every package requested for this region resident on its FSx before a rollout may name it (infra/cache_warmer.py).
+CacheWarmer("cache-warmer", CacheWarmerArgs(
+    config=cfg, provider=cluster.provider, namespace=platform.namespace, model_cache_claim=platform.model_cache_claim,
+    image_ref=image.image_ref, bucket_arn=storage.bucket_arn, bucket_name=storage.bucket_name,
+    kms_key_arn=storage.kms_key_arn, file_system_id=storage.file_system_id,
+    oidc_provider_arn=cluster.oidc_provider_arn, oidc_issuer_url=cluster.oidc_issuer_url,
+    depends_on=list(platform.ready), tags=tags))
 # The committed alert rules and dashboard, and the scrape of every model server (independent of the models).
 Observability("observability", ObservabilityArgs(config=cfg, provider=cluster.provider,
                                                  depends_on=(bootstrap.monitoring,)))

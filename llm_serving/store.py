@@ -26,6 +26,17 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
+from llm_serving.cache_state import (
+    CacheStateError,
+    WarmRequest,
+    dump,
+    load_marker,
+    marker_problem,
+    package_checksum,
+    request_key,
+    resident_key,
+)
+from llm_serving.manifest import MANIFEST_NAME
 from llm_serving.package import PackageError, VerifiedPackage, open_package, sha256_file, write_tarball
 from llm_serving.pod_contract import MODEL_CACHE_PREFIX, PACKAGES_PREFIX, model_cache_key, package_archive_key
 
@@ -42,6 +53,7 @@ class PublishedPackage:
     model_cache_uri: str  # where the unpacked package lives (what a rollout names)
     sha256: str
     already_published: bool = False
+    manifest_sha256: str = ""  # of package.toml: what a region's resident marker records (llm_serving.cache_state)
 
 
 def _as_tarball(package: Path, scratch: Path) -> Path:
@@ -75,7 +87,9 @@ class ModelStore(ABC):
             cache_uri = self._materialise(verified, ident.id, ident.version)
             if existing is None:
                 self._put_package(tarball, ident.id, ident.version, digest)
-            return PublishedPackage(ident.id, ident.version, package_uri, cache_uri, digest, existing is not None)
+            manifest_sha256 = package_checksum((verified.root / MANIFEST_NAME).read_bytes())
+            return PublishedPackage(ident.id, ident.version, package_uri, cache_uri, digest, existing is not None,
+                                    manifest_sha256)
 
     @abstractmethod
     def published_sha256(self, model_id: str, version: str) -> str | None:
@@ -227,6 +241,44 @@ class S3Store(ModelStore):
         head = self.s3.head_object(Bucket=self.bucket, Key=key, ChecksumMode="ENABLED")
         if head.get("ChecksumSHA256") not in (None, checksum) or head["ContentLength"] != path.stat().st_size:
             raise PublishError(f"s3://{self.bucket}/{key}: uploaded object does not match {path.name}")
+
+
+    # -- a warm model cache in every region (docs/first-update.md, "A warm model cache") --------------------------
+
+    def regional_bucket(self, home_region: str, region: str) -> str:
+        """The region's own bucket under the platform's naming rule `<bucketPrefix>-<env>-<region>` (infra/config.py:
+        every stack names its bucket so), from this store's home bucket."""
+        if not self.bucket.endswith(f"-{home_region}"):
+            raise PublishError(f"s3://{self.bucket} does not end with its home region -{home_region}: the platform's "
+                               f"buckets are named <bucketPrefix>-<env>-<region>")
+        return self.bucket[: -len(home_region)] + region
+
+    def request_warm(self, published: PublishedPackage, regions: list[str]) -> str:
+        """Ask the model caches of `regions` to hold this version resident (the request replicates with the package
+        to every region's bucket; each region's cache warmer answers it). Returns the request's URI."""
+        key = request_key(published.model_id, published.version)
+        request = WarmRequest(model_id=published.model_id, version=published.version, regions=sorted(set(regions)),
+                              package_sha256=published.manifest_sha256)
+        self.s3.put_object(Bucket=self.bucket, Key=key, Body=dump(request), ContentType="application/json")
+        return f"s3://{self.bucket}/{key}"
+
+
+def resident_problem(s3_for_region, bucket: str, region: str, published: PublishedPackage) -> str | None:
+    """Why `published` is not (yet) resident on `region`'s model cache, or None once its marker says so."""
+    from botocore.exceptions import ClientError
+
+    key = resident_key(region, published.model_id, published.version)
+    try:
+        body = s3_for_region(region).get_object(Bucket=bucket, Key=key)["Body"].read()
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            return f"no marker s3://{bucket}/{key} yet"
+        raise
+    try:
+        marker = load_marker(key, body)
+    except CacheStateError as err:
+        return str(err)
+    return marker_problem(marker, region, published.model_id, published.version, published.manifest_sha256)
 
 
 def open_store(uri: str | None, model_cache: Path, default_root: Path) -> ModelStore:

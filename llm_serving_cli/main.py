@@ -74,12 +74,25 @@ def cmd_package(args: argparse.Namespace) -> int:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
+    from llm_serving_cli.warm_wait import check_regions, wait_resident
+
     store = open_store(args.store, args.model_cache, REPO_CACHE / "store")
+    regions = list(dict.fromkeys(args.warm_region or []))
+    s3_store = check_regions(store, regions, args.home_region) if regions else None
     with console.status(f"publishing {args.package}"):
         published = store.publish(args.package)
     state = "already published (identical)" if published.already_published else "published"
     console.print(f"[green]{state}[/] {published.model_id} {published.version}")
     console.print(f"  package:     {published.package_uri}\n  model cache: {published.model_cache_uri}")
+    if s3_store is not None:
+        console.print(f"  warm request: {s3_store.request_warm(published, regions)}")
+        if args.wait_materialised:
+            cold = wait_resident(s3_store, published, args.home_region, regions, args.wait_timeout, 15.0, console)
+            if cold:
+                console.print(f"[red]not resident after {args.wait_timeout:g} s[/] (rollouts there are refused "
+                              f"until it is):\n  " + "\n  ".join(f"{r}: {why}" for r, why in cold.items()))
+                print(json.dumps(published.__dict__))
+                return 1
     print(json.dumps(published.__dict__))
     return 0
 
@@ -246,6 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("publish", help="publish a package to the model store (atomic)")
     p.add_argument("package", type=Path)
+    p.add_argument("--warm-region", action="append", metavar="REGION",
+                   help="a region whose model cache must hold the version resident before rollouts (repeatable: "
+                        "the home region and each replica region; s3:// stores only)")
+    p.add_argument("--home-region", help="the region of the store's bucket (with --warm-region)")
+    p.add_argument("--no-wait", dest="wait_materialised", action="store_false",
+                   help="write the warm request and return without waiting for the regions' markers")
+    p.add_argument("--wait-timeout", type=float, default=3 * 3600.0, metavar="SECONDS",
+                   help="how long to wait for every region's cache to hold the version (default 3 h)")
     p.add_argument("--store", default=None, help="directory or s3://bucket/prefix (default: .cache/llm-serving/store)")
     p.add_argument("--model-cache", type=Path, default=REPO_CACHE / "model-cache",
                    help="local model cache (directory stores only; on S3 it is the bucket's model-cache/ prefix)")

@@ -86,17 +86,24 @@ class PodExpectation:
     version: str | None = None
     io_fingerprint: str | None = None
     model_cache: Path | None = None  # set: the package is read in place, a directory below it
+    # The stack's declared engine layout (pc.ENV_PARALLEL: {"tensor", "pipeline", "data"}) and the GPUs the device
+    # plugin gave the container (NVIDIA_VISIBLE_DEVICES; None when it lists none).
+    parallel: dict[str, int] | None = None
+    visible_gpus: int | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> PodExpectation | None:
         env = os.environ if env is None else env
         values = {k: env.get(k) or None for k in (pc.ENV_MODEL_ID, pc.ENV_MODEL_VERSION, pc.ENV_IO_FINGERPRINT,
-                                                  pc.ENV_MODEL_CACHE)}
+                                                  pc.ENV_MODEL_CACHE, pc.ENV_PARALLEL)}
         if not any(values.values()):
             return None
         cache = values[pc.ENV_MODEL_CACHE]
+        parallel = values[pc.ENV_PARALLEL]
         return cls(values[pc.ENV_MODEL_ID], values[pc.ENV_MODEL_VERSION], values[pc.ENV_IO_FINGERPRINT],
-                   Path(cache) if cache else None)
+                   Path(cache) if cache else None,
+                   pc.parse_parallel_env(parallel) if parallel else None,
+                   pc.visible_gpu_count(env.get("NVIDIA_VISIBLE_DEVICES")))
 
     def check_location(self, package: Path) -> None:
         """Before anything is read: in a pod the package is the published directory on the model cache."""
@@ -119,6 +126,26 @@ class PodExpectation:
             if expected is not None and expected != actual:
                 raise RuntimeError(f"the Deployment's {env}={expected} differs from the published manifest's "
                                    f"{what} {actual} ({package.root}); refusing to serve it")
+        self.check_parallel(package)
+
+    def check_parallel(self, package: VerifiedPackage) -> None:
+        """The engine layout the stack declared is the package's [engine.parallel], and it uses exactly the GPUs the
+        pod was given: a TP-8 package on a 1-GPU pod fails here with both values, not inside vLLM's load."""
+        engine = package.manifest.engine
+        if engine is None:
+            if self.parallel is not None:
+                raise RuntimeError(f"the Deployment sets {pc.ENV_PARALLEL}, but {package.root} is a "
+                                   f"{package.manifest.model.backend} package without an engine")
+            return
+        stated = engine.parallel
+        if self.parallel is not None and self.parallel != stated.model_dump():
+            raise RuntimeError(f"the Deployment's {pc.ENV_PARALLEL}={pc.parallel_env_value(**self.parallel)} "
+                               f"differs from the published manifest's engine.parallel ({stated.describe()}, "
+                               f"{package.root}); refusing to serve it")
+        if self.visible_gpus is not None and self.visible_gpus != stated.gpus:
+            raise RuntimeError(f"the package's engine.parallel is {stated.describe()}, but the pod sees "
+                               f"{self.visible_gpus} GPU(s) (NVIDIA_VISIBLE_DEVICES); vLLM would fail to start or "
+                               f"leave GPUs idle")
 
 
 @dataclass
@@ -498,8 +525,15 @@ def main(argv: list[str] | None = None) -> None:
     config = StartupConfig(package=args.package, workdir=workdir, host=args.host, openai_port=args.openai_port,
                            kserve_http_port=args.kserve_http_port, kserve_grpc_port=args.kserve_grpc_port,
                            metrics_port=args.metrics_port, frontend_metrics_port=args.frontend_metrics_port,
-                           companions=list(args.companions), expected=PodExpectation.from_env())
+                           companions=list(args.companions), expected=_expectation(parser))
     sys.exit(run(config))
+
+
+def _expectation(parser: argparse.ArgumentParser) -> PodExpectation | None:
+    try:
+        return PodExpectation.from_env()
+    except pc.PodContractError as err:  # a Deployment's value the pod cannot read: a usage error naming it
+        parser.error(str(err))
 
 
 def _reexec_for_embedded_triton(argv: list[str] | None) -> None:

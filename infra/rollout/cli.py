@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", help="start: the version to roll out")
     parser.add_argument("--package", help="start: its package URI (default: from a stack that already lists it, "
                                           "else where `llm-serving publish` puts it in the stacks' home bucket)")
+    parser.add_argument("--weights-gib", type=float, default=None,
+                        help="start: the new version's weights in GiB (vllm models: the stack checks GPU fit and "
+                             "load time with it)")
     parser.add_argument("--io-fingerprint", help="start: its I/O schema fingerprint (checked against the published "
                                                  "manifest before any stack changes, when the store is reachable)")
     parser.add_argument("--steps", type=_steps, default=DEFAULT_STEPS, help="red-black weights, e.g. 10,25,50,100")
@@ -162,7 +165,7 @@ def _version(args: argparse.Namespace, runner, stacks: list[str]) -> dict[str, s
         raise RolloutError("--package needs --io-fingerprint")
     if args.io_fingerprint:
         if args.package:
-            return version_entry(args.version, args.package, args.io_fingerprint)
+            return version_entry(args.version, args.package, args.io_fingerprint, args.weights_gib)
         # The key `llm-serving publish` writes (llm_serving.pod_contract), in the home region's bucket.
         typed = StackFile.load(runner.config_path(stacks[0])).typed()
         try:
@@ -170,14 +173,14 @@ def _version(args: argparse.Namespace, runner, stacks: list[str]) -> dict[str, s
                                   args.version)
         except PodContractError as err:
             raise RolloutError(f"--version {args.version}: {err}") from None
-        return version_entry(args.version, package, args.io_fingerprint)
+        return version_entry(args.version, package, args.io_fingerprint, args.weights_gib)
     # Packages are published once (home region) and named alike in every stack: reuse another stack's entry.
     config_dir = runner.config_path(stacks[0]).parent
     for path in sorted(config_dir.glob("Pulumi.*.yaml")):
         for model in StackFile.load(path).typed().models:
             for v in model.versions if model.id == args.model else []:
                 if v.version == args.version:
-                    return version_entry(v.version, v.package, v.io_fingerprint)
+                    return version_entry(v.version, v.package, v.io_fingerprint, v.weights_gib)
     raise RolloutError(f"--version {args.version}: no stack in {config_dir} lists it; give --package and "
                        f"--io-fingerprint (a published package, docs/architecture.md §3.4)")
 

@@ -251,7 +251,8 @@ class Rollout:
 
         if self.replicas is not None:
             configs = {stack: self._typed(stack) for stack in self.stacks}
-            missing = missing_replicas(configs, version["package"], self.replicas, version.get("ioFingerprint"))
+            missing = missing_replicas(configs, version["package"], self.replicas, version.get("ioFingerprint"),
+                                       self.model_id)
             if missing:
                 raise RolloutError(f"{version['package']} cannot be rolled out yet (nothing was changed):\n  "
                                    + "\n  ".join(missing))

@@ -194,7 +194,11 @@ class StackFile:
         entry.insert(keys.index(after) + 1 if after in keys else len(keys), key, value)
 
 
-def version_entry(version: str, package: str, io_fingerprint: str) -> dict[str, str]:
+def version_entry(version: str, package: str, io_fingerprint: str, weights_gib: float | None = None) -> dict:
     """A `versions[]` entry. `package` is the published package directory (llm_serving.pod_contract.package_uri);
-    the stack's schema refuses any other key for (model, version)."""
-    return {"version": version, "package": package, "ioFingerprint": io_fingerprint}
+    `weights_gib` its weights' size (required by the schema for a vllm model's versions); the stack's schema refuses
+    any other key for (model, version)."""
+    entry: dict = {"version": version, "package": package, "ioFingerprint": io_fingerprint}
+    if weights_gib is not None:
+        entry["weightsGib"] = weights_gib
+    return entry

@@ -10,6 +10,7 @@ from moto import mock_aws
 from infra.rollout.orchestrate import Options, Rollout, RolloutError
 from infra.rollout.replication import regional_location, s3_replica_check
 from infra.rollout.runner import GraphRunner
+from llm_serving import cache_state
 from tests.infra.conftest import config_of
 from tests.infra.rollout_support import copy_stacks
 
@@ -34,13 +35,28 @@ def s3(monkeypatch):
 FINGERPRINT = "sha256:" + "1" * 64
 
 
-def _put(s3, stack: str, fingerprint: str = FINGERPRINT) -> None:
-    """What `llm-serving publish` leaves on the bucket for a package: its manifest inside the package directory."""
+def _manifest(fingerprint: str = FINGERPRINT, tensor: int = 8) -> bytes:
+    return (f'manifest_version = 1\n[model]\nid = "chat-large"\nversion = "2.5.0"\nbackend = "vllm"\n'
+            f'io_fingerprint = "{fingerprint}"\n[engine.parallel]\ntensor = {tensor}\n').encode()
+
+
+def _marker(region: str, manifest: bytes) -> bytes:
+    return cache_state.dump(cache_state.ResidentMarker(
+        model_id="chat-large", version="2.5.0", region=region, file_system_id="fs-0123456789abcdef0",
+        package_sha256=cache_state.package_checksum(manifest), files=3, bytes=1 << 30,
+        verified_at="2026-12-03T09:00:00Z"))
+
+
+def _put(s3, stack: str, fingerprint: str = FINGERPRINT, warm: bool = True, tensor: int = 8) -> None:
+    """What `llm-serving publish` leaves on the bucket for a package (its manifest inside the package directory) and,
+    with `warm`, the marker the region's cache warmer writes once every file is resident on its FSx."""
     cfg = config_of(stack)
     bucket, key = regional_location(cfg, PACKAGE)
-    manifest = (f'manifest_version = 1\n[model]\nid = "chat-large"\nversion = "2.5.0"\nbackend = "vllm"\n'
-                f'io_fingerprint = "{fingerprint}"\n')
-    s3(cfg.region).put_object(Bucket=bucket, Key=key, Body=manifest.encode())
+    manifest = _manifest(fingerprint, tensor)
+    s3(cfg.region).put_object(Bucket=bucket, Key=key, Body=manifest)
+    if warm:
+        s3(cfg.region).put_object(Bucket=bucket, Key=cache_state.resident_key(cfg.region, "chat-large", "2.5.0"),
+                                  Body=_marker(cfg.region, manifest))
 
 
 def test_the_replica_is_looked_up_in_each_regions_own_bucket(s3):
@@ -103,15 +119,14 @@ def test_the_command_checks_the_fingerprint_at_a_reachable_store(tmp_path, capsy
         host, port = server.get_host_and_port()
         endpoint = f"http://{host}:{port}"
         cfg = config_of("prod-eu-west-1")
-        manifest = (f'manifest_version = 1\n[model]\nid = "chat-large"\nversion = "2.5.0"\nbackend = "vllm"\n'
-                    f'io_fingerprint = "{FINGERPRINT}"\n')
+        manifest = _manifest()
         for region in ("us-east-1", "eu-west-1"):
             client = boto3.client("s3", region_name=region, endpoint_url=endpoint)
             bucket = cfg.bucket_name(region)
             kwargs = {} if region == "us-east-1" else {"CreateBucketConfiguration": {"LocationConstraint": region}}
             client.create_bucket(Bucket=bucket, **kwargs)
             client.put_object(Bucket=bucket, Key=regional_location(config_of("prod-eu-west-1"), PACKAGE)[1],
-                              Body=manifest.encode())
+                              Body=manifest)
         config_dir = copy_stacks(tmp_path / "stacks")
         before = {p.name: p.read_text() for p in config_dir.iterdir()}
         typed = "sha256:" + "3" * 64
@@ -126,3 +141,44 @@ def test_the_command_checks_the_fingerprint_at_a_reachable_store(tmp_path, capsy
         assert {p.name: p.read_text() for p in config_dir.iterdir()} == before
     finally:
         server.stop()
+
+
+def test_a_replica_that_is_not_warm_on_the_regions_cache_is_refused_naming_the_region(s3, tmp_path):
+    """Issue 30: S3 holding the package is not enough (FSx loads file data on first read): without the region's
+    resident marker, or with one written for other bytes, the start is refused and no stack file changes."""
+    config_dir = copy_stacks(tmp_path / "stacks")
+    before = {p.name: p.read_text() for p in config_dir.iterdir()}
+    rollout = Rollout(GraphRunner(config_dir, tmp_path / "state"), "chat-large", STACKS, Options(),
+                      replicas=s3_replica_check(s3))
+    _put(s3, "prod-us-east-1")
+    _put(s3, "prod-us-west-2", warm=False)
+    version = {"version": "2.5.0", "package": PACKAGE, "ioFingerprint": FINGERPRINT, "weightsGib": 132}
+    with pytest.raises(RolloutError) as err:
+        rollout.start(version)
+    text = str(err.value)
+    assert (f"prod-us-west-2: {PACKAGE} is not materialised on us-west-2's model cache: s3://acme-llm-prod-us-west-2/"
+            f"cache-state/resident/us-west-2/chat-large/2.5.0.json does not exist") in text
+    assert "prod-us-east-1:" not in text  # the home region is warm: only the cold region is named
+    west = config_of("prod-us-west-2")
+    s3(west.region).put_object(Bucket=west.bucket_name(),
+                               Key=cache_state.resident_key(west.region, "chat-large", "2.5.0"),
+                               Body=_marker(west.region, _manifest(tensor=4)))
+    with pytest.raises(RolloutError, match=r"us-west-2's model cache: the marker was written for package.toml "
+                                           r"[0-9a-f]{64}, the published one is [0-9a-f]{64}"):
+        rollout.start(version)
+    assert {p.name: p.read_text() for p in config_dir.iterdir()} == before
+    _put(s3, "prod-us-west-2")
+    assert s3_replica_check(s3)(west, PACKAGE, FINGERPRINT) is None  # warm with the published bytes: accepted
+
+
+def test_a_package_whose_engine_layout_differs_from_the_stacks_declaration_is_refused(s3, tmp_path):
+    """Issue 30: chat-large declares tensor 8 over its 8 GPUs; a package built for tensor 4 is refused with both."""
+    config_dir = copy_stacks(tmp_path / "stacks")
+    rollout = Rollout(GraphRunner(config_dir, tmp_path / "state"), "chat-large", STACKS, Options(),
+                      replicas=s3_replica_check(s3))
+    for stack in STACKS:
+        _put(s3, stack, tensor=4)
+    with pytest.raises(RolloutError) as err:
+        rollout.start({"version": "2.5.0", "package": PACKAGE, "ioFingerprint": FINGERPRINT})
+    assert (f"{PACKAGE}: the stack declares parallel tensor 8 x pipeline 1 x data 1 = 8 GPU(s) for chat-large, the "
+            f"published manifest's engine.parallel is tensor 4 x pipeline 1 x data 1 = 4 GPU(s)") in str(err.value)

@@ -16,7 +16,7 @@ from llm_serving.tensor_contract import VLLM_IO_FINGERPRINT
 from tests.infra.rollout_support import REPO, copy_stacks
 
 FP = VLLM_IO_FINGERPRINT  # the LLM versions in stacks/ (llm_serving/tensor_contract.py computes it)
-V240 = version_entry("2.4.0", "s3://acme-llm-prod-us-east-1/models/model-cache/chat-large/2.4.0/", FP)
+V240 = version_entry("2.4.0", "s3://acme-llm-prod-us-east-1/models/model-cache/chat-large/2.4.0/", FP, 132)
 
 
 @pytest.fixture
