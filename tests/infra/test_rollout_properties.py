@@ -40,7 +40,7 @@ FP = VLLM_IO_FINGERPRINT  # the LLM versions in stacks/ (llm_serving/tensor_cont
 
 def _version(v: str) -> dict:
     return {"version": v, "package": f"s3://acme-llm-prod-us-east-1/models/model-cache/chat-large/{v}/",
-            "ioFingerprint": FP}
+            "ioFingerprint": FP, "weightsGib": 132}
 
 
 def _set_model(path: Path, model_id: str, **values) -> None:

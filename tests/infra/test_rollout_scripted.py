@@ -58,7 +58,7 @@ def test_gate_failure_in_the_second_region_stops_there_and_rolls_it_back(tmp_pat
     for stack in STACKS[1:]:
         sf = StackFile.load(config_dir / f"Pulumi.{stack}.yaml")
         package = _model(config_dir, "prod-us-east-1").version("2.4.0")
-        sf.start(MODEL, {"version": "2.4.0", "package": package.package, "ioFingerprint": package.io_fingerprint},
+        sf.start(MODEL, {"version": "2.4.0", "package": package.package, "ioFingerprint": package.io_fingerprint, "weightsGib": 132},
                  10)
         sf.save()
     _prepare(MockRunner(config_dir, state_dir, policy_gate=blocking_violations))
@@ -104,7 +104,7 @@ def test_candidate_never_ready_in_the_second_region_never_gets_traffic(tmp_path,
     config_dir, state_dir = copy_stacks(tmp_path / "stacks"), tmp_path / "state"
     sf = StackFile.load(config_dir / "Pulumi.prod-us-east-1.yaml")
     entry = sf.model(MODEL).version("2.4.0")
-    version = {"version": "2.4.0", "package": entry.package, "ioFingerprint": entry.io_fingerprint}
+    version = {"version": "2.4.0", "package": entry.package, "ioFingerprint": entry.io_fingerprint, "weightsGib": 132}
     sf.rollback(MODEL)  # start from no rollout anywhere
     sf.save()
     seen: list[tuple[str, str, dict, list, int]] = []

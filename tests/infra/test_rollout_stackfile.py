@@ -43,7 +43,8 @@ def test_start_keeps_comments_and_order_and_touches_only_the_model(stacks):
     added = [line[2:] for line in diff if line.startswith("+ ")]
     assert added == ["        - version: 2.4.0",
                      "          package: s3://acme-llm-prod-us-east-1/models/model-cache/chat-large/2.4.0/",
-                     f"          ioFingerprint: {FP}", "      candidate: 2.4.0", "      weight: 10"]
+                     f"          ioFingerprint: {FP}", "          weightsGib: 132", "      candidate: 2.4.0",
+                     "      weight: 10"]
     assert [line for line in diff if line.startswith("- ")] == []
     assert edited.index("      candidate: 2.4.0") == edited.index("      active: 2.3.0") + 1
     model = StackFile.load(path).model("chat-large")
