@@ -27,7 +27,8 @@ SENSITIVITY_STACK = "prod-us-east-1"
 # Python-backend model on the CPU node group `cpu`, versioned 3.0.0 and 4.0.0).
 CPU_STACK = "prod-us-west-2"
 MUTATION_STACK = {"serving-cpu-model-no-gpu": CPU_STACK, "cpu-nodes-no-gpu-approved-types": CPU_STACK,
-                  "rollout-versioned-only-on-io-change": CPU_STACK}
+                  "rollout-versioned-only-on-io-change": CPU_STACK,
+                  "serving-python-dependencies-in-image": CPU_STACK}
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +231,9 @@ MUTATIONS: dict[str, Callable] = {
     # The CPU node group launches a GPU type: models without GPUs would hold GPU nodes.
     "cpu-nodes-no-gpu-approved-types": lambda res, cfg: _cpu_groups(res)[0].inputs.update(
         instanceTypes=["g5.2xlarge"]),
+    # The ranker starts importing lightgbm, which the image's stub does not have: it would load locally only.
+    "serving-python-dependencies-in-image": lambda res, cfg: next(
+        m for m in cfg["llm-serving:models"] if m["id"] == "ranker")["pythonDependencies"].append("lightgbm==4.5.0"),
     "rollout-weight-only-to-replicas": lambda res, cfg: _routes_stop_waiting_for(res, _candidate_deployment(res, cfg)),
     "rollout-newest-version-kept": lambda res, cfg: res.remove(_candidate_deployment(res, cfg)),
     "rollout-gpu-surge-bound": lambda res, cfg: _candidate_deployment(res, cfg).inputs["spec"].update(replicas=8),
