@@ -641,7 +641,23 @@ class StackConfig(_Camel):
                     raise ValueError(f"models[{i}].loadTimeSeconds: {model.id} {v.version}: {load.describe()}; the "
                                      f"startup probe would restart the pods before they are ready. Raise "
                                      f"loadTimeSeconds or the model cache's throughput (modelStorage.fsx)")
+        self._resident_versions_fit()
         return self
+
+    def _resident_versions_fit(self) -> None:
+        """The model cache holds every package the stack names resident (the cache warmer restores each in full, and
+        nothing releases one a version still serves), plus room to warm the next version of the largest model before
+        a rollout may name it (docs/first-update.md, "A warm model cache")."""
+        sizes = {v.package: v.weights_gib for m in self.models for v in m.versions if v.weights_gib is not None}
+        if not sizes:
+            return
+        resident, incoming = sum(sizes.values()), max(sizes.values())
+        capacity = self.model_storage.fsx.storage_capacity_gib
+        if resident + incoming > capacity:
+            raise ValueError(f"modelStorage.fsx.storageCapacityGib: {capacity} GiB cannot hold the {len(sizes)} "
+                             f"package(s) this stack serves resident ({resident:g} GiB of weightsGib) plus the next "
+                             f"version of the largest ({incoming:g} GiB) warmed before its rollout: "
+                             f"{resident + incoming:g} GiB needed")
 
     def node_group(self, model: ModelConfig) -> GpuNodeGroupConfig | CpuNodeGroupConfig:
         """The node group a (validated) model runs on."""

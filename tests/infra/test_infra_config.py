@@ -196,3 +196,15 @@ def test_parallel_is_only_for_vllm_models_and_others_use_one_gpu():
     ranker = {**ranker, "gpu": {"nodeGroup": "l40s", "count": 1}, "parallel": {"tensor": 1}}
     assert "models[2].parallel: only a vllm model runs an engine with a parallel layout" in error_for(
         mutate("models", [*cfg["models"], ranker]))
+
+
+def test_the_model_cache_must_hold_the_resident_versions_and_the_next_one():
+    """Issue 30: every package the stack names is resident on FSx (the cache warmer restores it in full), and the
+    next version of the largest model is warmed before a rollout may name it: all of it within storageCapacityGib."""
+    values = mutate("modelStorage.fsx", {"storageCapacityGib": 1200, "perUnitStorageThroughput": 1000})
+    values = mutate("models[0].loadTimeSeconds", 7200, values)
+    values = mutate("models[0].versions[0].weightsGib", 400, values)
+    values = mutate("models[0].versions[1].weightsGib", 400, values)
+    message = error_for(values)
+    assert "llm-serving:modelStorage.fsx.storageCapacityGib: 1200 GiB cannot hold the" in message
+    assert "plus the next version of the largest (400 GiB) warmed before its rollout: 1201.25 GiB needed" in message
