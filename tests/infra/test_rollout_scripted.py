@@ -58,8 +58,8 @@ def test_gate_failure_in_the_second_region_stops_there_and_rolls_it_back(tmp_pat
     for stack in STACKS[1:]:
         sf = StackFile.load(config_dir / f"Pulumi.{stack}.yaml")
         package = _model(config_dir, "prod-us-east-1").version("2.4.0")
-        sf.start(MODEL, {"version": "2.4.0", "package": package.package, "ioFingerprint": package.io_fingerprint, "weightsGib": 132},
-                 10)
+        sf.start(MODEL, {"version": "2.4.0", "package": package.package, "ioFingerprint": package.io_fingerprint,
+                         "weightsGib": 132}, 10)
         sf.save()
     _prepare(MockRunner(config_dir, state_dir, policy_gate=blocking_violations))
     third_before = (config_dir / "Pulumi.prod-eu-west-1.yaml").read_text()
