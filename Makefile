@@ -53,6 +53,9 @@ plan: infra-env checkov-env crd-validate-env
 	$(INFRA)/bin/python -m policies.offline
 
 bench: serving-env triton-env
+	@# bench.cold_cache mounts a FUSE stand-in for FSx's lazy loading: fusepy needs libfuse2.
+	ldconfig -p | grep -q 'libfuse.so.2 ' || ($(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -q libfuse2)
 	$(SERVING)/bin/python -m bench.run
 
 # A stack's model pods on this machine as their rendered Deployments say (docs/rehearsal.md). Needs root (network

@@ -27,6 +27,7 @@ MODULES = [
     "bench.gpu_mask",
     "bench.metrics_proxy",
     "bench.rollout_cost",
+    "bench.cold_cache",
     "bench.openai_frontend",
     "bench.kserve",
     "bench.startup",
