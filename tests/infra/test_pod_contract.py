@@ -132,9 +132,11 @@ def test_rollout_derives_the_package_from_id_and_version_as_publish_does():
         def config_path(self, stack):
             return stack_config_path(stack)
 
-    args = argparse.Namespace(version="9.9.9", package=None, io_fingerprint="sha256:" + "a" * 64, model="chat-large")
+    args = argparse.Namespace(version="9.9.9", package=None, io_fingerprint="sha256:" + "a" * 64, model="chat-large",
+                              weights_gib=132.0)
     entry = _version(args, Runner(), ["prod-us-west-2"])
     assert entry["package"] == "s3://acme-llm-prod-us-east-1/models/model-cache/chat-large/9.9.9/"
+    assert entry["weightsGib"] == 132.0  # the schema checks GPU fit and load time with it
     args.version = "../x"
     with pytest.raises(Exception, match="version '../x' cannot be part of a store key"):
         _version(args, Runner(), ["prod-us-west-2"])
