@@ -1,4 +1,4 @@
-"""A stand-in for FSx for Lustre's lazy loading, for the rehearsal and `make bench` (no FSx here).
+"""A stand-in for FSx for Lustre's lazy loading, for `make bench` (no FSx here).
 
 A read-only FUSE passthrough of a directory. A file counts as *released* (its metadata imported, its data still in
 S3) until it has been read once. The first read of a released file costs the lazy load from S3: `first_byte_s`,
@@ -7,7 +7,7 @@ underlying disk costs. The delay model is this module's assumption, not a measur
 bench/cold_cache.py's. A file is loaded at most once, as a Lustre HSM restore is, and concurrent first readers wait
 for the same load.
 
-Needs root, /dev/fuse, libfuse2 (Debian's package) and fusepy: a rehearsal and bench dependency only, never the
+Needs root, /dev/fuse, libfuse2 (Debian's package) and fusepy: a bench dependency only, never the
 serving image's.
 """
 
