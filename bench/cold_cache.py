@@ -42,10 +42,12 @@ def _package(root: pathlib.Path) -> pathlib.Path:
     return cache
 
 
-def _step_one(mount: pathlib.Path, workdir: pathlib.Path) -> float:
-    package = mount / pc.FSX_MODELS_PATH.lstrip("/") / pc.model_cache_key("demo", "1.0.0")
+def step_one_seconds(cache_root: pathlib.Path, model_id: str, version: str, workdir: pathlib.Path) -> float:
+    """Seconds of startup step 1 (unpack-and-verify) for (model_id, version) on the model cache at `cache_root`, as
+    a pod that mounts it at its model-cache mount runs it. The rehearsal's model-cache step uses it too."""
+    package = cache_root / pc.FSX_MODELS_PATH.lstrip("/") / pc.model_cache_key(model_id, version)
     config = startup.StartupConfig(package=package, workdir=workdir, multiproc_dir=workdir / "prometheus",
-                                   expected=startup.PodExpectation(model_cache=mount))
+                                   expected=startup.PodExpectation(model_cache=cache_root))
     t0 = time.perf_counter()
     startup._unpack(config)
     return time.perf_counter() - t0
@@ -55,14 +57,14 @@ def measure(root: pathlib.Path) -> dict:
     cache = _package(root)
     package_rel = pathlib.Path(pc.FSX_MODELS_PATH.lstrip("/")) / pc.model_cache_key("demo", "1.0.0")
     with MountedCache(cache, root / "cold", MIB_S, FIRST_BYTE_S) as ops:
-        cold = _step_one(root / "cold", root / "work-cold")
+        cold = step_one_seconds(root / "cold", "demo", "1.0.0", root / "work-cold")
         cold_loaded = ops.loaded_bytes
     with MountedCache(cache, root / "warm", MIB_S, FIRST_BYTE_S) as ops:
         package = root / "warm" / package_rel
         t0 = time.perf_counter()
         materialise(package, (package / "package.toml").read_bytes(), restore=lambda paths: None)
         warmer = time.perf_counter() - t0
-        warm = _step_one(root / "warm", root / "work-warm")
+        warm = step_one_seconds(root / "warm", "demo", "1.0.0", root / "work-warm")
         warm_loaded = ops.loaded_bytes
     return {"cold_step1_s": cold, "warmer_s": warmer, "warm_step1_s": warm, "bytes": cold_loaded,
             "warm_bytes_loaded_by_warmer": warm_loaded}

@@ -35,8 +35,18 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from llm_serving import dockerfile
-from llm_serving_cli.rehearsal import observe, podspec, proxy, render, scenarios, storage, substitutions, traffic
+from llm_serving import cache_state, dockerfile
+from llm_serving_cli.rehearsal import (
+    model_cache,
+    observe,
+    podspec,
+    proxy,
+    render,
+    scenarios,
+    storage,
+    substitutions,
+    traffic,
+)
 from llm_serving_cli.rehearsal import report as rehearsal_report
 from llm_serving_cli.rehearsal.cluster import RehearsalCluster
 from llm_serving_cli.rehearsal.kubelet import PodRunner
@@ -117,15 +127,17 @@ class Rehearsal:
             packages = storage.package_versions(rendered.models, demo, self.workdir / "packages",
                                                 rendered.model_prefix)
         store_uri = f"s3://{home}/{rendered.model_prefix.rstrip('/')}"
-        self.storage_facts = {"demo": demo, "store_uri": store_uri, "home": home, "region": region}
+        self.storage_facts = {"demo": demo, "store_uri": store_uri, "home": home, "region": region,
+                              "home_region": rendered.home_region, "aws_region": rendered.region}
         for uri, package in packages.items():
-            record = storage.publish(package, store_uri, self.store)
+            record = storage.publish(package, store_uri, self.store, rendered.home_region, rendered.region)
             if record["model_cache_uri"] != uri:
                 raise RehearsalError(f"`llm-serving publish {package.name} --store {store_uri}` put the package at "
                                      f"{record['model_cache_uri']}, the stack names {uri}")
             self.console.print(f"published {record['model_id']} {record['version']} -> {record['model_cache_uri']}")
         if region != home:
-            copied = storage.replicate(self.store, home, region, rendered.model_prefix)
+            copied = sum(storage.replicate(self.store, home, region, prefix)
+                         for prefix in (rendered.model_prefix, cache_state.CACHE_STATE_PREFIX + "/"))
             self.console.print(f"replicated {copied} objects {home} -> {region}")
         (dra,) = rendered.of_type(render.DRA)
         fsx = self.workdir / "fsx"
@@ -135,7 +147,21 @@ class Rehearsal:
                                    fsx)
         self.console.print(f"FSx: {count} objects of {dra['inputs']['dataRepositoryPath']} at "
                            f"{dra['inputs']['fileSystemPath']} ({fsx})")
+        self._model_cache(rendered, fsx)
         return fsx
+
+    def _model_cache(self, rendered: render.Rendered, fsx: Path) -> None:
+        """A pod's startup step 1 on a cold and then a warm model cache, around the stack's cache warmer
+        (model_cache.py); the pods start after it, on a warm cache."""
+        from llm_serving.pod_contract import parse_package_uri
+
+        llm = next((m for m in rendered.models if m.get("kind", "vllm") == "vllm"), rendered.models[0])
+        _, model_id, version = parse_package_uri(llm["versions"][0]["package"], rendered.model_prefix)
+        with self.console.status("model cache: a pod's step 1 on it cold, the stack's cache warmer, step 1 warm"):
+            result = model_cache.rehearse_model_cache(rendered, fsx, self.store, self.python,
+                                                      self.workdir / "model-cache", model_id, version)
+        for line in result.lines():
+            self.console.print(line, markup=False, highlight=False)
 
     def plans(self, rendered: render.Rendered, fsx: Path) -> list[podspec.PodPlan]:
         image = dockerfile.read(DOCKERFILE)
@@ -365,9 +391,10 @@ class Rehearsal:
         facts = self.storage_facts
         out = self.workdir / "packages"
         path = storage.build_version(model, version, out, demo_model=facts["demo"], defect=defect)
-        record = storage.publish(path, facts["store_uri"], self.store)
+        record = storage.publish(path, facts["store_uri"], self.store, facts["home_region"], facts["aws_region"])
         if facts["region"] != facts["home"]:
-            storage.replicate(self.store, facts["home"], facts["region"], "models/")
+            for prefix in ("models/", cache_state.CACHE_STATE_PREFIX + "/"):
+                storage.replicate(self.store, facts["home"], facts["region"], prefix)
         storage.fsx_import(self.store, facts["dra"]["dataRepositoryPath"], facts["dra"]["fileSystemPath"],
                            facts["fsx"])
         fingerprint = open_package(path, out / "verify" / version).manifest.model.io_fingerprint
@@ -551,7 +578,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         code = asyncio.run(guarded())
-    except (RehearsalError, render.RenderError, storage.StorageError, podspec.PodSpecError) as err:
+    except (RehearsalError, render.RenderError, storage.StorageError, podspec.PodSpecError,
+            model_cache.ModelCacheError) as err:
         console.print(f"[red]rehearsal failed:[/] {err}")
         code = 1
     finally:

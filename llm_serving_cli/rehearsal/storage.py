@@ -166,11 +166,15 @@ def package_versions(models: list[dict[str, Any]], demo_model: Path | None, out:
     return built
 
 
-def publish(package: Path, store_uri: str, store: Store) -> dict[str, Any]:
-    """`llm-serving publish`, the command a model developer runs, against the rehearsal's S3."""
+def publish(package: Path, store_uri: str, store: Store, home_region: str, region: str) -> dict[str, Any]:
+    """`llm-serving publish`, the command a model developer runs, against the rehearsal's S3, with the warm request
+    for the home region and the stack's (`--no-wait`: the rehearsal runs the region's cache warmer itself,
+    model_cache.py)."""
     env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": store.endpoint, "AWS_ENDPOINT_URL_S3": store.endpoint}
     cli = REPO_ROOT / ".venv-serving" / "bin" / "llm-serving"
-    proc = subprocess.run([str(cli), "publish", str(package), "--store", store_uri], capture_output=True,
+    proc = subprocess.run([str(cli), "publish", str(package), "--store", store_uri, "--warm-region", home_region,
+                           *(["--warm-region", region] if region != home_region else []), "--home-region",
+                           home_region, "--no-wait"], capture_output=True,
                           text=True, env=env, cwd=REPO_ROOT, timeout=600)
     if proc.returncode != 0:
         raise StorageError(f"llm-serving publish {package.name} --store {store_uri} failed:\n{proc.stderr[-2000:]}")

@@ -541,3 +541,65 @@ def test_the_gateways_retry_policy_as_the_program_renders_it_is_what_haproxy_rea
     assert backends >= 6 and config.text.count("    option redispatch 1") == backends  # 3 models, HTTP and gRPC
     certificate = CertificateAuthority.create(tmp_path / "ca").issue(["*.test"], tmp_path / "tls")
     proxy.HAProxy(tmp_path).check(config.text.replace(str(tmp_path / "unused.pem"), str(certificate.pem_path)))
+
+
+# -- the model cache: cold, the stack's warmer, warm (model_cache.py) ------------------------------------------
+
+
+class _PlainView:
+    """A link to the FSx directory in place of the FUSE stand-in (no root or libfuse in `make test`); the lazy
+    loads themselves are tested in test_lazy_cache.py."""
+
+    loaded_bytes = 0
+
+    def __init__(self, source: Path, mountpoint: Path):
+        mountpoint.parent.mkdir(parents=True, exist_ok=True)
+        mountpoint.symlink_to(source, target_is_directory=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def test_the_rendered_cache_warmer_makes_every_published_version_resident(dev, demo_model_dir, tmp_path):
+    """The seam publish -> the stack's CronJob -> the markers the rollout reads: `llm-serving publish` with the
+    stack's warm request, FSx's import, then the rendered warmer container's command and env (python3 as the serving
+    venv's, the model cache and S3 substituted) writes a resident marker for every version the stack names."""
+    from llm_serving_cli.rehearsal import model_cache
+
+    container = model_cache.warmer_container(dev)
+    argv = model_cache.warmer_argv(container, Path(sys.executable), tmp_path / "root", "http://s3.local")
+    assert argv[1:3] == ["-m", "serving_image.cache_warmer"]
+    store = storage.start_store()
+    try:
+        s3 = store.client()
+        bucket = dev.bucket()
+        s3.create_bucket(Bucket=bucket)
+        packages = storage.package_versions(dev.models, demo_model_dir, tmp_path / "packages", dev.model_prefix)
+        for package in packages.values():
+            storage.publish(package, f"s3://{bucket}/{dev.model_prefix.rstrip('/')}", store, dev.home_region,
+                            dev.region)
+        (dra,) = dev.of_type(render.DRA)
+        storage.fsx_import(store, dra["inputs"]["dataRepositoryPath"], dra["inputs"]["fileSystemPath"],
+                           tmp_path / "fsx")
+        result = model_cache.rehearse_model_cache(dev, tmp_path / "fsx", store, Path(sys.executable),
+                                                  tmp_path / "work", "chat-small", "1.0.0", view=_PlainView)
+        assert sorted(result.markers) == ["chat-small 1.0.0", "ranker 1.0.0", "scorer 1.0.0"]
+        keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="cache-state/resident/")["Contents"]}
+        assert len(keys) == 3 and all(k.startswith(f"cache-state/resident/{dev.region}/") for k in keys)
+        # a second run finds every version resident before the warmer: refused, naming the version
+        with pytest.raises(model_cache.ModelCacheError, match="has a resident marker before any warmer ran"):
+            model_cache.rehearse_model_cache(dev, tmp_path / "fsx", store, Path(sys.executable),
+                                             tmp_path / "work2", "chat-small", "1.0.0", view=_PlainView)
+    finally:
+        store.stop()
+
+
+def test_a_warmer_command_the_rehearsal_cannot_run_is_named(dev, tmp_path):
+    from llm_serving_cli.rehearsal import model_cache
+
+    container = {**model_cache.warmer_container(dev), "command": ["/bin/warm"]}
+    with pytest.raises(model_cache.ModelCacheError, match="does not start with the image's python3"):
+        model_cache.warmer_argv(container, Path(sys.executable), tmp_path, "http://s3.local")
