@@ -1,4 +1,4 @@
-"""`llm-serving`: package, publish, serve, `up` (what `make up` runs), `rollout` and `rehearse` (`make rehearse`).
+"""`llm-serving`: package, publish, serve, `up` (what `make up` runs), `rollout`, `rehearse` (`make rehearse`), `batch`.
 
 Heavy imports (vLLM, torch) happen inside the commands that need them, so `llm-serving package` and `publish` run in
 either virtual environment.
@@ -226,6 +226,12 @@ def _rehearse(args: argparse.Namespace) -> int:
     return rehearse_main(args.args)
 
 
+def _batch(args: argparse.Namespace) -> int:
+    from llm_serving_cli.batch import main as batch_main
+
+    return batch_main(args.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llm-serving", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -297,6 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False, prefix_chars="\0")
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_rehearse)
+
+    p = sub.add_parser("batch", help="the Batch API: submit FILE --model M, status ID, results ID (docs/batch.md)",
+                       add_help=False, prefix_chars="\0")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_batch)
     return parser
 
 

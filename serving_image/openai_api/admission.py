@@ -3,6 +3,11 @@
 Admission is bounded instead of queueing without limit: past `max_concurrent_requests` requests in flight, or
 `max_inflight_tokens` tokens (prompt plus the most it may generate, over all requests in flight), a request gets 429
 with `Retry-After`, so a client backs off and a load balancer can send it elsewhere.
+
+Batch work (serving_image/batch/worker.py, docs/batch.md) marks its requests with `PRIORITY_HEADER: batch` and is
+admitted only within `batch_admission_share` of both budgets: whatever the batches do, the rest stays for real-time
+traffic. This is the lever that works in production, where NVIDIA's vLLM backend passes no request priority to
+vLLM. Any client may send the header: it can only lower its own priority.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from serving_image.openai_api.errors import APIError
 
 ENV_API_KEYS = "LLM_SERVING_API_KEYS"  # comma-separated
 ENV_API_KEYS_FILE = "LLM_SERVING_API_KEYS_FILE"  # one key per line, '#' comments
+PRIORITY_HEADER = "x-llm-serving-priority"  # "batch" or "realtime" (the default)
+ENV_BATCH_SHARE = "LLM_SERVING_BATCH_ADMISSION_SHARE"  # a fraction in (0, 1]
 ENV_LIMITS = {
     "max_body_bytes": "LLM_SERVING_MAX_BODY_BYTES",
     "max_concurrent_requests": "LLM_SERVING_MAX_CONCURRENT_REQUESTS",
@@ -31,6 +38,7 @@ class APIConfig:
     max_concurrent_requests: int = 512
     max_inflight_tokens: int = 4_000_000
     retry_after_s: int = 1
+    batch_admission_share: float = 0.25  # of max_concurrent_requests and max_inflight_tokens, for batch requests
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> APIConfig:
@@ -51,6 +59,15 @@ class APIConfig:
                 if not value.isdigit() or int(value) < 1:
                     raise ValueError(f"{variable}={value!r}: expected a positive integer")
                 limits[field] = int(value)
+        if ENV_BATCH_SHARE in environ:
+            value = environ[ENV_BATCH_SHARE]
+            try:
+                share = float(value)
+            except ValueError:
+                share = -1.0
+            if not 0 < share <= 1:
+                raise ValueError(f"{ENV_BATCH_SHARE}={value!r}: expected a fraction in (0, 1]")
+            limits["batch_admission_share"] = share
         return cls(api_keys=tuple(keys), **limits)
 
 
@@ -75,8 +92,25 @@ class Admission:
         self.config = config
         self.requests = 0
         self.tokens = 0
+        self.batch_requests = 0  # of the above, those of batch work
+        self.batch_tokens = 0
 
-    def admit(self, tokens: int) -> int:
+    @property
+    def batch_limits(self) -> tuple[int, int]:
+        """The most requests and tokens batch work may hold: its share, but always room for one request."""
+        share = self.config.batch_admission_share
+        return (max(1, int(self.config.max_concurrent_requests * share)),
+                max(1, int(self.config.max_inflight_tokens * share)))
+
+    def admit(self, tokens: int, batch: bool = False) -> int:
+        if batch:
+            max_requests, max_tokens = self.batch_limits
+            if self.batch_requests + 1 > max_requests:
+                raise self._busy(f"{self.batch_requests} batch requests in flight (batch share {max_requests})")
+            # A request larger than the whole share is still let in when no other batch request is in flight:
+            # otherwise it could never run (the total budget below still bounds it).
+            if self.batch_tokens + tokens > max_tokens and self.batch_requests:
+                raise self._busy(f"{self.batch_tokens} batch tokens in flight (batch share {max_tokens})")
         if self.requests + 1 > self.config.max_concurrent_requests:
             raise self._busy(f"{self.requests} requests in flight (limit {self.config.max_concurrent_requests})")
         if self.tokens + tokens > self.config.max_inflight_tokens:
@@ -87,11 +121,17 @@ class Admission:
             raise self._busy(f"{self.tokens} tokens in flight (limit {self.config.max_inflight_tokens})")
         self.requests += 1
         self.tokens += tokens
+        if batch:
+            self.batch_requests += 1
+            self.batch_tokens += tokens
         return tokens
 
-    def release(self, tokens: int) -> None:
+    def release(self, tokens: int, batch: bool = False) -> None:
         self.requests -= 1
         self.tokens -= tokens
+        if batch:
+            self.batch_requests -= 1
+            self.batch_tokens -= tokens
 
     def _busy(self, why: str) -> APIError:
         error = APIError(429, f"Server busy: {why}; retry after {self.config.retry_after_s}s",

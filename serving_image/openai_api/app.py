@@ -25,8 +25,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive
 
+from serving_image.batch.api import BatchService
+from serving_image.batch.api import router as batch_router
+from serving_image.batch.config import BatchConfig
 from serving_image.engine.base import Engine
-from serving_image.openai_api.admission import Admission, APIConfig, check_api_key
+from serving_image.openai_api.admission import PRIORITY_HEADER, Admission, APIConfig, check_api_key
 from serving_image.openai_api.embeddings import embed
 from serving_image.openai_api.errors import APIError, bad_request, from_validation_error
 from serving_image.openai_api.generation import generate
@@ -52,7 +55,7 @@ router = APIRouter()
 
 
 def create_app(engine: Engine, is_draining: Callable[[], bool] = lambda: False,
-               config: APIConfig | None = None) -> FastAPI:
+               config: APIConfig | None = None, batch: BatchConfig | None = None) -> FastAPI:
     config = config or APIConfig()
     app = FastAPI(title="llm-serving OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.server = ServerState(engine=engine, config=config, admission=Admission(config), is_draining=is_draining)
@@ -61,6 +64,9 @@ def create_app(engine: Engine, is_draining: Callable[[], bool] = lambda: False,
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unexpected)
     app.include_router(router)
+    if batch is not None:  # the Files and Batches API (serving_image/batch/), on only with a store to keep them in
+        app.state.batch = BatchService.open(batch)
+        app.include_router(batch_router)
     install_openapi(app, ENDPOINTS)
     return app
 
@@ -153,8 +159,17 @@ async def _serve(request: Request, endpoint: Endpoint, handler: Handler) -> Resp
     server = server_state(request)
     with server.open_request(endpoint) as scope:
         scope.trace_id = trace_id_from(request.headers.get("traceparent"))
+        scope.batch = _is_batch(request)
         scope.body = await _parse_body(request, server, endpoint)
         return await handler(server, scope, scope.body, request.receive)
+
+
+def _is_batch(request: Request) -> bool:
+    value = request.headers.get(PRIORITY_HEADER, "realtime").strip().lower()
+    if value not in ("batch", "realtime"):
+        raise bad_request(f"header {PRIORITY_HEADER}: {value!r} is neither 'batch' nor 'realtime'",
+                          param=PRIORITY_HEADER, code="invalid_value")
+    return value == "batch"
 
 
 async def _parse_body(request: Request, server: ServerState, endpoint: Endpoint) -> BaseModel:

@@ -125,6 +125,7 @@ class RequestScope:
         self.outcome = Outcome()
         self.body: BaseModel | None = None  # the parsed request body, once parsed: the log takes its metadata
         self.trace_id: str | None = None  # the caller's trace (trace_id_from), set by the handler
+        self.batch = False  # batch work (admission.PRIORITY_HEADER): admitted within the batch share only
         self.started = time.perf_counter()
         self._admission = admission
         self._held = contextlib.ExitStack()  # what close() releases, last acquired first
@@ -156,7 +157,7 @@ class RequestScope:
         busy) or 400 (more tokens than the server ever admits)."""
         if self._admitted:
             raise RuntimeError(f"request {self.request_id} was already admitted")
-        self._held.callback(self._admission.release, self._admission.admit(tokens))
+        self._held.callback(self._admission.release, self._admission.admit(tokens, self.batch), self.batch)
         self._admitted = True
 
     def hand_over(self) -> RequestScope:

@@ -12,7 +12,8 @@ same booster with the extra output `rank`, what the rehearsal's versioned rollou
 
 `openai_server`: one server of the `openai` topology (the real entrypoint: the startup procedure, the OpenAI front-end
 with Triton embedded in its process, KServe on 8000/8001, the metrics proxy) for every module that talks to it:
-test_openai_api, test_openai_embedded, test_constraints_e2e_api, test_startup. See its docstring for what it holds
+test_openai_api, test_openai_embedded, test_constraints_e2e_api, test_startup, test_batch_api (its Batch API keeps its
+files in `server.batch_store`, a directory store). See its docstring for what it holds
 and how tests that need other limits get them. The tests that stop a server (SIGTERM, SIGINT) are in
 test_server_lifecycle.py, on servers of their own.
 """
@@ -154,9 +155,11 @@ def openai_server(demo_model_dir, tmp_path_factory):
         "LLM_SERVING_MAX_CONCURRENT_REQUESTS": str(OPENAI_MAX_CONCURRENT),
         "PROMETHEUS_MULTIPROC_DIR": str(root / "prom"),
         "LLM_SERVING_TEST_PLUGIN_DIR": str(root / "plugin-trace"),
+        "LLM_SERVING_BATCH_STORE": str(root / "batch-store"),  # the Batch API (test_batch_api.py)
         pc.ENV_COMPANION_PACKAGES: pc.COMPANION_SEPARATOR.join(str(p) for p in companions)})
     server.plugin_dir = root / "plugin-trace"
     server.multiproc_dir = root / "prom"
+    server.batch_store = root / "batch-store"
     try:
         yield server
     finally:
