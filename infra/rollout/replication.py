@@ -67,6 +67,35 @@ def layout_mismatch(package: str, manifest_text: str, model: ModelConfig) -> str
     return None
 
 
+def dependencies_mismatch(package: str, manifest_text: str, model: ModelConfig) -> str | None:
+    """Why the stack's `pythonDependencies` for `model` do not state what this Python-backend package imports (the
+    policy serving-python-dependencies-in-image checks the stack's list against the image, so a dependency the
+    stack leaves out would reach production unchecked), or None. A package with its own execution_env brings its
+    dependencies itself."""
+    from llm_serving.manifest import ManifestError, parse_manifest
+    from llm_serving.python_deps import DependencyError, parse_requirements
+
+    if model.kind not in ("python", "ensemble"):
+        return None
+    try:
+        python = parse_manifest(manifest_text).python
+    except ManifestError as err:
+        return f"{package}: its package.toml cannot be read ({err})"
+    if python is None or python.execution_env is not None or not python.dependencies:
+        return None
+    try:
+        declared = {str(r) for r in parse_requirements(model.python_dependencies, "pythonDependencies")}
+        needed = [str(r) for r in parse_requirements(python.dependencies, "python.dependencies")]
+    except DependencyError as err:
+        return f"{package}: {err}"
+    missing = [r for r in needed if r not in declared]
+    if missing:
+        return (f"{package}: the published manifest's python.dependencies need {', '.join(missing)}, which the "
+                f"stack's pythonDependencies for {model.id} do not state ({model.python_dependencies or 'none'}): "
+                f"add them so the policy checks them against the image")
+    return None
+
+
 def s3_replica_check(client_for: Callable[[str], Any] | None = None, require_warm: bool = True) -> ReplicaCheck:
     """A check against S3 itself: HEAD the package in the stack's own bucket (boto3, one client per region), read
     its manifest for what the stack declares about it, and (`require_warm`) the region's resident marker."""
@@ -117,7 +146,7 @@ def s3_replica_check(client_for: Callable[[str], Any] | None = None, require_war
             if why:
                 return why
         if model is not None:
-            why = layout_mismatch(package, text, model)
+            why = layout_mismatch(package, text, model) or dependencies_mismatch(package, text, model)
             if why:
                 return why
         return warm_problem(cfg, package, manifest, get) if require_warm else None

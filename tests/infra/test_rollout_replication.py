@@ -182,3 +182,27 @@ def test_a_package_whose_engine_layout_differs_from_the_stacks_declaration_is_re
         rollout.start({"version": "2.5.0", "package": PACKAGE, "ioFingerprint": FINGERPRINT})
     assert (f"{PACKAGE}: the stack declares parallel tensor 8 x pipeline 1 x data 1 = 8 GPU(s) for chat-large, the "
             f"published manifest's engine.parallel is tensor 4 x pipeline 1 x data 1 = 4 GPU(s)") in str(err.value)
+
+
+def _python_manifest(dependencies: list[str], execution_env: str | None = None) -> str:
+    env = f'execution_env = "{execution_env}"\nexecution_env_python = "3.11"\n' if execution_env else ""
+    return (f'manifest_version = 1\n[model]\nid = "ranker"\nversion = "4.1.0"\nbackend = "python"\n'
+            f'io_fingerprint = "{FINGERPRINT}"\n[python]\ndependencies = {dependencies!r}\n{env}').replace("'", '"')
+
+
+def test_a_python_package_needing_what_the_stack_does_not_state_is_refused_naming_it():
+    """Issue 30: the policy checks the stack's pythonDependencies against the image; a published package that imports
+    more than the stack states would reach production unchecked, so the rollout's check names the requirement."""
+    from infra.rollout.replication import dependencies_mismatch
+
+    ranker = next(m for m in config_of("prod-us-west-2").models if m.id == "ranker")
+    uri = "s3://acme-llm-prod-us-west-2/models/model-cache/ranker/4.1.0/"
+    assert dependencies_mismatch(uri, _python_manifest(["xgboost==3.0.5", "numpy>=1.24"]), ranker) is None
+    why = dependencies_mismatch(uri, _python_manifest(["xgboost==3.0.5", "lightgbm==4.5.0"]), ranker)
+    assert why == (f"{uri}: the published manifest's python.dependencies need lightgbm==4.5.0, which the stack's "
+                   f"pythonDependencies for ranker do not state ({ranker.python_dependencies}): add them so the "
+                   f"policy checks them against the image")
+    # a version the stack pins differently is not the stack's statement either
+    assert "need xgboost==2.1.0" in dependencies_mismatch(uri, _python_manifest(["xgboost==2.1.0"]), ranker)
+    # a package that brings its own environment is not the image's concern
+    assert dependencies_mismatch(uri, _python_manifest(["lightgbm==4.5.0"], "python/env.tar.gz"), ranker) is None
