@@ -19,7 +19,7 @@ from infra.registry import ServingImage, ServingImageArgs
 from infra.serving import ModelServing, ServingContext
 from infra.serving_platform import PlatformArgs, ServingPlatform
 from infra.storage import ModelStorage, ModelStorageArgs
-from llm_serving.stack_outputs import SCHEMA_VERSION, ModelOutputs
+from llm_serving.stack_outputs import SCHEMA_VERSION, ExperimentOutputs, InProcessOutputs, ModelOutputs
 
 cfg = from_pulumi_config()
 pin = triton_pin(cfg.serving)
@@ -81,7 +81,14 @@ for model in cfg.models:
         active_version=served.active_version,
         route_weights=served.route_weights, replicas=served.replicas, endpoints=served.endpoints,
         version_endpoints=served.version_endpoints,
+        in_process=InProcessOutputs.model_validate({"versions": {
+            v: {"package": cfg.regional_package_uri(model.version(v).package),
+                "ioFingerprint": model.version(v).io_fingerprint} for v in served.versions}})
+        if model.in_process else None,
     ).model_dump(by_alias=True)
+# Experiments as the clients read them (docs/clients.md §3), validated by the same shape they parse.
+experiments = {e.name: ExperimentOutputs.model_validate({"unit": e.unit, "arms": [
+    a.model_dump(by_alias=True) for a in e.arms]}).model_dump(by_alias=True) for e in cfg.experiments}
 
 # The client contract (llm_serving/stack_outputs.py, docs/stack-outputs.md).
 pulumi.export("schemaVersion", SCHEMA_VERSION)
@@ -89,6 +96,7 @@ pulumi.export("stack", stack)
 pulumi.export("environment", cfg.environment)
 pulumi.export("region", cfg.region)
 pulumi.export("models", models)
+pulumi.export("experiments", experiments)
 # For operators and other stacks; not part of the client contract.
 pulumi.export("clusterName", cluster.name)
 pulumi.export("kubeconfig", cluster.kubeconfig)

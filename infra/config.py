@@ -28,7 +28,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPAT_TOML = REPO_ROOT / "serving_image" / "compat.toml"
 
 # Keys of the project namespace that the program reads; any other `llm-serving:` key is a typo, and an error.
-TOP_LEVEL_KEYS = ("environment", "team", "homeRegion", "network", "cluster", "modelStorage", "serving", "models")
+TOP_LEVEL_KEYS = ("environment", "team", "homeRegion", "network", "cluster", "modelStorage", "serving", "models",
+                  "experiments")
 
 _ID_RE = r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$"  # a DNS label short enough for "<id>-<version slug>" names
 _VERSION_RE = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,30}[A-Za-z0-9])?$"
@@ -403,6 +404,10 @@ class ModelConfig(_Camel):
     # because it names packages by URI only: the policy serving-python-dependencies-in-image checks them against the
     # image's stub pins (compat.toml [triton.stub]). Only for kind: python and ensemble (its steps' packages).
     python_dependencies: list[str] = Field(default_factory=list)
+    # The caller's process may run this model from its published package (docs/clients.md, "In the caller's
+    # process"): only a python model on a CPU node group; a GPU model or an LLM never runs in a client. Rendered as
+    # the outputs' `inProcess`.
+    in_process: bool = False
 
     @field_validator("python_dependencies")
     @classmethod
@@ -453,6 +458,13 @@ class ModelConfig(_Camel):
             if any(s.id == self.id for s in v.steps):
                 raise ValueError(f"versions[{j}].steps: {self.id!r} is the ensemble itself; a step is another "
                                  f"package")
+        return self
+
+    @model_validator(mode="after")
+    def _in_process_only_on_cpu(self) -> ModelConfig:
+        if self.in_process and (self.kind != "python" or self.gpu is not None):
+            raise ValueError(f"inProcess: only a python model without gpu may run in the caller's process; this "
+                             f"model is kind: {self.kind}{' with gpu' if self.gpu is not None else ''}")
         return self
 
     @model_validator(mode="after")
@@ -526,6 +538,61 @@ class ModelConfig(_Camel):
         return next(v for v in self.versions if v.version == name)
 
 
+# -- experiments ---------------------------------------------------------------------------------------------
+
+
+class ArmConfig(_Camel):
+    """One arm of an experiment (docs/clients.md, "Experiments"): a model of this stack, optionally one of its
+    versions (only a versioned model, whose versions have their own endpoints), the request parameters the arm adds,
+    its percent."""
+
+    name: str = Field(pattern=r"^[a-z0-9]([a-z0-9_-]{0,30}[a-z0-9])?$")
+    model: str = Field(pattern=_ID_RE)
+    version: str | None = Field(default=None, pattern=_VERSION_RE)
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    percent: float = Field(ge=0, le=100)
+
+
+class ExperimentConfig(_Camel):
+    """An A/B test the clients run: `unit` is what the assignment hashes (a user, a profile or a request id)."""
+
+    name: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,62}[a-z0-9])?$")
+    unit: Literal["user", "profile", "request"]
+    arms: list[ArmConfig] = Field(min_length=2)
+
+    @model_validator(mode="after")
+    def _allocation(self) -> ExperimentConfig:
+        names = [a.name for a in self.arms]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"arms: duplicate arm names {dupes}")
+        total = sum(a.percent for a in self.arms)
+        if abs(total - 100) > 1e-9:
+            raise ValueError(f"arms: the percentages sum to {total:g}, not 100 "
+                             f"({', '.join(f'{a.name}: {a.percent:g}' for a in self.arms)})")
+        return self
+
+
+def experiment_problems(experiment: ExperimentConfig, models: dict[str, ModelConfig]) -> list[tuple[int, str, str]]:
+    """(arm index, sub-key, message) for every arm that names a model or version the stack does not serve, or pins a
+    version of a red-black model. Here beside the schema because the policy experiments-arms-served states the same
+    rules (policies import infra, never the reverse)."""
+    problems = []
+    for j, arm in enumerate(experiment.arms):
+        model = models.get(arm.model)
+        if model is None:
+            problems.append((j, "model", f"{arm.model!r} is not a model of this stack (models: {sorted(models)})"))
+        elif arm.version is not None:
+            served = [v.version for v in model.versions]
+            if model.strategy != "versioned":
+                problems.append((j, "version", f"{arm.model!r} is red-black: one route serves {served} by rollout "
+                                               f"weight, so an arm cannot pin {arm.version!r}; compare request "
+                                               f"parameters, or serve the model versioned"))
+            elif arm.version not in served:
+                problems.append((j, "version", f"{arm.model!r} does not serve {arm.version!r} (served: {served})"))
+    return problems
+
+
 def _version_key(version: str):
     from packaging.version import InvalidVersion, Version
 
@@ -559,6 +626,19 @@ class StackConfig(_Camel):
     model_storage: ModelStorageConfig
     serving: ServingConfig
     models: list[ModelConfig] = Field(default_factory=list)
+    experiments: list[ExperimentConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _experiments_served(self) -> StackConfig:
+        names = [e.name for e in self.experiments]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"experiments: duplicate experiment names {dupes}")
+        models = {m.id: m for m in self.models}
+        for i, experiment in enumerate(self.experiments):
+            for j, key, message in experiment_problems(experiment, models):
+                raise ValueError(f"experiments[{i}].arms[{j}].{key}: {message}")
+        return self
 
     @model_validator(mode="after")
     def _cross_checks(self) -> StackConfig:
@@ -668,6 +748,11 @@ class StackConfig(_Camel):
         """Where an ensemble's step package is published (the home region's bucket, `llm-serving publish`'s key)."""
         return package_uri(self.bucket_name(self.home_region), self.model_storage.model_prefix, step.id,
                            step.version)
+
+    def regional_package_uri(self, package: str) -> str:
+        """A package's URI in this region's model bucket: the home bucket's key, replicated under the same key."""
+        _, _, key = package.removeprefix("s3://").partition("/")
+        return f"s3://{self.bucket_name()}/{key}"
 
     @property
     def is_home_region(self) -> bool:

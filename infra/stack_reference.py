@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import pulumi
 
-from llm_serving.stack_outputs import StackOutputs, parse_stack_outputs
-
-CLIENT_KEYS = ("schemaVersion", "stack", "environment", "region", "models")
+from llm_serving.stack_outputs import CLIENT_KEYS, StackOutputs, parse_stack_outputs
 
 
 class ServingStack:

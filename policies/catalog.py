@@ -5,7 +5,21 @@ from __future__ import annotations
 
 from pulumi_policy import EnforcementLevel, Policy
 
-from .rules import bootstrap, capacity, cost, fsx, gpu_nodes, iam, nodes, platform, python_deps, rollout, s3, serving
+from .rules import (
+    bootstrap,
+    capacity,
+    cost,
+    experiments,
+    fsx,
+    gpu_nodes,
+    iam,
+    nodes,
+    platform,
+    python_deps,
+    rollout,
+    s3,
+    serving,
+)
 
 ALL_POLICIES: list[Policy] = [
     *s3.POLICIES,
@@ -18,6 +32,7 @@ ALL_POLICIES: list[Policy] = [
     *serving.POLICIES,
     *python_deps.POLICIES,
     *rollout.POLICIES,
+    *experiments.POLICIES,
     *platform.POLICIES,
     *cost.POLICIES,
 ]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from infra.mockrun import REPO_ROOT, StackRunError, run_stack, shipped_run
-from llm_serving.stack_outputs import StackOutputsError, parse_stack_outputs
+from llm_serving.stack_outputs import BatchCache, StackOutputsError, parse_stack_outputs
 
 CONSUMER = REPO_ROOT / "examples" / "consumer"
 SERVING_STACK = "acme/llm-serving/prod-us-east-1"
@@ -49,8 +49,8 @@ def test_the_schema_rejects_malformed_outputs():
     with pytest.raises(StackOutputsError, match="red-black routeWeights must sum to 100"):
         parse_stack_outputs(raw)
     raw = copy.deepcopy(shipped_run("prod-us-east-1").outputs)
-    raw["schemaVersion"] = 2
-    with pytest.raises(StackOutputsError, match="schemaVersion 2 is not supported"):
+    raw["schemaVersion"] = 3
+    with pytest.raises(StackOutputsError, match=r"schemaVersion 3 is not supported \(this client reads 1, 2\)"):
         parse_stack_outputs(raw)
     raw = copy.deepcopy(shipped_run("prod-us-east-1").outputs)
     del raw["models"]["chat-large"]["endpoints"]["grpc"]
@@ -66,7 +66,73 @@ def test_the_documented_schema_matches_the_outputs():
     exported = set(run.outputs)
     model = run.outputs["models"]["ranker"]
     exported |= {f"models.<id>.{k}" for k in model} | {f"models.<id>.endpoints.{k}" for k in model["endpoints"]}
+    exported |= {f"experiments.<name>.{k}" for e in run.outputs["experiments"].values() for k in e}
+    # The batch block is optional and rendered by the batch path (issue 32): documented by its schema's keys.
+    exported |= {"batch.endpoint"} | {f"batch.cache.{k}" for k in BatchCache.model_fields}
     assert documented == exported
+
+
+def _v2_outputs():
+    return copy.deepcopy(shipped_run("prod-us-west-2").outputs)
+
+
+def test_version_2_carries_experiments_and_in_process_marks():
+    out = parse_stack_outputs(_v2_outputs())
+    assert out.schema_version == 2 and out.batch is None
+    arms = out.experiment("chat-temperature").arms
+    assert [(a.name, a.percent, a.parameters) for a in arms] == [("control", 90, {}), ("cool", 10,
+                                                                                       {"temperature": 0.2})]
+    ranker = out.model("ranker").in_process
+    assert ranker is not None and sorted(ranker.versions) == ["3.0.0", "4.0.0"]
+    # The caller loads from its own region's bucket, the replica of the home region's key.
+    assert ranker.versions["4.0.0"].package == "s3://acme-llm-prod-us-west-2/models/model-cache/ranker/4.0.0/"
+    assert out.model("chat-large").in_process is None
+    with pytest.raises(StackOutputsError, match=r"experiment 'x' is not declared in stack prod-us-west-2 "
+                                                r"\(declared: \['chat-temperature'\]\)"):
+        out.experiment("x")
+
+
+def test_a_version_1_document_still_reads_without_the_new_blocks():
+    raw = copy.deepcopy(shipped_run("prod-us-east-1").outputs)
+    raw["schemaVersion"] = 1
+    raw.pop("experiments")
+    for model in raw["models"].values():
+        model.pop("inProcess")
+    out = parse_stack_outputs(raw)
+    assert out.experiments == {} and all(m.in_process is None for m in out.models.values())
+    raw["experiments"] = {}
+    with pytest.raises(StackOutputsError, match=r"schemaVersion 1 has no \['experiments'\]"):
+        parse_stack_outputs(raw)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda raw: raw["experiments"]["chat-temperature"]["arms"][1].update(percent=20),
+     "experiments.chat-temperature.arms: percentages sum to 110, not 100"),
+    (lambda raw: raw["experiments"]["chat-temperature"]["arms"][1].update(model="chat-huge"),
+     "experiments.chat-temperature.arms[cool].model: 'chat-huge' is not served"),
+    (lambda raw: raw["experiments"]["chat-temperature"]["arms"][1].update(version="2.3.0"),
+     "experiments.chat-temperature.arms[cool].version: 'chat-large' is red-black"),
+    (lambda raw: raw["experiments"]["chat-temperature"]["arms"][1].update(model="ranker", version="2.0.0"),
+     "'ranker' does not serve '2.0.0' (served: ['3.0.0', '4.0.0'])"),
+    (lambda raw: raw["models"]["chat-large"].update(inProcess=raw["models"]["ranker"]["inProcess"]),
+     "inProcess: only a python model runs in the caller's process, not kind vllm"),
+    (lambda raw: raw.update(batch={"endpoint": "http://batch/v1", "cache": {"bucket": "b-1", "prefix": "",
+                                                                             "region": "us-west-2"}}),
+     "batch.endpoint: String should match pattern"),
+])
+def test_the_schema_names_a_bad_experiment_or_block(change, message):
+    raw = _v2_outputs()
+    change(raw)
+    with pytest.raises(StackOutputsError) as info:
+        parse_stack_outputs(raw)
+    assert message in str(info.value)
+
+
+def test_a_batch_block_parses():
+    raw = _v2_outputs()
+    raw["batch"] = {"endpoint": "https://batch.llm.us-west-2.internal.acme.example/v1",
+                    "cache": {"bucket": "acme-llm-batch-prod-us-west-2", "prefix": "cache/", "region": "us-west-2"}}
+    assert parse_stack_outputs(raw).batch.cache.prefix == "cache/"
 
 
 def test_the_consumer_example_resolves_its_endpoints_through_a_stack_reference():

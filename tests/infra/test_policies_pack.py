@@ -41,7 +41,9 @@ EXTRA_MANDATORY = {"iam-irsa-trust-scoped", "serving-update-timeout", "rollout-g
                    # Issue 30 (the first production deploy): the engine uses the GPUs its pod holds.
                    "serving-engine-uses-pod-gpus",
                    # Issue 30: Python-backend models' dependencies are in the image.
-                   "serving-python-dependencies-in-image"}
+                   "serving-python-dependencies-in-image",
+                   # Issue 31 (the caller's side): experiments allocate 100% to versions that are served.
+                   "experiments-arms-served"}
 
 
 @pytest.fixture

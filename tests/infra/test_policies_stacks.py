@@ -28,7 +28,7 @@ SENSITIVITY_STACK = "prod-us-east-1"
 CPU_STACK = "prod-us-west-2"
 MUTATION_STACK = {"serving-cpu-model-no-gpu": CPU_STACK, "cpu-nodes-no-gpu-approved-types": CPU_STACK,
                   "rollout-versioned-only-on-io-change": CPU_STACK,
-                  "serving-python-dependencies-in-image": CPU_STACK}
+                  "serving-python-dependencies-in-image": CPU_STACK, "experiments-arms-served": CPU_STACK}
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +103,18 @@ def _drop_dependencies(resource):
 def _ranker_server(resources):
     dep = next(d for d in _serving(resources) if d.inputs["metadata"]["labels"]["app.kubernetes.io/name"] == "ranker")
     return dep.inputs["spec"]["template"]["spec"]["containers"][0]
+
+
+def _experiment_on_a_version_being_removed(resources, config):
+    """An experiment between the ranker's two versions while 3.0.0's Deployment is scaled to zero (on its way out)."""
+    config.setdefault("llm-serving:experiments", []).append(
+        {"name": "ranker-v4", "unit": "user", "arms": [{"name": "control", "model": "ranker", "version": "3.0.0",
+                                                        "percent": 50},
+                                                       {"name": "xgboost", "model": "ranker", "version": "4.0.0",
+                                                        "percent": 50}]})
+    old = next(d for d in _serving(resources) if d.inputs["metadata"]["labels"]["app.kubernetes.io/name"] == "ranker"
+               and d.inputs["metadata"]["labels"]["app.kubernetes.io/version"] == "3.0.0")
+    old.inputs["spec"].update(replicas=0)
 
 
 def _cpu_groups(resources):
@@ -234,6 +246,8 @@ MUTATIONS: dict[str, Callable] = {
     # The ranker starts importing lightgbm, which the image's stub does not have: it would load locally only.
     "serving-python-dependencies-in-image": lambda res, cfg: next(
         m for m in cfg["llm-serving:models"] if m["id"] == "ranker")["pythonDependencies"].append("lightgbm==4.5.0"),
+    # An arm on the ranker's 3.0.0 while that version is scaled to zero: the arm's users would get no answer.
+    "experiments-arms-served": _experiment_on_a_version_being_removed,
     "rollout-weight-only-to-replicas": lambda res, cfg: _routes_stop_waiting_for(res, _candidate_deployment(res, cfg)),
     "rollout-newest-version-kept": lambda res, cfg: res.remove(_candidate_deployment(res, cfg)),
     "rollout-gpu-surge-bound": lambda res, cfg: _candidate_deployment(res, cfg).inputs["spec"].update(replicas=8),

@@ -1,0 +1,306 @@
+"""The client of every model (docs/clients.md): one method per kind of call, whatever serves the model.
+
+    client = Client.from_file("/etc/llm-serving/stack-outputs.json", api_key=...)
+    scores = client.infer("ranker", {"features": rows}, version="4.0.0")["score"]
+    answer = client.chat("chat-large", [{"role": "user", "content": "hi"}], response_format={"type": "json_object"})
+    for delta in client.chat(experiment="chat-temperature", unit=user_id, messages=msgs, stream=True): ...
+
+Every call: a deadline (each attempt gets what is left), retries only where safe, an OpenTelemetry span with a span
+per stage, the W3C trace context and the experiment's arm sent to the server, one JSON record per call, per-arm
+counts, errors and latencies. Errors name the model, the version and the field.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import openai
+from opentelemetry import trace
+
+from llm_serving.stack_outputs import StackOutputs
+from llm_serving_client.deadline import Deadline
+from llm_serving_client.discovery import Discovery, LocalEndpoints, Route, load_outputs
+from llm_serving_client.errors import CallError, ExperimentError, InvalidRequest
+from llm_serving_client.experiments import HEADER, ArmStats, Assignment, Experiments
+from llm_serving_client.observe import Call, Observer
+from llm_serving_client.openai_calls import OpenAITransport, translate_error
+from llm_serving_client.retry import RetryPolicy, call_with_retries
+from llm_serving_client.tensor import TensorTransport, check_inputs
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    trace_id: str
+    arm: str | None = None
+
+
+@dataclass
+class ChatStream:
+    """The deltas of a streamed generation, in order; `finish_reason` and `text` are complete once iterated."""
+
+    _deltas: Iterator[str]
+    trace_id: str = ""
+    arm: str | None = None
+    finish_reason: str | None = None
+    text: str = ""
+    _parts: list[str] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[str]:
+        return self._deltas
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    model: str
+    version: str | None
+    parameters: dict[str, Any]
+    assignment: Assignment | None
+    assignment_ns: tuple[int, int] | None  # when the assignment ran (its span is recorded inside the call's)
+
+
+class Client:
+    def __init__(self, outputs: StackOutputs, *, api_key: str | None = None, local: LocalEndpoints | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, retry: RetryPolicy | None = None,
+                 tracer_provider: trace.TracerProvider | None = None, log_sample_rate: float = 1.0):
+        self.discovery = Discovery(outputs, local)
+        self.experiments = Experiments(outputs.experiments)
+        self.timeout_s, self.retry = timeout_s, retry or RetryPolicy()
+        self._observer = Observer(tracer_provider, log_sample_rate)
+        self._tensor = TensorTransport()
+        self._openai = OpenAITransport(api_key)
+
+    @classmethod
+    def from_file(cls, path=None, **kwargs) -> Client:
+        """From the stack-outputs file the service's deployment renders (default: $LLM_SERVING_STACK_OUTPUTS)."""
+        return cls(load_outputs(path), **kwargs)
+
+    def close(self) -> None:
+        self._tensor.close()
+        self._openai.close()
+
+    def experiment_stats(self, name: str) -> dict[str, ArmStats]:
+        return self.experiments.stats(name)
+
+    # -- experiments -------------------------------------------------------------------------------------------
+
+    def _resolve(self, model: str | None, version: str | None, experiment: str | None, unit: str | None,
+                 parameters: Mapping[str, Any]) -> _Resolved:
+        if experiment is None:
+            if model is None:
+                raise ValueError("name the model, or an experiment whose arm names it")
+            return _Resolved(model, version, dict(parameters), None, None)
+        where = model or "?"
+        if not unit:
+            raise ExperimentError(f"experiment {experiment!r} needs the call's unit id (its "
+                                  f"{self.discovery.outputs.experiment(experiment).unit})", model=where)
+        start = time.time_ns()
+        assignment = self.experiments.assign(experiment, unit, self.discovery.outputs.stack)
+        span_ns = (start, time.time_ns())
+        arm = assignment.arm
+        if model is not None and model != arm.model:
+            raise ExperimentError(f"experiment {experiment!r} arm {arm.name!r} calls {arm.model!r}, not this call's "
+                                  f"model", model=model)
+        if version is not None:
+            raise ExperimentError(f"experiment {experiment!r} chooses the version (arm {arm.name!r}: "
+                                  f"{arm.version or 'the route'}); do not pin one too", model=arm.model,
+                                  version=version)
+        clash = sorted(set(parameters) & set(arm.parameters))
+        if clash:
+            raise ExperimentError(f"experiment {experiment!r} arm {arm.name!r} sets it; the call sets it too",
+                                  model=arm.model, field=clash[0])
+        return _Resolved(arm.model, arm.version, {**parameters, **arm.parameters}, assignment, span_ns)
+
+    def _open(self, call_kind: str, resolved: _Resolved):
+        a = resolved.assignment
+        return self._observer.call(call_kind, resolved.model, resolved.version, a and a.experiment,
+                                   a and a.arm.name)
+
+    def _begin(self, call: Call, resolved: _Resolved) -> dict[str, str]:
+        """Record the assignment's stage in the call and return the headers every attempt adds (the arm)."""
+        if resolved.assignment_ns is not None:
+            start, end = resolved.assignment_ns
+            span = self._observer.tracer.start_span("assignment", context=trace.set_span_in_context(call._span),
+                                                    start_time=start, attributes={"llm_serving.stage": "assignment"})
+            span.end(end_time=end)
+            call.add_stage("assignment", (end - start) / 1e9)
+        return {HEADER: resolved.assignment.header} if resolved.assignment else {}
+
+    def _finish(self, resolved: _Resolved, call: Call | None, started: float, error: bool) -> None:
+        if resolved.assignment is not None:
+            self.experiments.record(resolved.assignment, time.perf_counter() - started, error)
+
+    # -- tensor inference --------------------------------------------------------------------------------------
+
+    def infer(self, model: str | None = None, inputs: Mapping[str, np.ndarray] | None = None, *,
+              outputs: Sequence[str] | None = None, version: str | None = None, experiment: str | None = None,
+              unit: str | None = None, deadline_s: float | None = None) -> dict[str, np.ndarray]:
+        """KServe v2 ModelInfer: `inputs` by name (numpy arrays, the model's datatypes and shapes), the named
+        `outputs` (default: every output) back as numpy arrays."""
+        deadline = Deadline.after(deadline_s or self.timeout_s)
+        resolved = self._resolve(model, version, experiment, unit, {})
+        route = self.discovery.route(resolved.model, "grpc", resolved.version)
+        if route.kind == "vllm":
+            raise InvalidRequest("is an LLM (a decoupled model, no unary ModelInfer); call chat()",
+                                 model=route.model, version=route.version)
+        if resolved.assignment and resolved.assignment.arm.parameters:
+            raise ExperimentError("an arm's parameters are request fields; tensor inference takes none",
+                                  model=route.model, field=sorted(resolved.assignment.arm.parameters)[0])
+        started, error = time.perf_counter(), True
+        try:
+            with self._open("infer", resolved) as call:
+                extra = self._begin(call, resolved)
+                with call.stage("preprocess"):
+                    io = self._tensor.model_io(route, deadline.timeout(route.model, route.version),
+                                               call.headers(extra))
+                    check_inputs(route, io, inputs or {})
+                    wanted = list(outputs) if outputs is not None else sorted(io.outputs)
+                    unknown = [o for o in wanted if o not in io.outputs]
+                    if unknown:
+                        raise InvalidRequest(f"is not an output of the model (outputs: {sorted(io.outputs)})",
+                                             model=route.model, version=route.version, field=unknown[0])
+                with call.stage("serialise"):
+                    wire = self._tensor.serialise(inputs or {}, io)
+                with call.stage("network"):
+                    result = self._attempts(call, deadline, route, safe=True, attempt=lambda: self._tensor.infer(
+                        route, wire, wanted, deadline.timeout(route.model, route.version), call.headers(extra)))
+                with call.stage("postprocess"):
+                    answer = {name: result.as_numpy(name) for name in wanted}
+            error = False
+            return answer
+        finally:
+            self._finish(resolved, None, started, error)
+
+    def _attempts(self, call: Call, deadline: Deadline, route: Route, *, safe: bool, attempt):
+        def one(n: int):
+            call.record.attempts = n
+            return attempt()
+        return call_with_retries(one, policy=self.retry, deadline=deadline, safe=safe)
+
+    # -- generation --------------------------------------------------------------------------------------------
+
+    def chat(self, model: str | None = None, messages: Sequence[Mapping[str, Any]] = (), *, stream: bool = False,
+             response_format: Mapping[str, Any] | None = None, constraint: Mapping[str, Any] | None = None,
+             experiment: str | None = None, unit: str | None = None, deadline_s: float | None = None,
+             **parameters: Any) -> ChatResult | ChatStream:
+        """/v1/chat/completions. `parameters` are the request's other fields (max_tokens, temperature, ...);
+        `constraint` is the platform's extension (docs/architecture.md §3.5), sent in the body beside them."""
+        deadline = Deadline.after(deadline_s or self.timeout_s)
+        resolved = self._resolve(model, None, experiment, unit, parameters)
+        route = self.discovery.route(resolved.model, "openai", resolved.version)
+        body: dict[str, Any] = {"model": route.model, "messages": list(messages), **resolved.parameters}
+        if response_format is not None:
+            body["response_format"] = dict(response_format)
+        extra_body = {"constraint": dict(constraint)} if constraint is not None else {}
+        if stream:
+            return self._chat_stream(route, resolved, body, extra_body, deadline)
+        started, error = time.perf_counter(), True
+        try:
+            with self._open("chat", resolved) as call:
+                extra = self._begin(call, resolved)
+                with call.stage("network"):
+                    # Not streamed: nothing reaches the caller before the whole answer, so UNAVAILABLE is safe to
+                    # retry (no output was delivered).
+                    answer = self._attempts(call, deadline, route, safe=True, attempt=lambda: self._openai.chat(
+                        route, body, extra_body, deadline.timeout(route.model, route.version), call.headers(extra)))
+                with call.stage("postprocess"):
+                    choice = answer.choices[0]
+                    result = ChatResult(choice.message.content or "", choice.finish_reason,
+                                        answer.usage.prompt_tokens if answer.usage else 0,
+                                        answer.usage.completion_tokens if answer.usage else 0,
+                                        call.record.trace_id or "",
+                                        resolved.assignment.arm.name if resolved.assignment else None)
+            error = False
+            return result
+        finally:
+            self._finish(resolved, None, started, error)
+
+    def _chat_stream(self, route: Route, resolved: _Resolved, body: dict[str, Any], extra_body: dict[str, Any],
+                     deadline: Deadline) -> ChatStream:
+        body = {**body, "stream": True}
+        holder = ChatStream(iter(()), arm=resolved.assignment.arm.name if resolved.assignment else None)
+
+        def deltas() -> Iterator[str]:
+            started, error = time.perf_counter(), True
+            try:
+                with self._open("chat", resolved) as call:
+                    holder.trace_id = call.record.trace_id or ""
+                    extra = self._begin(call, resolved)
+
+                    def first_chunk():
+                        # Retried only up to here: once a chunk reached the caller the stream is never repeated.
+                        stream = self._openai.chat(route, body, extra_body,
+                                                   deadline.timeout(route.model, route.version), call.headers(extra))
+                        chunks = iter(stream)
+                        try:
+                            return stream, chunks, next(chunks, None)
+                        except openai.OpenAIError as exc:  # the server failed before its first chunk
+                            stream.close()
+                            raise translate_error(route, exc) from None
+
+                    with call.stage("network"):
+                        stream, chunks, chunk = self._attempts(call, deadline, route, safe=True, attempt=first_chunk)
+                    began = time.perf_counter()
+                    try:
+                        while chunk is not None:
+                            if chunk.choices:
+                                choice = chunk.choices[0]
+                                holder.finish_reason = choice.finish_reason or holder.finish_reason
+                                if choice.delta and choice.delta.content:
+                                    holder._parts.append(choice.delta.content)
+                                    yield choice.delta.content
+                            chunk = next(chunks, None)
+                    except openai.OpenAIError as exc:
+                        raise translate_error(route, exc) from None
+                    finally:
+                        stream.close()
+                        call.add_stage("inference", time.perf_counter() - began)
+                        holder.text = "".join(holder._parts)
+                error = False
+            finally:
+                self._finish(resolved, None, started, error)
+
+        holder._deltas = deltas()
+        return holder
+
+    # -- embeddings and scores ---------------------------------------------------------------------------------
+
+    def embed(self, model: str, inputs: Sequence[str], *, deadline_s: float | None = None,
+              **parameters: Any) -> list[list[float]]:
+        """/v1/embeddings: one vector per input, in order."""
+        deadline = Deadline.after(deadline_s or self.timeout_s)
+        resolved = self._resolve(model, None, None, None, parameters)
+        route = self.discovery.route(model, "openai")
+        body = {"model": route.model, "input": list(inputs), **resolved.parameters}
+        with self._open("embed", resolved) as call:
+            with call.stage("network"):
+                answer = self._attempts(call, deadline, route, safe=True, attempt=lambda: self._openai.embeddings(
+                    route, body, deadline.timeout(route.model, None), call.headers()))
+            with call.stage("postprocess"):
+                return [list(d.embedding) for d in sorted(answer.data, key=lambda d: d.index)]
+
+    def score(self, model: str, prompt: str, candidates: Sequence[str], *,
+              deadline_s: float | None = None) -> list[float]:
+        """/v1/score: the log-probability of each candidate continuation of `prompt`, in order."""
+        deadline = Deadline.after(deadline_s or self.timeout_s)
+        resolved = self._resolve(model, None, None, None, {})
+        route = self.discovery.route(model, "openai")
+        body = {"model": route.model, "prompt": prompt, "candidates": list(candidates)}
+        with self._open("score", resolved) as call:
+            with call.stage("network"):
+                answer = self._attempts(call, deadline, route, safe=True, attempt=lambda: self._openai.score(
+                    route, body, deadline.timeout(route.model, None), call.headers()))
+            with call.stage("postprocess"):
+                return [d["logprob"] for d in sorted(answer["data"], key=lambda d: d["index"])]
+
+
+__all__ = ["CallError", "ChatResult", "ChatStream", "Client"]
