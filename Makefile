@@ -19,7 +19,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 NATIVE_SOURCES := native/CMakeLists.txt $(wildcard native/src/* native/include/* native/triton/*)
 
-.PHONY: up check-up-modes test test-fast plan bench fuse rehearse lint serving-env infra-env checkov-env triton-env crd-validate-env clean
+.PHONY: up check-up-modes check-batch test test-fast plan bench fuse rehearse lint serving-env infra-env checkov-env triton-env crd-validate-env clean
 
 up: serving-env triton-env
 	$(SERVING)/bin/llm-serving up $(if $(MODEL),--model "$(MODEL)",) $(if $(MODE),--serving-mode "$(MODE)",)
@@ -29,6 +29,12 @@ up: serving-env triton-env
 # `make up`. Not part of `make test` (three engine starts, its time budget): a check of its own, on a clone.
 check-up-modes: serving-env triton-env
 	$(SERVING)/bin/python bench/scripts/make_up_modes.py
+
+# A 1,000-line batch through the official `openai` client against `make up`, its worker killed and the server
+# restarted mid-batch (bench/scripts/check_batch.py; logs and summary.json under .cache/check-batch; issue #32).
+# Not part of `make test` (its time budget): a check of its own, on a clone. Uses `make up`'s fixed ports.
+check-batch: serving-env triton-env
+	$(SERVING)/bin/python bench/scripts/check_batch.py
 
 test: serving-env infra-env checkov-env triton-env crd-validate-env
 	$(SERVING)/bin/ruff check .

@@ -32,6 +32,7 @@ MODULES = [
     "bench.kserve",
     "bench.startup",
     "bench.constraints_e2e",
+    "bench.batch",
     "bench.seeded_preemption",
     "bench.soak",
 ]

@@ -160,7 +160,76 @@ def cmd_up(args: argparse.Namespace) -> int:
     from serving_image.startup import StartupConfig, run
 
     config = StartupConfig(package=published.package, workdir=cache / "run", companions=list(published.companions))
-    return run(config, on_ready=_print_ready)
+    if serving_mode is not ServingMode.OPENAI:
+        return run(config, on_ready=_print_ready)
+    # The Batch API and its worker (docs/batch.md), as a pod and its worker Deployment run them, on a directory
+    # store beside the model store; LLM_SERVING_BATCH_STORE set outside chooses another (an s3:// one too).
+    os.environ.setdefault("LLM_SERVING_BATCH_STORE", str(cache / "batch-store"))
+    worker = BatchWorkerProcess(os.environ["LLM_SERVING_BATCH_STORE"])
+
+    def on_ready(started) -> None:
+        _print_ready(started)
+        worker.start()
+
+    try:
+        return run(config, on_ready=on_ready)
+    finally:
+        worker.stop()
+
+
+class BatchWorkerProcess:
+    """`make up`'s batch worker (serving_image/batch/worker.py), a process of its own as in production, started
+    once the OpenAI port serves and started again if it dies, as its Deployment would restart it (make check-batch
+    kills it mid-batch). Its pid is in .cache/llm-serving/batch-worker.pid; Ctrl-C stops it with the server."""
+
+    PID_FILE = REPO_CACHE / "batch-worker.pid"
+    LOG_FILE = REPO_CACHE / "batch-worker.log"
+
+    def __init__(self, store: str):
+        self.store = store
+        self.proc = None
+        self._stopping = False
+
+    def _spawn(self) -> None:
+        import subprocess
+
+        from llm_serving import pod_contract as pc
+
+        keys = [k.strip() for k in os.environ.get("LLM_SERVING_API_KEYS", "").split(",") if k.strip()]
+        env = dict(os.environ)
+        if keys:
+            env.setdefault("LLM_SERVING_BATCH_WORKER_API_KEY", keys[0])
+        with open(self.LOG_FILE, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "serving_image.batch.worker", "--store", self.store,
+                 "--endpoint", f"http://127.0.0.1:{pc.PORTS[pc.OPENAI_PORT_NAME]}"], env=env, stdout=log,
+                stderr=subprocess.STDOUT)
+        self.PID_FILE.write_text(str(self.proc.pid))
+
+    def _supervise(self) -> None:
+        import time
+
+        while not self._stopping:
+            # A worker that exits 0 was stopped (Ctrl-C reaches it with the server); any other exit is a death.
+            if self.proc.poll() not in (None, 0) and not self._stopping:
+                console.print(f"[yellow]batch worker exited ({self.proc.returncode}); starting it again[/]")
+                self._spawn()
+            time.sleep(0.5)
+
+    def start(self) -> None:
+        import threading
+
+        self._spawn()
+        threading.Thread(target=self._supervise, name="batch-worker-supervisor", daemon=True).start()
+        console.print(f"  Batch API      http://localhost:9000/v1/files, /v1/batches   (store {self.store}; worker "
+                      f"log {self.LOG_FILE})")
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+        self.PID_FILE.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)

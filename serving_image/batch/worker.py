@@ -343,7 +343,10 @@ def main(argv: list[str] | None = None) -> int:
 
         start_http_server(args.metrics_port)
     storage = BatchStorage(open_object_store(args.store, kms_key_id=os.environ.get("LLM_SERVING_BATCH_KMS_KEY_ID")))
-    asyncio.run(BatchWorker(storage, config).run_forever(exit_when_idle=args.exit_when_idle))
+    try:
+        asyncio.run(BatchWorker(storage, config).run_forever(exit_when_idle=args.exit_when_idle))
+    except KeyboardInterrupt:  # Ctrl-C (make up) or SIGINT: lines in flight are sent again by the next run
+        log.info("stopped")
     return 0
 
 

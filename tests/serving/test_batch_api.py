@@ -191,3 +191,31 @@ def test_bad_uploads_and_batch_bodies_are_refused_naming_the_field(openai_client
     assert deleted.deleted
     with pytest.raises(openai.NotFoundError):
         openai_client.files.retrieve(uploaded.id)
+
+
+def test_the_cli_submits_reports_and_downloads(openai_server, openai_client, tmp_path):
+    source = tmp_path / "titles.jsonl"
+    lines = [{"custom_id": f"cli-{i}", "body": {"messages": [{"role": "user", "content": f"title {i}"}],
+                                               "temperature": 0, "max_tokens": 4}} for i in range(3)]
+    source.write_bytes(_jsonl(lines))
+    env = dict(os.environ, LLM_SERVING_API_KEY=OPENAI_KEY)
+    cli = [sys.executable, "-m", "llm_serving_cli", "batch", "--url", openai_server.url]
+    submitted = subprocess.run([*cli, "submit", str(source), "--model", MODEL], env=env, capture_output=True,
+                               text=True, timeout=120)
+    assert submitted.returncode == 0, submitted.stderr
+    batch_id = submitted.stdout.strip()
+    assert openai_client.batches.retrieve(batch_id).request_counts.total == 3
+    assert _run_worker(openai_server) == 0
+    status = subprocess.run([*cli, "status", batch_id, "--wait"], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert status.returncode == 0 and "completed: 3 completed, 0 failed of 3" in status.stdout, status.stderr
+    results = subprocess.run([*cli, "results", batch_id, "--out", str(tmp_path)], env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert results.returncode == 0, results.stderr
+    output = [json.loads(line) for line in (tmp_path / f"{batch_id}_output.jsonl").read_text().splitlines()]
+    assert sorted(line["custom_id"] for line in output) == ["cli-0", "cli-1", "cli-2"]
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_bytes(_jsonl([{**lines[0], "body": {**lines[0]["body"], "model": "another-model"}}]))
+    wrong = subprocess.run([*cli, "submit", str(mixed), "--model", MODEL], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert wrong.returncode == 2 and "line 1: body.model is 'another-model'" in wrong.stderr

@@ -1,0 +1,159 @@
+"""The cached batch path (issue #32): batch throughput against the same requests through the real-time endpoint, and
+real-time p99 TTFT with and without a batch running, on one `openai`-mode server.
+
+One server (the real entrypoint, the demo model, the Batch API on a directory store); the batch worker is the real
+one (`python -m serving_image.batch.worker`) as a process of its own, at the concurrency the real-time run uses.
+
+- Throughput: N greedy chat requests (max_tokens OUT) sent at concurrency C straight to /v1/chat/completions, then
+  the same N as a batch (submitted with the official `openai` client, run by the worker at concurrency C), timed
+  from submission to `completed`. Target: batch >= 0.8 of real-time.
+- TTFT: a real-time probe (streaming chat requests, PROBE_CONCURRENCY at a time) on the idle server, then the same
+  probe while a batch of BACKGROUND lines runs; p99 TTFT of each. Target: with / without <= 1.2. The worker's
+  requests carry `x-llm-serving-priority: batch`, so admission lets at most its share of the budget in; on a
+  CPU-only machine the engine itself is shared by both, which is what this measures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from bench.report import demo_model, main, percentile, ratio_plot, result
+from serving_image.local_server import publish_demo, start_server
+
+QUICK = os.environ.get("LLM_SERVING_BENCH_QUICK") == "1"
+N = 48 if QUICK else 240
+OUT = 16
+CONCURRENCY = 8
+PROBES = 16 if QUICK else 48
+PROBE_CONCURRENCY = 2
+BACKGROUND = 4 * N
+MODEL = "demo-tiny"
+CHAT = "/v1/chat/completions"
+
+
+def _body(i: int, tag: str) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": f"{tag} title {i}: summarise"}],
+            "temperature": 0, "max_tokens": OUT}
+
+
+async def _realtime(url: str, bodies: list[dict], concurrency: int) -> float:
+    queue = list(bodies)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        async def lane() -> None:
+            while queue:
+                response = await client.post(CHAT, json=queue.pop())
+                response.raise_for_status()
+
+        start = time.perf_counter()
+        await asyncio.gather(*(lane() for _ in range(concurrency)))
+        return time.perf_counter() - start
+
+
+async def _ttfts(url: str, count: int, concurrency: int) -> list[float]:
+    bodies = [{**_body(i, "probe"), "stream": True} for i in range(count)]
+    ttfts: list[float] = []
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        async def lane() -> None:
+            while bodies:
+                start = time.perf_counter()
+                async with client.stream("POST", CHAT, json=bodies.pop()) as response:
+                    response.raise_for_status()
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: ") and '"content"' in line:
+                            ttfts.append(time.perf_counter() - start)
+                            break
+                    async for _ in response.aiter_lines():
+                        pass
+
+        await asyncio.gather(*(lane() for _ in range(concurrency)))
+    return ttfts
+
+
+def _submit(url: str, bodies: list[dict], tag: str) -> str:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    lines = "".join(json.dumps({"custom_id": f"{tag}-{i}", "method": "POST", "url": CHAT, "body": b}) + "\n"
+                    for i, b in enumerate(bodies))
+    uploaded = client.files.create(file=(f"{tag}.jsonl", lines.encode()), purpose="batch")
+    return client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h").id
+
+
+def _worker(url: str, store: pathlib.Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "serving_image.batch.worker", "--store", str(store), "--endpoint",
+                             url, "--concurrency", str(CONCURRENCY), "--poll-s", "0.1", "--exit-when-idle"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _status(url: str, batch_id: str) -> dict:
+    return httpx.get(f"{url}/v1/batches/{batch_id}", timeout=30).json()
+
+
+def measure(workdir: pathlib.Path) -> dict:
+    store = workdir / "batch-store"
+    package = publish_demo(demo_model(), workdir, version="bench")
+    server = start_server(package, workdir / "server", extra_env={"LLM_SERVING_BATCH_STORE": str(store)})
+    try:
+        url = server.url
+        asyncio.run(_realtime(url, [_body(i, "warm") for i in range(CONCURRENCY)], CONCURRENCY))  # warm-up
+        realtime_s = asyncio.run(_realtime(url, [_body(i, "tp") for i in range(N)], CONCURRENCY))
+        # The same requests again would be answered from vLLM's prefix cache as warm as the first run left it;
+        # another tag gives the batch prompts of the same length that are as cold as the real-time run's were.
+        start = time.perf_counter()
+        batch_id = _submit(url, [_body(i, "tq") for i in range(N)], "throughput")
+        worker = _worker(url, store)
+        worker.wait(timeout=3600)
+        batch_s = time.perf_counter() - start
+        status = _status(url, batch_id)
+        assert status["status"] == "completed" and status["request_counts"]["completed"] == N, status
+
+        idle = asyncio.run(_ttfts(url, PROBES, PROBE_CONCURRENCY))
+        background = _submit(url, [_body(i, "bg") for i in range(BACKGROUND)], "background")
+        worker = _worker(url, store)
+        while _status(url, background)["status"] != "in_progress":
+            time.sleep(0.1)
+        busy = asyncio.run(_ttfts(url, PROBES, PROBE_CONCURRENCY))
+        still_running = _status(url, background)["status"] == "in_progress"
+        worker.kill()
+        worker.wait(timeout=60)
+    finally:
+        server.kill()
+    return {"realtime_s": realtime_s, "batch_s": batch_s, "throughput_ratio": realtime_s / batch_s,
+            "p99_idle_ms": percentile(idle, 0.99) * 1000, "p99_busy_ms": percentile(busy, 0.99) * 1000,
+            "p50_idle_ms": percentile(idle, 0.5) * 1000, "p50_busy_ms": percentile(busy, 0.5) * 1000,
+            "batch_ran_throughout_probe": still_running}
+
+
+def run(out_dir: pathlib.Path) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
+        m = measure(pathlib.Path(tmp))
+    ttft_ratio = m["p99_busy_ms"] / m["p99_idle_ms"]
+    lines = [
+        f"Demo model, greedy chat, {OUT} output tokens. Throughput: {N} requests at concurrency {CONCURRENCY}, "
+        f"real-time {m['realtime_s']:.1f} s vs batch {m['batch_s']:.1f} s (submission to completed, worker at the "
+        f"same concurrency): batch/real-time throughput **{m['throughput_ratio']:.2f}** (target >= 0.8: "
+        f"**{'met' if m['throughput_ratio'] >= 0.8 else 'missed'}**).",
+        "",
+        f"Real-time TTFT, {PROBES} streaming probes at concurrency {PROBE_CONCURRENCY}: p99 idle "
+        f"{m['p99_idle_ms']:.0f} ms, p99 with a {BACKGROUND}-line batch running {m['p99_busy_ms']:.0f} ms "
+        f"(p50 {m['p50_idle_ms']:.0f} / {m['p50_busy_ms']:.0f} ms): ratio **{ttft_ratio:.2f}** (target <= 1.2: "
+        f"**{'met' if ttft_ratio <= 1.2 else 'missed'}**); the batch was still running at the probe's end: "
+        f"{m['batch_ran_throughout_probe']}.",
+    ]
+    plots = [ratio_plot({"batch / real-time throughput": m["throughput_ratio"],
+                         "p99 TTFT with batch / without": ttft_ratio}, out_dir, "batch.png",
+                        xlabel="ratio (same run)", title="Batch path vs real-time")]
+    return result("The cached batch path: throughput and real-time TTFT", lines, plots)
+
+
+if __name__ == "__main__":
+    main(run, __doc__.splitlines()[0])
