@@ -28,3 +28,8 @@ class ServingStack:
 
     def region(self) -> pulumi.Output[str]:
         return self.outputs.apply(lambda outputs: outputs.region)
+
+    def client_document(self) -> pulumi.Output[str]:
+        """The client contract as the JSON document a running service reads (llm_serving_client's discovery,
+        docs/clients.md, "Discovery"): validated here, so a client is never deployed with a document it would refuse."""
+        return self.outputs.apply(lambda outputs: outputs.model_dump_json(by_alias=True, indent=1))

@@ -5,6 +5,7 @@ referenced stack's outputs are the real outputs of the shipped serving stack's o
 from __future__ import annotations
 
 import copy
+import json
 import re
 from pathlib import Path
 
@@ -142,7 +143,11 @@ def test_the_consumer_example_resolves_its_endpoints_through_a_stack_reference()
     assert [r.name for r in run.of_type("pulumi:pulumi:StackReference")] == [SERVING_STACK]
     refs = [r for r in run.resources if r.type == "kubernetes:core/v1:ConfigMap"]
     assert len(refs) == 1
-    data = refs[0].inputs["data"]
+    data = dict(refs[0].inputs["data"])
+    # The document llm_serving_client reads at run time: the serving stack's client contract, as it exported it.
+    document = json.loads(data.pop("stack-outputs.json"))
+    assert parse_stack_outputs(document) == parse_stack_outputs(serving.outputs)
+    assert document["schemaVersion"] == 2 and "kubeconfig" not in document
     assert data == {
         "CHAT_OPENAI_BASE_URL": serving.outputs["models"]["chat-large"]["endpoints"]["openai"],
         "EMBED_GRPC_TARGET": serving.outputs["models"]["embed-base"]["endpoints"]["grpc"],
