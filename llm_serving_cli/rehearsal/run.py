@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -54,6 +53,7 @@ from llm_serving_cli.rehearsal.net import Network, service_address
 from llm_serving_cli.rehearsal.services import Endpoint, ServiceProxy
 from llm_serving_cli.rehearsal.substitutions import REPO_ROOT
 from llm_serving_cli.rehearsal.tls import CertificateAuthority
+from serving_image.local_server import free_port  # below the ephemeral range: see its docstring
 
 DEFAULT_STACK = "dev-us-east-1"
 DOCKERFILE = REPO_ROOT / "serving_image" / "Dockerfile"
@@ -63,12 +63,6 @@ CRASH_LOOP_RESTARTS = 3  # a pod restarted this often without getting Ready fail
 
 class RehearsalError(RuntimeError):
     pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Rehearsal:
@@ -304,7 +298,7 @@ class Rehearsal:
         targets.write_text("[]")
         jobs = [job for pm in rendered.of_type(render.POD_MONITOR) for job in observe.scrape_config(pm["inputs"],
                                                                                                    targets)]
-        self.prometheus = observe.Prometheus(prom_dir, _free_port())
+        self.prometheus = observe.Prometheus(prom_dir, free_port())
         self.prometheus.write_config(jobs, observe.rule_file([r["inputs"] for r in
                                                               rendered.of_type(render.PROMETHEUS_RULE)]))
         self.prometheus.start()
@@ -371,7 +365,7 @@ class Rehearsal:
         ca = CertificateAuthority.create(gw_dir / "ca")
         domain = rendered.config["llm-serving:serving"]["domain"]
         certificate = ca.issue([f"*.{domain}", f"*.grpc.{domain}"], gw_dir / "tls")
-        port = _free_port()
+        port = free_port()
         settings = proxy.Settings(binds={443: ("127.0.0.1", port)}, admin_socket=gw_dir / "admin.sock",
                                   certificate=certificate.pem_path)
         self.gateway = proxy.HAProxy(gw_dir)

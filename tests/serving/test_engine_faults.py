@@ -115,5 +115,8 @@ def test_engine_killed_mid_stream(server, demo_model_dir: Path):
     code = server.proc.wait(timeout=60)
     assert code != 0
     assert "engine died" in server.log()
-    if 503 in readiness:  # once not ready, never ready again
+    # Readiness turning false is proved deterministically in test_openai_request_scope
+    # (test_app_readiness_turns_false_...): here the server exits moments after it saw the death, so a probe may or
+    # may not land in between, and what this run can assert is the order: once not ready, never ready again.
+    if 503 in readiness:
         assert 200 not in readiness[readiness.index(503):]

@@ -386,12 +386,10 @@ def test_bad_config_names_the_field(tmp_path, kwargs, message):
 
 def test_spawned_child_process_serves_the_merge(mpdir, writers, triton):
     """The startup procedure's other way to run it: `python -m serving_image.metrics.proxy` as a child."""
-    import socket
+    from serving_image.local_server import free_port
 
     _, server = triton
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = spawn_proxy(ProxyConfig(multiproc_dir=mpdir, upstream_url=server.url, host="127.0.0.1", port=port,
                                    upstream_timeout_s=UPSTREAM_GUARD_S))
     try:

@@ -93,15 +93,16 @@ def test_an_answered_request_is_released_once_with_its_record(books):
         scope.outcome.prompt_tokens, scope.outcome.completion_tokens = 7, 5
     record = books.assert_released_once(200)
     assert list(record) == ["request_id", "endpoint", "model", "version", "status", "prompt_tokens",
-                            "completion_tokens", "duration_s", "first_output_s", "last_output_s", "trace_id", "user",
-                            "metadata"]
+                            "completion_tokens", "duration_s", "first_output_s", "last_output_s", "trace_id",
+                            "experiment", "user", "metadata"]
     assert record["request_id"] == scope.request_id and scope.request_id.startswith("chatcmpl-")
     assert (record["endpoint"], record["model"], record["version"]) == ("chat", "fake", "3")
     assert (record["prompt_tokens"], record["completion_tokens"]) == (7, 5)
     assert record["user"] == "u-1" and record["metadata"] == {"team": "a"}
     assert record["duration_s"] >= 0
     # No output arrived and no traceparent was given: null, not zero.
-    assert (record["first_output_s"], record["last_output_s"], record["trace_id"]) == (None, None, None)
+    assert (record["first_output_s"], record["last_output_s"], record["trace_id"], record["experiment"]) == (
+        None, None, None, None)
 
 
 def test_the_record_holds_when_the_first_and_last_output_arrived_and_the_callers_trace(books):
@@ -497,3 +498,28 @@ def test_app_a_request_cancelled_by_the_server_is_released(books, stream):
         call_app(books, ScriptedEngine(Generation(hang=True)), {"max_tokens": 30, "stream": stream},
                  cancel_when_hanging=True)
     books.assert_released_once(499)
+
+
+def test_app_readiness_turns_false_and_requests_are_refused_once_the_engine_died():
+    """What test_engine_faults' kill can only sample (the server exits moments after the engine died, so a probe may
+    never land in between): from the moment the engine reports its death, /health/ready answers 503 with the reason,
+    and a request is refused with 503 `not_ready` instead of reaching the dead engine."""
+    import httpx
+
+    engine = ScriptedEngine(Generation(3))
+    app = create_app(engine, config=APIConfig(max_inflight_tokens=100))
+
+    async def main() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://server") as client:
+            before = await client.get("/health/ready")
+            engine.dead = True
+            after = await client.get("/health/ready")
+            refused = await client.post("/v1/completions", json={"model": MODEL.name, "prompt": "hi",
+                                                                 "max_tokens": 2})
+        return before, after, refused
+
+    before, after, refused = asyncio.run(main())
+    assert before.status_code == 200
+    assert (after.status_code, after.json()) == (503, {"status": "not ready", "reason": "engine died"})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
+    assert engine.aborted == []  # nothing reached the engine

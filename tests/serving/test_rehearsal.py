@@ -23,6 +23,7 @@ from llm_serving_cli.rehearsal.launcher import _hidden_ancestor, mount_order
 from llm_serving_cli.rehearsal.podspec import PodPlan, Probe
 from llm_serving_cli.rehearsal.services import Endpoint, ServiceProxy
 from llm_serving_cli.rehearsal.tls import CertificateAuthority
+from serving_image.local_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = dockerfile.read(REPO / "serving_image" / "Dockerfile")
@@ -238,14 +239,6 @@ def _launch(plan: PodPlan, log: Path) -> subprocess.Popen:
         return subprocess.Popen(plan.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _until(predicate, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -254,7 +247,7 @@ async def _until(predicate, timeout: float = 60) -> None:
 
 
 async def test_a_pod_is_ready_only_by_its_probes_and_terminates_with_sigterm(tmp_path):
-    runner = PodRunner(_plan(_free_port(), "ok", delay=0.6), "127.0.0.1", _launch, tmp_path)
+    runner = PodRunner(_plan(free_port(), "ok", delay=0.6), "127.0.0.1", _launch, tmp_path)
     task = asyncio.create_task(runner.run())
     await _until(lambda: runner.status.phase in ("Running", "Ready"))
     assert not runner.status.ready or runner.status.ready_after_s >= 0.6
@@ -269,7 +262,7 @@ async def test_a_pod_is_ready_only_by_its_probes_and_terminates_with_sigterm(tmp
 
 async def test_a_crashing_container_is_restarted_with_back_off_and_reported(tmp_path):
     waits = []
-    runner = PodRunner(_plan(_free_port(), "crash"), "127.0.0.1", _launch, tmp_path,
+    runner = PodRunner(_plan(free_port(), "crash"), "127.0.0.1", _launch, tmp_path,
                        backoff=lambda n: waits.append(n) or (0.05 * n))
     task = asyncio.create_task(runner.run())
     await _until(lambda: runner.status.restarts >= 3)
@@ -280,7 +273,7 @@ async def test_a_crashing_container_is_restarted_with_back_off_and_reported(tmp_
 
 
 async def test_a_container_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
-    runner = PodRunner(_plan(_free_port(), "ignore-term", delay=0, grace=1.0, prestop=0.2), "127.0.0.1", _launch,
+    runner = PodRunner(_plan(free_port(), "ignore-term", delay=0, grace=1.0, prestop=0.2), "127.0.0.1", _launch,
                        tmp_path)
     task = asyncio.create_task(runner.run())
     await _until(lambda: runner.status.ready)
@@ -293,7 +286,7 @@ async def test_a_container_that_ignores_sigterm_is_killed_after_the_grace_period
 
 
 async def test_a_probe_against_nothing_fails_with_the_cause():
-    ok, detail = await kubelet.http_probe("127.0.0.1", Probe("readiness", "/", _free_port(), 1, 1, 0.5))
+    ok, detail = await kubelet.http_probe("127.0.0.1", Probe("readiness", "/", free_port(), 1, 1, 0.5))
     assert not ok and detail.startswith("connect 127.0.0.1:")
 
 
@@ -301,10 +294,10 @@ async def test_a_probe_against_nothing_fails_with_the_cause():
 
 
 async def test_a_service_forwards_to_ready_endpoints_only(tmp_path):
-    port = _free_port()
+    port = free_port()
     server = await asyncio.start_server(lambda r, w: (w.write(b"pong"), w.close()), "127.0.0.1", port)
     ready: list[Endpoint] = []
-    proxy = ServiceProxy("svc", "127.0.0.1", [{"name": "http", "port": _free_port(), "targetPort": "http"}],
+    proxy = ServiceProxy("svc", "127.0.0.1", [{"name": "http", "port": free_port(), "targetPort": "http"}],
                          lambda: ready)
     await proxy.start()
     listen = proxy.ports[0]["port"]

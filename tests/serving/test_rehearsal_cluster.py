@@ -10,7 +10,6 @@ ports of their own); the whole rehearsal with vLLM pods runs in `make rehearse`.
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 import textwrap
 from pathlib import Path
@@ -26,6 +25,7 @@ from llm_serving_cli.rehearsal.cluster import RehearsalCluster
 from llm_serving_cli.rehearsal.kubelet import PodRunner
 from llm_serving_cli.rehearsal.podspec import PodPlan, Probe
 from llm_serving_cli.rehearsal.tls import CertificateAuthority
+from serving_image.local_server import free_port
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="function")]
 
@@ -51,12 +51,6 @@ _POD = textwrap.dedent('''
             pass
     http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 ''')
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _deployment(version: str, replicas: int, mode: str = "ok") -> dict:
@@ -93,7 +87,7 @@ class Harness:
         self.tasks: list[asyncio.Task] = []
         self.ca = CertificateAuthority.create(workdir / "ca")
         certificate = self.ca.issue([f"*.{DOMAIN}"], workdir / "tls")
-        self.port = _free_port()
+        self.port = free_port()
         self.haproxy = proxy.HAProxy(workdir / "gw")
         self.haproxy.workdir.mkdir()
         settings = proxy.Settings(binds={443: ("127.0.0.1", self.port)}, admin_socket=workdir / "gw" / "admin.sock",
@@ -110,7 +104,7 @@ class Harness:
         name, mode = inputs["metadata"]["name"], inputs["spec"]["template"]["spec"]["mode"]
         plans = []
         for i in range(inputs["spec"]["replicas"]):
-            port = _free_port()
+            port = free_port()
             probe = dict(port=port, period_s=0.1, timeout_s=2)
             plans.append(PodPlan(
                 name=f"{name}-{i}", deployment=name, namespace="ns",

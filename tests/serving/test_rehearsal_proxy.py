@@ -43,6 +43,7 @@ from llm_serving_cli.rehearsal.proxy import (
     server_weights,
 )
 from llm_serving_cli.rehearsal.tls import CertificateAuthority
+from serving_image.local_server import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -226,12 +227,6 @@ def stream(channel: grpc.Channel, requests: int = 2) -> str:
 # -- fixtures ---------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def workdir():
     # short: unix socket paths are limited to 107 bytes
@@ -266,7 +261,7 @@ def settings(workdir: Path, certificate, port: int) -> Settings:
 @pytest.fixture
 def running(workdir, certificate, ca, request):
     """An HAProxy started by the test (`start(config)`), stopped at the end."""
-    port = _free_port()
+    port = free_port()
     haproxy = HAProxy(workdir / request.node.name[:20])
     cfg = settings(haproxy.workdir, certificate, port)
     yield haproxy, cfg, Gateway(port, ca)

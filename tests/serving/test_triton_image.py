@@ -20,6 +20,7 @@ import pytest
 
 from policies.compat import load_pins as policy_pins
 from serving_image.kserve.translate import OutputReader, request_tensors
+from serving_image.local_server import free_port
 from serving_image.triton import probe
 from serving_image.triton.pins import PinError, check_vllm, load_pins, public_version
 
@@ -199,7 +200,7 @@ def test_standalone_start_reports_a_tritonserver_that_exits(tmp_path):
     fake.chmod(0o755)
     with pytest.raises(RuntimeError, match="tritonserver exited with status 3"):
         asyncio.run(start_standalone(repository=tmp_path, models="m", version="1", http_port=1,
-                                     grpc_port=free_grpc_port(), metrics_port=1, binary=fake))
+                                     grpc_port=free_port(), metrics_port=1, binary=fake))
 
 
 def test_standalone_start_restarts_a_load_stuck_after_the_engine_was_ready(tmp_path):
@@ -227,18 +228,10 @@ def test_standalone_start_restarts_a_load_stuck_after_the_engine_was_ready(tmp_p
     fake.chmod(0o755)
     with pytest.raises(StuckLoadError, match="has not finished loading m, ranker 0s after the engine reported ready"):
         asyncio.run(start_standalone(repository=tmp_path, models=("m", "ranker"), version="1", http_port=1,
-                                     grpc_port=free_grpc_port(), metrics_port=1, binary=fake, stuck_after_s=0))
+                                     grpc_port=free_port(), metrics_port=1, binary=fake, stuck_after_s=0))
     assert starts.read_text().splitlines() == ["started", "started"]
     for pid in map(int, (tmp_path / "children").read_text().split()):
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-
-
-def free_grpc_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_image_runtime_generates_the_repository_before_starting_triton(demo_model_dir, tmp_path, monkeypatch):
