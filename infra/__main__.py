@@ -8,6 +8,7 @@
 
 import pulumi
 
+from infra.batch import BatchArgs, BatchStore
 from infra.bootstrap import BootstrapArgs, ClusterBootstrap
 from infra.cache_warmer import CacheWarmer, CacheWarmerArgs
 from infra.cluster import Cluster, ClusterArgs
@@ -73,9 +74,16 @@ ctx = ServingContext(stack=cfg, provider=cluster.provider, namespace=platform.na
                      gateway_name=platform.gateway_name, image_ref=image.image_ref,
                      repository_url=image.repository_url, triton=pin,
                      depends_on=[*platform.ready, *bootstrap.ready, *cluster.node_groups.values()])
+# The batch path (docs/batch.md): the region's non-replicated batch bucket and a worker per LLM (infra/batch.py).
+batch = BatchStore("batch", BatchArgs(
+    config=cfg, provider=cluster.provider, namespace=platform.namespace, image_ref=image.image_ref,
+    oidc_provider_arn=cluster.oidc_provider_arn, oidc_issuer_url=cluster.oidc_issuer_url,
+    depends_on=list(platform.ready), tags=tags))
 models = {}
 for model in cfg.models:
     served = ModelServing(ctx, model).served
+    if model.kind == "vllm":
+        batch.add_worker(model, served.endpoints["openai"])
     models[model.id] = ModelOutputs(
         kind=served.kind, strategy=served.strategy, region=cfg.region, versions=served.versions,
         active_version=served.active_version,

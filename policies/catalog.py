@@ -6,6 +6,7 @@ from __future__ import annotations
 from pulumi_policy import EnforcementLevel, Policy
 
 from .rules import (
+    batch,
     bootstrap,
     capacity,
     cost,
@@ -33,6 +34,7 @@ ALL_POLICIES: list[Policy] = [
     *python_deps.POLICIES,
     *rollout.POLICIES,
     *experiments.POLICIES,
+    *batch.POLICIES,
     *platform.POLICIES,
     *cost.POLICIES,
 ]

@@ -51,6 +51,7 @@ from serving_image.openai_api.admission import PRIORITY_HEADER
 log = logging.getLogger("llm_serving.batch")
 
 ENV_API_KEY = "LLM_SERVING_BATCH_WORKER_API_KEY"
+ENV_API_KEY_FILE = "LLM_SERVING_BATCH_WORKER_API_KEY_FILE"  # the same from a file (a Secret's volume); wins if present
 # Test hook: the worker SIGKILLs itself right after writing this many results (tests/serving/test_batch_api.py
 # forces a kill at an exact point this way instead of racing a timer).
 ENV_KILL_AFTER = "LLM_SERVING_BATCH_WORKER_KILL_AFTER"
@@ -319,6 +320,16 @@ def _retry_after(response: httpx.Response, default: float) -> float:
         return default
 
 
+def _api_key() -> str | None:
+    """The key for the model's front-end: ENV_API_KEY_FILE's content when that file exists (an optional Secret that
+    is absent leaves no file: no key), else ENV_API_KEY."""
+    path = os.environ.get(ENV_API_KEY_FILE)
+    if path and os.path.isfile(path):
+        with open(path) as handle:
+            return handle.read().strip() or None
+    return os.environ.get(ENV_API_KEY) or None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serving_image.batch.worker", description=__doc__.split("\n")[0])
     parser.add_argument("--store", required=True, help="the batch store: a directory or s3://bucket/prefix")
@@ -333,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
     kill_after = os.environ.get(ENV_KILL_AFTER)
-    config = WorkerConfig(endpoint_url=args.endpoint, api_key=os.environ.get(ENV_API_KEY) or None,
+    config = WorkerConfig(endpoint_url=args.endpoint, api_key=_api_key(),
                           concurrency=args.concurrency, poll_s=args.poll_s,
                           kill_after=int(kill_after) if kill_after else None,
                           cache_retention=timedelta(days=args.cache_retention_days) if args.cache_retention_days

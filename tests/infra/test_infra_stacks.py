@@ -116,21 +116,27 @@ def test_device_plugin_only_where_the_ami_lacks_it(stack):
 # -- model storage -------------------------------------------------------------------------------------------------
 
 
+MODEL_BUCKET = "storage-models"
+
+
 def test_model_bucket_is_encrypted_versioned_private_tls_only_and_expires_old_versions(stack):
     run, cfg = stack
-    bucket = only(run, "aws:s3/bucket:Bucket")
+    # The model bucket and its side resources (the batch bucket beside it is tests/infra/test_batch_stack.py's).
+    bucket = run.find("aws:s3/bucket:Bucket", MODEL_BUCKET)
     assert bucket.inputs["bucket"] == f"acme-llm-{cfg.environment}-{cfg.region}"
-    sse = only(run, "aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration")
+    sse = run.find("aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration",
+                   MODEL_BUCKET)
     rule = sse.inputs["rules"][0]["applyServerSideEncryptionByDefault"]
     assert rule["sseAlgorithm"] == "aws:kms" and rule["kmsMasterKeyId"].startswith("arn:aws:kms:")
-    assert only(run, "aws:s3/bucketVersioning:BucketVersioning").inputs["versioningConfiguration"] == {
+    assert run.find("aws:s3/bucketVersioning:BucketVersioning", MODEL_BUCKET).inputs["versioningConfiguration"] == {
         "status": "Enabled"}
-    block = only(run, "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock").inputs
+    block = run.find("aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock", MODEL_BUCKET).inputs
     assert all(block[k] is True for k in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls",
                                           "restrictPublicBuckets"))
-    (deny,) = statements(only(run, "aws:s3/bucketPolicy:BucketPolicy").inputs["policy"])
+    (deny,) = statements(run.find("aws:s3/bucketPolicy:BucketPolicy", MODEL_BUCKET).inputs["policy"])
     assert deny["Effect"] == "Deny" and deny["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
-    lifecycle = only(run, "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration").inputs["rules"][0]
+    lifecycle = run.find("aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration",
+                         MODEL_BUCKET).inputs["rules"][0]
     assert lifecycle["noncurrentVersionExpiration"]["noncurrentDays"] == cfg.model_storage.noncurrent_version_days
 
 

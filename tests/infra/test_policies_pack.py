@@ -43,7 +43,9 @@ EXTRA_MANDATORY = {"iam-irsa-trust-scoped", "serving-update-timeout", "rollout-g
                    # Issue 30: Python-backend models' dependencies are in the image.
                    "serving-python-dependencies-in-image",
                    # Issue 31 (the caller's side): experiments allocate 100% to versions that are served.
-                   "experiments-arms-served"}
+                   "experiments-arms-served",
+                   # Issue 32 (the batch path): client data stays in its region, each worker in its model's prefix.
+                   "batch-store-isolated"}
 
 
 @pytest.fixture

@@ -254,6 +254,10 @@ MUTATIONS: dict[str, Callable] = {
     "iam-irsa-trust-scoped": lambda res, cfg: _loosen_irsa_trust(res),
     "eks-private-endpoint-in-prod": lambda res, cfg: _of(res, "aws:eks/cluster:Cluster")[0].inputs[
         "vpcConfig"].update(endpointPublicAccess=True),
+    # A batch worker's role widened from its model's prefix to the whole batch bucket (every model's client data).
+    "batch-store-isolated": lambda res, cfg: _policy_doc(
+        next(r for r in _of(res, "aws:iam/rolePolicy:RolePolicy") if r.name.startswith("batch-")),
+        lambda doc: doc["Statement"][0].update(Resource=[doc["Statement"][0]["Resource"][0].rsplit("/", 2)[0] + "/*"])),
 }
 
 

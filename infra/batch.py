@@ -1,0 +1,205 @@
+"""The batch path's infrastructure (issue #32, docs/batch.md): the region's batch bucket and one batch worker per LLM.
+
+- The bucket `<model bucket>-batch` holds client files, batch records, per-line results and the result cache. It
+  is the model bucket's equal in protection (KMS with a key of its own, versioning, no public access, TLS only, a
+  lifecycle) but it **never replicates**: client data stays in its region, while the model bucket replicates
+  everything to the replica regions (infra/storage.py). It is a bucket of its own, not a prefix of the model
+  bucket, so no replication rule and no FSx data repository association can ever reach it.
+- Each `kind: vllm` model gets a worker Deployment (`python3 -m serving_image.batch.worker`, the serving image),
+  one replica (the worker has no lease yet: docs/batch.md, "Not done yet"), on the system nodes, that drives the
+  model's own OpenAI route through the Gateway, as any client does, and keeps that model's batches under
+  `s3://<batch bucket>/<model id>/`. Its IAM role (IRSA) may read, write, list and delete that prefix only, and use
+  the batch key: it cannot read another model's batches, the model bucket, or anything else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pulumi
+import pulumi_aws as aws
+import pulumi_kubernetes as k8s
+
+from infra.config import ModelConfig, StackConfig
+from infra.iam import irsa_trust, policy_document, role_with_policy
+from infra.naming import platform_labels
+from llm_serving import pod_contract as pc
+
+WORKER_MODULE = "serving_image.batch.worker"
+BATCH_COMPONENT = "batch-worker"
+# Client deletions must really delete: a deleted file's noncurrent version lasts a day, not the model bucket's weeks.
+NONCURRENT_DAYS = 1
+CONCURRENCY = 8  # the worker's requests in flight; the front-end's admission share bounds it again
+METRICS_PORT = 9102  # the worker's own /metrics (prometheus_client): scraped, and what its probes ask
+API_KEY_DIR = "/var/run/llm-serving/batch-worker"
+
+
+def batch_bucket_name(cfg: StackConfig) -> str:
+    return f"{cfg.bucket_name()}-batch"
+
+
+def worker_name(model_id: str) -> str:
+    return f"{model_id}-{BATCH_COMPONENT}"
+
+
+def store_uri(bucket: str, model_id: str) -> str:
+    return f"s3://{bucket}/{model_id}"
+
+
+def worker_policy(bucket_arn: pulumi.Input[str], model_id: str, kms_key_arn: pulumi.Input[str]) -> pulumi.Output[str]:
+    """The model's prefix of the batch bucket, read, written, listed and deleted; the batch key; nothing else."""
+    bucket = pulumi.Output.from_input(bucket_arn)
+    return policy_document(
+        {"Sid": "ThisModelsBatches", "Effect": "Allow",
+         "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
+         "Resource": [bucket.apply(lambda b: f"{b}/{model_id}/*")]},
+        {"Sid": "ListThisModelsBatches", "Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": [bucket],
+         "Condition": {"StringLike": {"s3:prefix": [f"{model_id}/*"]}}},
+        {"Sid": "UseTheBatchKey", "Effect": "Allow", "Action": ["kms:Decrypt", "kms:GenerateDataKey"],
+         "Resource": [kms_key_arn]},
+    )
+
+
+def worker_deployment_spec(cfg: StackConfig, model: ModelConfig, image: str, bucket: str, kms_key_arn: str,
+                           endpoint: str) -> dict:
+    """One worker for one model: its store prefix, the model's route, hardened as the restricted Pod Security
+    profile requires, on the system nodes (it needs no GPU: the model's pods do the work)."""
+    name = worker_name(model.id)
+    labels = {"app.kubernetes.io/name": name, **platform_labels(BATCH_COMPONENT)}
+    env = {"LLM_SERVING_BATCH_KMS_KEY_ID": kms_key_arn, "AWS_REGION": cfg.region, "HOME": "/tmp",
+           # The key the worker sends to the model's front-end, as a file from a Secret the platform team creates
+           # per model (optional: a front-end without keys needs none).
+           "LLM_SERVING_BATCH_WORKER_API_KEY_FILE": f"{API_KEY_DIR}/api-key"}
+    container = {
+        "name": "worker",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["python3", "-m", WORKER_MODULE, "--store", store_uri(bucket, model.id), "--endpoint", endpoint,
+                    "--concurrency", str(CONCURRENCY), "--metrics-port", str(METRICS_PORT)],
+        "env": [{"name": k, "value": v} for k, v in env.items()],
+        "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
+        # The worker's metrics server answers while its event loop runs: alive and ready are the same thing here.
+        "livenessProbe": {"httpGet": {"path": "/metrics", "port": METRICS_PORT}, "periodSeconds": 30,
+                          "failureThreshold": 4},
+        "readinessProbe": {"httpGet": {"path": "/metrics", "port": METRICS_PORT}, "periodSeconds": 10},
+        "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "runAsNonRoot": True, "runAsUser": pc.RUN_AS_UID,
+                            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}},
+        "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"},
+                         {"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True}],
+    }
+    return {
+        "replicas": 1,
+        # Never two at once (a rollout of the worker itself): without a lease both would send the same lines.
+        "strategy": {"type": "Recreate"},
+        "selector": {"matchLabels": {"app.kubernetes.io/name": name}},
+        "template": {
+            "metadata": {"labels": labels},
+            "spec": {
+                "serviceAccountName": name,
+                "automountServiceAccountToken": False,  # IRSA's token is a projected volume of its own
+                "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+                "containers": [container],
+                "volumes": [{"name": "scratch", "emptyDir": {"sizeLimit": "1Gi"}},
+                            {"name": "api-key", "secret": {"secretName": f"{name}-api-key", "optional": True}}],
+            },
+        },
+    }
+
+
+@dataclass
+class BatchArgs:
+    config: StackConfig
+    provider: k8s.Provider
+    namespace: str
+    image_ref: pulumi.Input[str]
+    oidc_provider_arn: pulumi.Input[str]
+    oidc_issuer_url: pulumi.Input[str]
+    depends_on: list[pulumi.Resource] = field(default_factory=list)
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+class BatchStore(pulumi.ComponentResource):
+    """The region's batch bucket and its key; workers are added per model with `add_worker`."""
+
+    bucket_name: pulumi.Output[str]
+    bucket_arn: pulumi.Output[str]
+    kms_key_arn: pulumi.Output[str]
+
+    def __init__(self, name: str, args: BatchArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("llm-serving:infra:BatchStore", name, None, opts)
+        self.args = args
+        self.name = name
+        child = pulumi.ResourceOptions(parent=self)
+        cfg = args.config
+        key = aws.kms.Key(f"{name}-key", description=f"batch bucket key ({cfg.region}): client files and results",
+                          enable_key_rotation=True, deletion_window_in_days=30, tags=args.tags, opts=child)
+        bucket = aws.s3.Bucket(f"{name}-bucket", bucket=batch_bucket_name(cfg), force_destroy=False, tags=args.tags,
+                               opts=child)
+        bucket_child = pulumi.ResourceOptions(parent=bucket)
+        versioning = aws.s3.BucketVersioning(f"{name}-bucket", bucket=bucket.id,
+                                             versioning_configuration={"status": "Enabled"}, opts=bucket_child)
+        aws.s3.BucketServerSideEncryptionConfiguration(
+            f"{name}-bucket", bucket=bucket.id,
+            rules=[{"apply_server_side_encryption_by_default": {"sse_algorithm": "aws:kms",
+                                                                "kms_master_key_id": key.arn},
+                    "bucket_key_enabled": True}],
+            opts=bucket_child)
+        public_block = aws.s3.BucketPublicAccessBlock(
+            f"{name}-bucket", bucket=bucket.id, block_public_acls=True, block_public_policy=True,
+            ignore_public_acls=True, restrict_public_buckets=True, opts=bucket_child)
+        aws.s3.BucketPolicy(
+            f"{name}-bucket", bucket=bucket.id,
+            policy=policy_document({
+                "Sid": "DenyInsecureTransport", "Effect": "Deny", "Principal": "*", "Action": "s3:*",
+                "Resource": [bucket.arn, bucket.arn.apply(lambda a: f"{a}/*")],
+                "Condition": {"Bool": {"aws:SecureTransport": "false"}},
+            }),
+            opts=pulumi.ResourceOptions(parent=bucket, depends_on=[public_block]))
+        aws.s3.BucketLifecycleConfiguration(
+            f"{name}-bucket", bucket=bucket.id,
+            rules=[{
+                "id": "expire-deleted-client-data", "status": "Enabled", "filter": {"prefix": ""},
+                "noncurrent_version_expiration": {"noncurrent_days": NONCURRENT_DAYS},
+                "abort_incomplete_multipart_upload": {"days_after_initiation": 1},
+            }],
+            opts=pulumi.ResourceOptions(parent=bucket, depends_on=[versioning]))
+        # Deliberately no aws.s3.BucketReplicationConfig: client data stays in its region.
+        self.bucket_name, self.bucket_arn, self.kms_key_arn = bucket.bucket, bucket.arn, key.arn
+        self.workers: list[str] = []
+        self.register_outputs({"batchBucket": self.bucket_name})
+
+    def add_worker(self, model: ModelConfig, openai_endpoint: str) -> None:
+        """The model's worker: `openai_endpoint` is its route's OpenAI base URL (`https://<host>/v1`)."""
+        args, cfg = self.args, self.args.config
+        name = worker_name(model.id)
+        prefix = f"{self.name}-{model.id}"
+        role = role_with_policy(
+            f"{prefix}-role", irsa_trust(args.oidc_provider_arn, args.oidc_issuer_url, args.namespace, name),
+            worker_policy(self.bucket_arn, model.id, self.kms_key_arn), (), args.tags,
+            pulumi.ResourceOptions(parent=self))
+        k8s_opts = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=args.depends_on)
+        meta = {"name": name, "namespace": args.namespace, "labels": platform_labels(BATCH_COMPONENT)}
+        sa = k8s.core.v1.ServiceAccount(
+            f"{prefix}-sa", metadata={**meta, "annotations": {"eks.amazonaws.com/role-arn": role.arn}},
+            automount_service_account_token=False, opts=k8s_opts)
+        # Ingress to the metrics port from the monitoring namespace only; egress to DNS and HTTPS only (S3, STS,
+        # the model's route through the Gateway).
+        k8s.networking.v1.NetworkPolicy(
+            f"{prefix}-netpol", metadata=meta,
+            spec={"podSelector": {"matchLabels": {"app.kubernetes.io/name": name}},
+                  "policyTypes": ["Ingress", "Egress"],
+                  "ingress": [{"ports": [{"protocol": "TCP", "port": METRICS_PORT}],
+                               "from": [{"namespaceSelector": {"matchLabels": {
+                                   "kubernetes.io/metadata.name": cfg.serving.monitoring_namespace}}}]}],
+                  "egress": [{"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]},
+                             {"ports": [{"protocol": "TCP", "port": 443}]}]},
+            opts=k8s_opts)
+        endpoint = openai_endpoint.removesuffix("/v1")
+        spec = pulumi.Output.all(args.image_ref, self.bucket_name, self.kms_key_arn).apply(
+            lambda v: worker_deployment_spec(cfg, model, v[0], v[1], v[2], endpoint))
+        k8s.apps.v1.Deployment(
+            f"{prefix}-deployment", metadata=meta, spec=spec,
+            opts=pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[*args.depends_on, sa]))
+        self.workers.append(name)
