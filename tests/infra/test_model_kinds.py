@@ -33,11 +33,11 @@ def _values(stack: str = STACK) -> tuple[dict, str]:
     return {k.split(":", 1)[1]: v for k, v in raw.items() if k.startswith("llm-serving:")}, raw["aws:region"]
 
 
-def _parse(edit) -> None:
+def _parse(edit):
     values, region = _values()
     values = copy.deepcopy(values)
     edit(values)
-    parse_stack_config(values, region)
+    return parse_stack_config(values, region)
 
 
 def _ranker(values: dict) -> dict:
@@ -95,6 +95,7 @@ def _gpu_and_node_group(v):
 def _gpu_on_cpu_group(v):
     _ranker(v).pop("nodeGroup")
     _ranker(v).pop("podsPerNode")
+    _ranker(v).pop("inProcess", None)  # a model with gpu never runs in a caller: that refusal has its own test
     _ranker(v)["gpu"] = {"nodeGroup": "cpu", "count": 1}
 
 
@@ -182,7 +183,10 @@ def test_the_vllm_fingerprint_message_says_where_it_comes_from():
 
 
 def test_an_ensemble_with_its_steps_is_accepted():
-    _parse(lambda v: v["models"].append(_pipeline()))
+    cfg = _parse(lambda v: v["models"].append(_pipeline()))
+    pipeline = next(m for m in cfg.models if m.id == "ranker-pipeline")
+    assert pipeline.kind == "ensemble" and [v.version for v in pipeline.versions] == ["1.0.0"]
+    assert pipeline.versions[0].steps  # its steps, as declared, reach the program
 
 
 # -- the program -----------------------------------------------------------------------------------------------------

@@ -298,4 +298,6 @@ def test_refuses_bundled_or_pinned_engine(tmp_path: Path, name: str, data: bytes
 def test_an_unpinned_requirement_on_vllm_is_allowed(tmp_path: Path):
     wheel = _wheel("helper", requires=["vllm", "numpy>=1.0"])
     files = dict(BASE_FILES, **{"plugins/helper-0.1-py3-none-any.whl": wheel})
-    open_package(_tarball(tmp_path / "p.tar.gz", files, manifest=_manifest(files)), tmp_path / "work")
+    opened = open_package(_tarball(tmp_path / "p.tar.gz", files, manifest=_manifest(files)), tmp_path / "work")
+    # accepted and unpacked: a plugin may depend on vLLM, only not pin or bundle it
+    assert (opened.root / "plugins" / "helper-0.1-py3-none-any.whl").read_bytes() == wheel
