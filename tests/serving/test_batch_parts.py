@@ -122,3 +122,14 @@ def storage_ids_refuse_paths() -> bool:
     from serving_image.batch.storage import _safe_id
 
     return not _safe_id("../x") and not _safe_id("a/b") and _safe_id("batch_abc-1")
+
+
+def test_the_workers_key_comes_from_its_secret_file_when_there_is_one(tmp_path, monkeypatch):
+    from serving_image.batch.worker import ENV_API_KEY, ENV_API_KEY_FILE, _api_key
+
+    monkeypatch.setenv(ENV_API_KEY, "from-env")
+    monkeypatch.setenv(ENV_API_KEY_FILE, str(tmp_path / "absent"))  # an optional Secret that is not there
+    assert _api_key() == "from-env"
+    (tmp_path / "api-key").write_text("from-file\n")
+    monkeypatch.setenv(ENV_API_KEY_FILE, str(tmp_path / "api-key"))
+    assert _api_key() == "from-file"
