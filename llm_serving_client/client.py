@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from llm_serving_client.deadline import Deadline
 from llm_serving_client.discovery import Discovery, LocalEndpoints, Route, load_outputs
 from llm_serving_client.errors import CallError, ExperimentError, InvalidRequest
 from llm_serving_client.experiments import HEADER, ArmStats, Assignment, Experiments
+from llm_serving_client.inprocess.model import InProcessError, InProcessModel
 from llm_serving_client.observe import Call, Observer
 from llm_serving_client.openai_calls import OpenAITransport, translate_error
 from llm_serving_client.retry import RetryPolicy, call_with_retries
@@ -78,6 +80,7 @@ class Client:
         self._observer = Observer(tracer_provider, log_sample_rate)
         self._tensor = TensorTransport()
         self._openai = OpenAITransport(api_key)
+        self._in_process: dict[tuple[str, str], InProcessModel] = {}
 
     @classmethod
     def from_file(cls, path=None, **kwargs) -> Client:
@@ -87,9 +90,38 @@ class Client:
     def close(self) -> None:
         self._tensor.close()
         self._openai.close()
+        for local in self._in_process.values():
+            local.close()
+        self._in_process.clear()
 
     def experiment_stats(self, name: str) -> dict[str, ArmStats]:
         return self.experiments.stats(name)
+
+    # -- in-process models -------------------------------------------------------------------------------------
+
+    def load_in_process(self, model: str, version: str, source: Path | str, workdir: Path | None = None) -> None:
+        """Run `model` `version` in this process from its published package at `source` (a package directory or
+        archive fetched from the stack's `inProcess.versions[<version>].package`), verified against what the stack
+        outputs name; every later `infer` of that version runs here. Only a model the stack marks `inProcess`."""
+        outputs = self.discovery.model(model)
+        marked = outputs.in_process
+        if marked is None:
+            raise InProcessError(f"model {model!r}: the stack does not mark it inProcess; it is called remotely")
+        if version not in marked.versions:
+            raise InProcessError(f"model {model!r} version {version!r}: the stack marks only "
+                                 f"{sorted(marked.versions)} for in-process execution")
+        key = (model, version)
+        if key in self._in_process:
+            raise InProcessError(f"model {model!r} version {version!r} is already loaded in this process")
+        self._in_process[key] = InProcessModel(Path(source), model_id=model, version=version,
+                                               io_fingerprint=marked.versions[version].io_fingerprint,
+                                               workdir=workdir)
+
+    def _local(self, model: str, version: str | None) -> InProcessModel | None:
+        if not self._in_process:
+            return None
+        served = self.discovery.model(model)
+        return self._in_process.get((model, version or served.active_version))
 
     # -- experiments -------------------------------------------------------------------------------------------
 
@@ -155,6 +187,9 @@ class Client:
         if resolved.assignment and resolved.assignment.arm.parameters:
             raise ExperimentError("an arm's parameters are request fields; tensor inference takes none",
                                   model=route.model, field=sorted(resolved.assignment.arm.parameters)[0])
+        local = self._local(resolved.model, resolved.version)
+        if local is not None:
+            return self._infer_here(local, route, resolved, inputs or {}, outputs)
         started, error = time.perf_counter(), True
         try:
             with self._open("infer", resolved) as call:
@@ -175,6 +210,29 @@ class Client:
                         route, wire, wanted, deadline.timeout(route.model, route.version), call.headers(extra)))
                 with call.stage("postprocess"):
                     answer = {name: result.as_numpy(name) for name in wanted}
+            error = False
+            return answer
+        finally:
+            self._finish(resolved, None, started, error)
+
+    def _infer_here(self, local: InProcessModel, route: Route, resolved: _Resolved, inputs: Mapping[str, np.ndarray],
+                    outputs: Sequence[str] | None) -> dict[str, np.ndarray]:
+        """The same call on the model loaded in this process: the same input checks (against its config.pbtxt, as
+        Triton would), its `execute` as the inference stage; no serialisation, no network."""
+        started, error = time.perf_counter(), True
+        route = Route(local.model_id, route.kind, local.version, "in-process", tls=False)
+        try:
+            with self._open("infer", resolved) as call:
+                self._begin(call, resolved)
+                with call.stage("preprocess"):
+                    check_inputs(route, local.io, inputs)
+                    wanted = list(outputs) if outputs is not None else sorted(local.io.outputs)
+                    unknown = [o for o in wanted if o not in local.io.outputs]
+                    if unknown:
+                        raise InvalidRequest(f"is not an output of the model (outputs: {sorted(local.io.outputs)})",
+                                             model=route.model, version=route.version, field=unknown[0])
+                with call.stage("inference"):
+                    answer = local.execute(inputs, wanted)
             error = False
             return answer
         finally:

@@ -12,10 +12,13 @@ model, its error messages, and every model of the repository (not only the LLM).
 - ModelInfer: forwarded for models that are not decoupled; a decoupled one gets UNIMPLEMENTED with Triton's words.
 - Tensors: inputs as raw contents or typed contents, any Triton datatype; outputs as raw contents.
 - While the procedure drains (after SIGTERM), ServerReady and ModelReady say false.
+- Every ModelInfer, and every request of a ModelStreamInfer, writes one record (kserve/request_log.py) with the
+  caller's trace id and experiment arm from the gRPC metadata.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import struct
@@ -26,6 +29,7 @@ import numpy as np
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from serving_image.kserve.request_log import KServeRecord, metadata_dict
 from serving_image.kserve.stream_fan_in import fan_in
 from serving_image.triton.capi import ErrorCode, TritonError
 from serving_image.triton.capi.inference import NUMPY_DTYPES, Input, infer
@@ -178,6 +182,23 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         try:
+            record = KServeRecord.open("ModelInfer", request, metadata_dict(context.invocation_metadata()))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            return await self._model_infer(request, context, record)
+        except asyncio.CancelledError:
+            record.status = "CANCELLED"
+            raise
+        except BaseException:
+            code = context.code()  # what an abort set; an exception of ours answers UNKNOWN
+            record.status = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+            raise
+        finally:
+            record.close()
+
+    async def _model_infer(self, request, context, record: KServeRecord):
+        try:
             if self.server.model_is_decoupled(request.model_name, _version(request.model_version)):
                 await context.abort(grpc.StatusCode.UNIMPLEMENTED, DECOUPLED_GRPC_MESSAGE)
             stream = self._send(request)
@@ -191,6 +212,7 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 if response.error is not None:
                     await self._abort(context, response.error)
                 if response.outputs:
+                    record.response_left()
                     answer = infer_response(request.model_name, request.model_version, request.id,
                                             response.outputs, None)
         finally:
@@ -198,26 +220,42 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return answer or infer_response(request.model_name, request.model_version, request.id, {}, None)
 
     async def ModelStreamInfer(self, request_iterator, context):
+        metadata = metadata_dict(context.invocation_metadata())
+
         async def one(request: service_pb2.ModelInferRequest, emit) -> None:
             request_id = request.id
             empty_final = _parameter_value(request.parameters["triton_enable_empty_final_response"]) is True \
                 if "triton_enable_empty_final_response" in request.parameters else False
             try:
-                stream = self._send(request)
-            except (TritonError, RequestError) as exc:
+                record = KServeRecord.open("ModelStreamInfer", request, metadata)
+            except ValueError as exc:
                 await emit(_error(request_id, str(exc)))
                 return
             try:
-                async for response in stream:
-                    if response.error is not None:
-                        await emit(_error(request_id, response.error.message))
-                        continue
-                    if response.outputs or response.final and empty_final:
-                        await emit(service_pb2.ModelStreamInferResponse(infer_response=infer_response(
-                            request.model_name, request.model_version, request_id, response.outputs,
-                            response.final)))
+                try:
+                    stream = self._send(request)
+                except (TritonError, RequestError) as exc:
+                    record.status = "ERROR"
+                    await emit(_error(request_id, str(exc)))
+                    return
+                try:
+                    async for response in stream:
+                        if response.error is not None:
+                            record.status = "ERROR"
+                            await emit(_error(request_id, response.error.message))
+                            continue
+                        if response.outputs or response.final and empty_final:
+                            record.response_left()
+                            await emit(service_pb2.ModelStreamInferResponse(infer_response=infer_response(
+                                request.model_name, request.model_version, request_id, response.outputs,
+                                response.final)))
+                finally:
+                    stream.cancel()  # the stream went away before the request finished: Triton cancels it
+            except asyncio.CancelledError:
+                record.status = "CANCELLED"
+                raise
             finally:
-                stream.cancel()  # the stream went away before the request finished: Triton cancels it
+                record.close()
 
         async with contextlib.aclosing(fan_in(request_iterator, one)) as responses:
             async for response in responses:

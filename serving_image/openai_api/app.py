@@ -45,6 +45,7 @@ from serving_image.openai_api.protocol import (
 from serving_image.openai_api.request_scope import RequestScope, trace_id_from
 from serving_image.openai_api.scoring import score
 from serving_image.openai_api.state import ServerState, server_state
+from serving_image.request_context import EXPERIMENT_HEADER, experiment_from
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +160,17 @@ async def _serve(request: Request, endpoint: Endpoint, handler: Handler) -> Resp
     server = server_state(request)
     with server.open_request(endpoint) as scope:
         scope.trace_id = trace_id_from(request.headers.get("traceparent"))
+        scope.experiment = _experiment(request)
         scope.batch = _is_batch(request)
         scope.body = await _parse_body(request, server, endpoint)
         return await handler(server, scope, scope.body, request.receive)
+
+
+def _experiment(request: Request) -> str | None:
+    try:
+        return experiment_from(request.headers.get(EXPERIMENT_HEADER))
+    except ValueError as exc:
+        raise bad_request(str(exc), param=EXPERIMENT_HEADER, code="invalid_value") from None
 
 
 def _is_batch(request: Request) -> bool:

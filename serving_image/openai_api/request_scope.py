@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -36,6 +35,9 @@ from serving_image.engine.base import ModelInfo
 from serving_image.openai_api.admission import Admission
 from serving_image.openai_api.errors import APIError
 from serving_image.openai_api.protocol import Endpoint
+from serving_image.request_context import count_experiment, trace_id_from
+
+__all__ = ["RequestRecord", "RequestScope", "trace_id_from"]  # trace_id_from: the handlers import it from here
 
 request_log = logging.getLogger("llm_serving.requests")
 
@@ -44,24 +46,6 @@ CLIENT_CLOSED_REQUEST = 499
 
 # The metadata fields of a request body (fields.py): no effect on the output, recorded in the request log as given.
 METADATA_FIELDS = ("user", "metadata", "safety_identifier", "prompt_cache_key")
-
-# W3C Trace Context's `traceparent` header: a version (two lowercase hex digits, not ff), a 32-hex-digit trace id and a
-# 16-hex-digit parent id (neither all zeros), flags; a later version may add fields after those (version 00 adds
-# none). The record keeps the trace id, so that a caller's trace and this server's record join.
-_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(-.*)?$")
-
-
-def trace_id_from(traceparent: str | None) -> str | None:
-    """The trace id of a `traceparent` header, or None without one. A header not in Trace Context's form is not an
-    error of the request: Trace Context says to ignore it (and start a new trace), so the record says null."""
-    match = _TRACEPARENT.match((traceparent or "").strip())
-    if not match:
-        return None
-    version, trace_id, parent_id, rest = match.groups()
-    if version == "ff" or (version == "00" and rest) or set(trace_id) == {"0"} or set(parent_id) == {"0"}:
-        return None
-    return trace_id
-
 
 @dataclass
 class Outcome:
@@ -104,6 +88,7 @@ class RequestRecord:
     first_output_s: float | None  # seconds from the first byte received to the engine's first output (None: none)
     last_output_s: float | None  # ... to its last output
     trace_id: str | None  # from the request's W3C `traceparent` header (None: none, or not in W3C's form)
+    experiment: str | None  # `<experiment>=<arm>` from the x-llm-serving-experiment header (None: none)
     metadata_fields: dict[str, Any] = field(default_factory=dict)  # those of METADATA_FIELDS the request gave
 
     def to_json(self) -> str:
@@ -125,6 +110,7 @@ class RequestScope:
         self.outcome = Outcome()
         self.body: BaseModel | None = None  # the parsed request body, once parsed: the log takes its metadata
         self.trace_id: str | None = None  # the caller's trace (trace_id_from), set by the handler
+        self.experiment: str | None = None  # the caller's experiment arm (request_context.experiment_from)
         self.batch = False  # batch work (admission.PRIORITY_HEADER): admitted within the batch share only
         self.started = time.perf_counter()
         self._admission = admission
@@ -203,5 +189,6 @@ class RequestScope:
                                completion_tokens=outcome.completion_tokens, duration_s=round(duration, 4),
                                first_output_s=since_start(outcome.first_output_at),
                                last_output_s=since_start(outcome.last_output_at), trace_id=self.trace_id,
-                               metadata_fields=metadata_fields)
+                               experiment=self.experiment, metadata_fields=metadata_fields)
         request_log.info(record.to_json())
+        count_experiment(self.experiment, "openai", str(outcome.status))

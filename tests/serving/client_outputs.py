@@ -5,10 +5,18 @@ serves (tests/serving/conftest.py), as a stack would render them, and two experi
 from __future__ import annotations
 
 import copy
+from pathlib import Path
+
+from llm_serving.tensor_contract import io_fingerprint, pbtxt_io
+
+REPO = Path(__file__).resolve().parents[2]
 
 LLM = "demo-tiny"
 RANKER = "ranker"
 PIPELINE = "ranker-pipeline"
+FEATURES = "ranker-features"  # the pipeline's first step, a numpy-only Python model: marked inProcess here
+FEATURES_SOURCE = REPO / "examples" / "ranker" / "pipeline" / "features"
+FEATURES_FINGERPRINT = io_fingerprint(*pbtxt_io((FEATURES_SOURCE / "config.pbtxt").read_text()))
 DOMAIN = "llm.dev.internal.acme.example"
 
 
@@ -35,6 +43,9 @@ DOCUMENT = {
                  "endpoints": _endpoints("ranker-1-0-0"), "versionEndpoints": {"1.0.0": _endpoints("ranker-1-0-0")},
                  "inProcess": None},
         PIPELINE: _red_black("ensemble", PIPELINE),
+        FEATURES: {**_red_black("python", FEATURES), "inProcess": {"versions": {"1.0.0": {
+            "package": "s3://acme-llm-dev-us-east-1/models/model-cache/ranker-features/1.0.0/",
+            "ioFingerprint": FEATURES_FINGERPRINT}}}},
     },
     "experiments": {
         "chat-temperature": {"unit": "user", "arms": [

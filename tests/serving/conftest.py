@@ -159,6 +159,7 @@ def openai_server(demo_model_dir, tmp_path_factory):
         pc.ENV_COMPANION_PACKAGES: pc.COMPANION_SEPARATOR.join(str(p) for p in companions)})
     server.plugin_dir = root / "plugin-trace"
     server.multiproc_dir = root / "prom"
+    server.companions = companions  # the ranker's packages it serves (llm_serving_client's in-process tests)
     server.batch_store = root / "batch-store"
     try:
         yield server

@@ -30,7 +30,7 @@ from llm_serving_client.discovery import Discovery
 from llm_serving_client.observe import Observer
 from llm_serving_client.retry import call_with_retries
 from llm_serving_client.tensor import ModelIO, TensorSpec, check_inputs
-from tests.serving.client_outputs import LLM, PIPELINE, RANKER, document
+from tests.serving.client_outputs import FEATURES, LLM, PIPELINE, RANKER, document
 
 # -- discovery ---------------------------------------------------------------------------------------------------
 
@@ -38,7 +38,7 @@ from tests.serving.client_outputs import LLM, PIPELINE, RANKER, document
 def test_outputs_load_from_the_file_the_deployment_renders(tmp_path, monkeypatch):
     path = tmp_path / "stack-outputs.json"
     path.write_text(json.dumps(document()))
-    assert sorted(load_outputs(path).models) == [LLM, RANKER, PIPELINE]
+    assert sorted(load_outputs(path).models) == sorted([LLM, RANKER, PIPELINE, FEATURES])
     monkeypatch.setenv("LLM_SERVING_STACK_OUTPUTS", str(path))
     assert load_outputs().stack == "dev-us-east-1"
 

@@ -1,0 +1,54 @@
+"""What a request says about its caller, read the same by every front-end (serving_image/request_context.py), and the
+KServe gRPC front-end's request record (serving_image/kserve/request_log.py). No server: the records of real requests
+are checked against the shared server in test_client_remote.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from serving_image.kserve.request_log import KServeRecord, metadata_dict
+from serving_image.request_context import EXPERIMENT_REQUESTS, count_experiment, experiment_from
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+REQUEST = SimpleNamespace(id="r-1", model_name="ranker", model_version="")
+
+
+@pytest.mark.parametrize("value", ["Chat=cool", "chat-temperature", "chat=", "=cool", "chat=cool=warm",
+                                   "chat temperature=cool"])
+def test_a_malformed_arm_is_refused_naming_the_header(value):
+    with pytest.raises(ValueError, match=r"header x-llm-serving-experiment: .* is not '<experiment>=<arm>'"):
+        experiment_from(value)
+
+
+def test_an_arm_is_read_and_counted():
+    assert experiment_from(None) is None and experiment_from(" chat-temperature=cool ") == "chat-temperature=cool"
+    series = EXPERIMENT_REQUESTS.labels("chat-temperature", "cool", "openai", "200")
+    before = series._value.get()
+    count_experiment("chat-temperature=cool", "openai", "200")
+    count_experiment(None, "openai", "200")
+    assert series._value.get() == before + 1
+
+
+def test_the_kserve_record_carries_the_callers_trace_and_arm(caplog):
+    metadata = metadata_dict([("traceparent", TRACEPARENT), ("X-LLM-Serving-Experiment", b"ranking=booster")])
+    with caplog.at_level(logging.INFO, logger="llm_serving.kserve_requests"):
+        record = KServeRecord.open("ModelInfer", REQUEST, metadata)
+        record.response_left()
+        record.close()
+    line = json.loads(caplog.records[-1].getMessage())
+    assert list(line) == ["rpc", "request_id", "model", "model_version", "trace_id", "experiment", "status",
+                          "duration_s", "first_response_s", "last_response_s"]
+    assert (line["trace_id"], line["experiment"], line["status"]) == ("4bf92f3577b34da6a3ce929d0e0e4736",
+                                                                      "ranking=booster", "OK")
+    assert 0 <= line["first_response_s"] <= line["last_response_s"] <= line["duration_s"]
+
+
+def test_a_kserve_record_without_context_says_null():
+    record = KServeRecord.open("ModelStreamInfer", REQUEST, metadata_dict(None))
+    assert (record.trace_id, record.experiment, record.first_response_s) == (None, None, None)
+    with pytest.raises(ValueError, match="x-llm-serving-experiment"):
+        KServeRecord.open("ModelInfer", REQUEST, {"x-llm-serving-experiment": "bad"})
