@@ -30,6 +30,7 @@ MODULES = [
     "bench.cold_cache",
     "bench.openai_frontend",
     "bench.kserve",
+    "bench.client_in_process",
     "bench.startup",
     "bench.constraints_e2e",
     "bench.batch",
