@@ -1,10 +1,17 @@
-"""Embeddings and scores of the demo model, recorded from vLLM called directly (no Triton: `VllmLocalEngine` behind
-this project's OpenAI app, in one process) in tests/serving/golden/embed-score/demo-tiny.json, so that the Triton
-paths can be held to them without starting a second engine: test_openai_api.py and test_openai_embedded.py check the
-embedded Triton's answers against the file. Re-record (when the demo model or vLLM changes) with
-`.venv-serving/bin/python -m tests.serving.embed_score_reference`.
+"""Embeddings and scores of the demo model, recorded from vLLM's own offline API (`vllm.LLM`: no Triton, no engine
+adapter or OpenAI app of this project) in tests/serving/golden/embed-score/demo-tiny.json, so that the served paths
+are held to vLLM, not to themselves, without starting another engine: test_openai_api.py and
+test_openai_embedded.py check the embedded Triton's answers against the file. Re-record (when the demo model or vLLM
+changes) with `.venv-serving/bin/python -m tests.serving.embed_score_reference`.
 
-The demo model is deterministic (fixed seed, float32), so the values only change when it does.
+- Embeddings: `LLM(..., runner="pooling", convert="embed").embed(...)`, strings as given (vLLM's tokenizer with its
+  special tokens) and token-id lists as `{"prompt_token_ids": ...}`.
+- Scores: vLLM's `LLM.score` is a cross-encoder/embedding similarity, another quantity; the platform's score is the
+  prefill's log-probability of each candidate's tokens after the prompt (docs/openai-fields.md, `/v1/score`), so it is
+  recorded with `LLM.generate` and `prompt_logprobs=0` over the prompt's tokens (with special tokens) followed by the
+  candidate's (without), summing the candidate positions' log-probabilities of the actual tokens.
+
+The demo model is deterministic (fixed seed, float32), so the values only change when it or vLLM does.
 """
 
 from __future__ import annotations
@@ -50,34 +57,39 @@ def measure(url: str, headers: dict | None = None) -> dict:
 
 
 def record(model_dir: Path) -> dict:
-    """Measure vLLM directly (the engine the stand-in backend's engine process runs, without Triton in front) through
-    this project's OpenAI app on a local port, and write the reference."""
-    import asyncio
+    """Measure with vLLM's offline API (module docstring) and write the reference."""
+    import gc
 
-    from serving_image.engine.vllm_local import VllmLocalEngine
-    from serving_image.http_server import uvicorn_server
-    from serving_image.local_server import ENGINE_ARGS, free_port
-    from serving_image.openai_api.app import create_app
+    from vllm import LLM, SamplingParams
 
-    async def measure_direct() -> dict:
-        engine = await VllmLocalEngine.start(name=MODEL, version="reference", model_path=model_dir,
-                                             tokenizer_path=model_dir, args={**ENGINE_ARGS, "enforce_eager": True},
-                                             tasks=("generate", "embed", "score"))
-        port = free_port()
-        server = uvicorn_server(create_app(engine), "127.0.0.1", port)
-        task = asyncio.create_task(server.serve())
-        try:
-            while not server.started:
-                if task.done():
-                    task.result()
-                await asyncio.sleep(0.05)
-            return await asyncio.to_thread(measure, f"http://127.0.0.1:{port}")
-        finally:
-            server.should_exit = True
-            await task
-            await engine.shutdown()
+    from serving_image.local_server import ENGINE_ARGS
 
-    measured = asyncio.run(measure_direct())
+    args = {**ENGINE_ARGS, "enforce_eager": True}
+    pooling = LLM(model=str(model_dir), runner="pooling", convert="embed", **args)
+    embeddings, prompt_tokens = [], 0
+    for inputs in EMBED_REQUESTS:
+        prompts = [{"prompt_token_ids": item} if isinstance(item, list) else item for item in inputs]
+        for item, output in zip(inputs, pooling.embed(prompts, use_tqdm=False), strict=True):
+            embeddings.append({"input": item, "vector": [float(x) for x in output.outputs.embedding]})
+            prompt_tokens += len(output.prompt_token_ids)
+    del pooling
+    gc.collect()
+    llm = LLM(model=str(model_dir), **args)
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    scores = []
+    for prompt, candidates in SCORE_CASES:
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
+        logprobs, tokens = [], []
+        for candidate in candidates:
+            ids = tokenizer.encode(candidate, add_special_tokens=False)
+            (output,) = llm.generate([{"prompt_token_ids": prompt_ids + ids}], params, use_tqdm=False)
+            positions = output.prompt_logprobs[len(prompt_ids):]
+            logprobs.append(float(sum(entry[token].logprob for entry, token in zip(positions, ids, strict=True))))
+            tokens.append(len(ids))
+        scores.append({"prompt": prompt, "candidates": candidates, "logprob": logprobs, "tokens": tokens})
+    measured = {"embeddings": embeddings, "prompt_tokens": prompt_tokens, "scores": scores,
+                "recorded_with": "vllm.LLM (tests/serving/embed_score_reference.py)"}
     GOLDEN.parent.mkdir(parents=True, exist_ok=True)
     GOLDEN.write_text(json.dumps(measured, indent=1) + "\n")
     return measured
