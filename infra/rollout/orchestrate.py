@@ -285,8 +285,15 @@ class Rollout:
         if client is None:
             raise StackFileError(f"stack {stack}: idle versions are found from Prometheus; no Prometheus for it")
         idle, busy = set(), []
+        # A version an experiment's arm calls stays, idle or not (its share may be 0 for now): removing it would
+        # leave the experiment pointing at a version the stack no longer serves (docs/clients.md, "Experiments").
+        in_experiments = {a.version: e.name for e in sf.typed().experiments for a in e.arms
+                          if a.model == self.model_id and a.version}
         for v in model.versions:
             if v.version == newest:
+                continue
+            if v.version in in_experiments:
+                busy.append(f"{v.version} (an arm of experiment {in_experiments[v.version]})")
                 continue
             count = request_count(client, self.model_id, v.version, self.options.idle_window)
             (busy.append(f"{v.version} ({count:.0f} requests)") if count > 0 else idle.add(v.version))

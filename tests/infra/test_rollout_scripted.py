@@ -222,6 +222,29 @@ def test_step_order_of_a_forward_step_and_of_a_rollback_in_the_real_program(tmp_
     assert engine.route_weights(live, MODEL)["chat-large-http"] == {"2.3.0": 100}
 
 
+def test_a_version_an_experiment_calls_is_kept_even_idle(tmp_path, prom, capsys):
+    """An experiment's arm names the ranker's 3.0.0 (at 0% for now): `advance` keeps that version although it had no
+    request, since removing it would leave the experiment on a version the stack no longer serves."""
+    canned, url = prom
+    config_dir, state_dir = copy_stacks(tmp_path / "stacks"), tmp_path / "state"
+    stack_file = config_dir / "Pulumi.prod-us-west-2.yaml"
+    stack_file.write_text(stack_file.read_text() + """\
+    - name: ranker-v4
+      unit: user
+      arms:
+        - {name: old, model: ranker, version: 3.0.0, percent: 0}
+        - {name: new, model: ranker, version: 4.0.0, percent: 100}
+""")
+    canned.series = {}
+    args = ["advance", "ranker", "--stacks", "prod-us-west-2", "--runner", "mock", "--config-dir", str(config_dir),
+            "--state-dir", str(state_dir), f"--prometheus=prod-us-west-2={url}/prod-us-west-2", "--idle-window",
+            "3d", "--json"]
+    assert main(args, policy_gate=blocking_violations) == 0
+    (entry,) = json.loads(capsys.readouterr().out)["stacks"]
+    assert entry["status"] == "unchanged" and "3.0.0 (an arm of experiment ranker-v4)" in entry["detail"]
+    assert [v.version for v in StackFile.load(stack_file).model("ranker").versions] == ["3.0.0", "4.0.0"]
+
+
 def test_versioned_idle_version_removed_by_a_later_update(tmp_path, prom, capsys):
     """prod-us-west-2's ranker serves 3.0.0 and 4.0.0 (the shipped versioned shape). With requests on 3.0.0 in the
     idle window nothing is removed; once it has none, `advance` removes it in one update (the newest, 4.0.0, is
