@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -18,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from infra.instances import INSTANCE_FACTS, MIN_IMAGE_VOLUME_GIB
 from infra.model_fit import OTHER_GPU_MEMORY_UTILIZATION, VLLM_GPU_MEMORY_UTILIZATION, LoadTime, gpu_memory_fit
+from llm_serving.compat import COMPAT_PATH, CompatError, load_compat
 from llm_serving.manifest import Backend, ParallelLayout
 from llm_serving.pod_contract import PodContractError, package_uri, parse_package_uri
 from llm_serving.python_deps import DependencyError, parse_requirements
@@ -25,7 +25,7 @@ from llm_serving.tensor_contract import VLLM_IO_FINGERPRINT
 
 PROJECT = "llm-serving"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-COMPAT_TOML = REPO_ROOT / "serving_image" / "compat.toml"
+COMPAT_TOML = COMPAT_PATH
 
 # Keys of the project namespace that the program reads; any other `llm-serving:` key is a typo, and an error.
 TOP_LEVEL_KEYS = ("environment", "team", "homeRegion", "network", "cluster", "modelStorage", "serving", "models",
@@ -783,21 +783,16 @@ TRITON_REPOSITORY = "nvcr.io/nvidia/tritonserver"
 def triton_pin(serving: ServingConfig, compat_path: Path = COMPAT_TOML) -> TritonPin:
     if compat_path.is_file():
         try:
-            triton = tomllib.loads(compat_path.read_text())["triton"]
-            release = triton["release"]
-        except (tomllib.TOMLDecodeError, KeyError) as exc:
-            raise ConfigError(f"{compat_path}: needs [triton] release (the Triton release the image pins): "
-                              f"{exc}") from None
-        image = triton.get("image") or f"{TRITON_REPOSITORY}:{release}-vllm-python-py3"
-        tag = image.rsplit(":", 1)[1]
-        if not tag.startswith(release):
-            raise ConfigError(f"{compat_path}: [triton] image {image!r} is not release {release!r}")
+            triton = load_compat(compat_path).triton  # the one reader (llm_serving/compat.py) checks every key
+        except CompatError as exc:
+            raise ConfigError(str(exc)) from None
+        image, tag, release = triton.image, triton.image_tag, triton.release
         if serving.triton_image_tag and serving.triton_image_tag != tag:
             raise ConfigError(f"{PROJECT}:serving.tritonImageTag: {serving.triton_image_tag!r} disagrees with "
                               f"{compat_path.name} ({tag!r}); remove the key, compat.toml is the single pin")
         source = str(compat_path.relative_to(REPO_ROOT)) if compat_path.is_relative_to(REPO_ROOT) else str(compat_path)
-        return TritonPin(image=image, image_tag=tag, release=release, vllm_version=triton.get("vllm_version"),
-                         vllm_backend_branch=triton.get("vllm_backend_branch"), source=source)
+        return TritonPin(image=image, image_tag=tag, release=release, vllm_version=triton.vllm_version,
+                         vllm_backend_branch=triton.vllm_backend_branch, source=source)
     if not serving.triton_image_tag:
         raise ConfigError(f"{PROJECT}:serving.tritonImageTag: required while serving_image/compat.toml does not "
                           f"exist (allowed: a Triton NGC tag like '26.08-vllm-python-py3')")

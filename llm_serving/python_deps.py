@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 import tarfile
-import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +22,8 @@ from pathlib import Path
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
-# compat.toml is the serving image's file; this module reads it as a file, never by importing the image's code.
-COMPAT_PATH = Path(__file__).resolve().parents[1] / "serving_image" / "compat.toml"
+from llm_serving.compat import Compat, CompatError, load_compat
+
 RUNTIMES = ("triton", "local")
 # Fixed by the Triton release (compat.toml [triton]): a package can neither require another version of these nor
 # bring its own (llm_serving/package.py refuses bundled copies).
@@ -113,40 +112,22 @@ class StubPins:
         return [f"{name}=={version}" for name, version in sorted(self.install.items())]
 
 
-def _read(path: Path | None) -> tuple[dict, Path]:
-    source = Path(path or COMPAT_PATH)
+def _compat(path: Path | None) -> Compat:
     try:
-        return tomllib.loads(source.read_text()), source
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise DependencyError(f"{source}: cannot read the stub's pins: {exc}") from exc
+        return load_compat(path)
+    except CompatError as exc:
+        raise DependencyError(str(exc)) from exc
 
 
-def _pins_table(table: object, where: str, source: Path) -> dict[str, str]:
-    if not isinstance(table, Mapping) or not all(isinstance(v, str) and v for v in table.values()):
-        raise DependencyError(f"{source}: {where} must be a table of distribution = \"version\"")
-    return {canonicalize_name(name): version for name, version in table.items()}
+def _canonical(versions: Mapping[str, str]) -> dict[str, str]:
+    return {canonicalize_name(name): version for name, version in versions.items()}
 
 
 def load_stub_pins(path: Path | None = None) -> StubPins:
-    """compat.toml [triton.stub], checked: every key there, every version a plain string."""
-    doc, source = _read(path)
-    stub = doc.get("triton", {}).get("stub")
-    if not isinstance(stub, Mapping):
-        raise DependencyError(f"{source}: [triton.stub] is missing (the image's Python backend stub's pins)")
-    for key in ("python", "base", "install", "backend_directory"):
-        if key not in stub:
-            raise DependencyError(f"{source}: triton.stub.{key} is missing")
-    unknown = sorted(set(stub) - {"python", "base", "install", "backend_directory"})
-    if unknown:
-        raise DependencyError(f"{source}: triton.stub.{unknown[0]}: unknown key")
-    base = _pins_table(stub["base"], "triton.stub.base", source)
-    install = _pins_table(stub["install"], "triton.stub.install", source)
-    both = sorted(set(base) & set(install))
-    if both:
-        raise DependencyError(f"{source}: triton.stub: {both[0]} is in both base and install; the image's own "
-                              "version is never replaced")
-    return StubPins(python=str(stub["python"]), base=base, install=install,
-                    backend_directory=str(stub["backend_directory"]))
+    """compat.toml [triton.stub] (read and checked by llm_serving/compat.py)."""
+    stub = _compat(path).triton.stub
+    return StubPins(python=stub.python, base=_canonical(stub.base), install=_canonical(stub.install),
+                    backend_directory=stub.backend_directory)
 
 
 def load_stub(runtime: str, path: Path | None = None) -> StubEnvironment:
@@ -154,19 +135,14 @@ def load_stub(runtime: str, path: Path | None = None) -> StubEnvironment:
     [local.triton]: python_backend_stub and every stub_<distribution> key)."""
     if runtime == "triton":
         pins = load_stub_pins(path)
-        doc, _ = _read(path)
-        release = doc.get("triton", {}).get("release", "?")
+        release = _compat(path).triton.release
         return StubEnvironment(f"the serving image's Python backend stub (Triton {release}, compat.toml "
                                "[triton.stub])", pins.python, {**pins.base, **pins.install})
     if runtime == "local":
-        doc, source = _read(path)
-        table = doc.get("local", {}).get("triton")
-        if not isinstance(table, Mapping) or "python_backend_stub" not in table:
-            raise DependencyError(f"{source}: local.triton.python_backend_stub is missing")
-        dists = {canonicalize_name(k.removeprefix("stub_")): str(v) for k, v in table.items()
-                 if k.startswith("stub_")}
-        return StubEnvironment(f"the local Triton's Python backend stub (Triton {table.get('release', '?')}, "
-                               "compat.toml [local.triton])", str(table["python_backend_stub"]), dists)
+        table = _compat(path).local.triton
+        return StubEnvironment(f"the local Triton's Python backend stub (Triton {table.release}, "
+                               "compat.toml [local.triton])", table.python_backend_stub,
+                               _canonical(table.stub_distributions()))
     raise DependencyError(f"unknown runtime {runtime!r} (expected one of {', '.join(RUNTIMES)})")
 
 

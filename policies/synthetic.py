@@ -14,20 +14,25 @@ from pathlib import Path
 from typing import Any
 
 from infra.mockrun import MockedResource
+from llm_serving.compat import COMPAT_PATH, load_compat
 
 from .offline import Finding, evaluate
 
 FINGERPRINT_A = "sha256:" + "a" * 64
 FINGERPRINT_B = "sha256:" + "b" * 64
 DIGEST = "sha256:" + "c" * 64
-COMPAT_TOML = """\
-# Test copy with the keys of serving_image/compat.toml that the policies read (docs/architecture.md §3.9).
-[triton]
-release = "25.10"
-image_tag = "25.10-vllm-python-py3"
-vllm_version = "0.10.2"
-vllm_backend_branch = "r25.10"
-"""
+
+
+def _synthetic_compat() -> str:
+    """A test copy of serving_image/compat.toml (docs/architecture.md §3.9): the real file, every section of it,
+    moved to Triton 25.10 with vLLM 0.10.2 (release, image, backend branch r25.10 and vLLM version), so the rule
+    tests' stacks pin something else than the shipped stacks do."""
+    real = load_compat().triton
+    text = COMPAT_PATH.read_text().replace(real.release, "25.10")
+    return text.replace(f'\nvllm_version = "{real.vllm_version}"\n', '\nvllm_version = "0.10.2"\n', 1)
+
+
+COMPAT_TOML = _synthetic_compat()
 TAGS = {"team": "ml-platform", "env": "prod"}
 
 

@@ -96,8 +96,6 @@ def locate(home: Path | None = None) -> LocalTriton:
     naming what is missing and how to get it."""
     home = Path(home or os.environ.get(HOME_ENV) or DEFAULT_HOME)
     pin = load_pins().local_triton
-    if pin is None:
-        raise TritonNotInstalledError("compat.toml has no [local.triton] table: the local Triton is not pinned")
     if not home.is_dir():
         raise TritonNotInstalledError(f"Triton is not installed ({home} does not exist): {HOW_TO_INSTALL}")
     site = _site_packages(home)

@@ -35,10 +35,10 @@ from typing import Any
 from google.protobuf import text_encoding, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from llm_serving.compat import TritonRelease
 from llm_serving.manifest import Backend, Manifest
 from llm_serving.tensor_contract import VLLM_INPUTS, VLLM_OUTPUTS, TensorSpec
 from serving_image.triton.models import SCORING_INPUTS, SCORING_OUTPUTS, package_models
-from serving_image.triton.pins import TritonRelease
 
 VERSION_DIR = "1"
 _KSERVE_TO_PBTXT = {"BYTES": mc.TYPE_STRING, "BOOL": mc.TYPE_BOOL, "UINT32": mc.TYPE_UINT32, "FP32": mc.TYPE_FP32}

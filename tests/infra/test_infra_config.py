@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.config import ConfigError, ServingConfig, parse_stack_config, triton_pin
+from infra.config import COMPAT_TOML, ConfigError, ServingConfig, parse_stack_config, triton_pin
 from infra.mockrun import run_stack, stack_config_path
 
 STACK = "prod-us-east-1"
@@ -155,8 +155,8 @@ def test_config_errors_surface_from_run_stack_with_the_programs_message():
 
 def test_triton_pin_comes_from_compat_toml_and_the_config_key_only_as_a_fallback(tmp_path: Path):
     compat = tmp_path / "compat.toml"
-    compat.write_text('[triton]\nrelease = "26.08"\nimage = "nvcr.io/nvidia/tritonserver:26.08-vllm-python-py3"\n'
-                      'vllm_version = "0.27.1"\nvllm_backend_branch = "r26.08"\n')
+    text = COMPAT_TOML.read_text()
+    compat.write_text(text)
     pin = triton_pin(ServingConfig(domain="llm.example.com"), compat)
     assert (pin.release, pin.image_tag, pin.vllm_version) == ("26.08", "26.08-vllm-python-py3", "0.27.1")
     with pytest.raises(ConfigError, match="serving.tritonImageTag: '25.10-vllm-python-py3' disagrees with"):
@@ -166,8 +166,11 @@ def test_triton_pin_comes_from_compat_toml_and_the_config_key_only_as_a_fallback
         triton_pin(ServingConfig(domain="llm.example.com"), missing)
     fallback = triton_pin(ServingConfig(domain="llm.example.com", triton_image_tag="25.12-vllm-python-py3"), missing)
     assert fallback.image == "nvcr.io/nvidia/tritonserver:25.12-vllm-python-py3"
-    compat.write_text("[triton]\n")
-    with pytest.raises(ConfigError, match=r"needs \[triton\] release"):
+    compat.write_text(text.replace('\nrelease = "26.08"\n', "\n", 1))
+    with pytest.raises(ConfigError, match=r"compat.toml: triton.release is missing"):
+        triton_pin(ServingConfig(domain="llm.example.com"), compat)
+    compat.write_text(text.replace("tritonserver:26.08-vllm-python-py3\"", "tritonserver:26.07-vllm-python-py3\""))
+    with pytest.raises(ConfigError, match=r"triton.image '.*:26.07-vllm-python-py3' is not release '26.08'"):
         triton_pin(ServingConfig(domain="llm.example.com"), compat)
 
 

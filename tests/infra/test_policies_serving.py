@@ -113,7 +113,7 @@ def test_compat_file_without_a_pin_names_the_key(tmp_path):
     stack = compliant_stack()
     text = "\n".join(line for line in COMPAT_TOML.splitlines() if not line.startswith("vllm_backend_branch"))
     findings = stack.evaluate(write_compat(tmp_path, text))
-    assert "no vLLM backend branch (looked for" in findings[0].message
+    assert "compat.toml: triton.vllm_backend_branch is missing" in findings[0].message
 
 
 # -- GPUs ----------------------------------------------------------------------------------------------------------

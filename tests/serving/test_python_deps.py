@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from llm_serving.compat import COMPAT_PATH
 from llm_serving.manifest import Backend, ServingMode, parse_manifest
 from llm_serving.package import PackageError, PackageSpec, build_package, check_python_dependencies, open_package
 from llm_serving.python_deps import (
-    COMPAT_PATH,
     STUB_PIP_FLAGS,
     DependencyError,
     StubPins,
@@ -117,7 +117,8 @@ def test_compat_stub_table_is_checked(tmp_path):
     (tmp_path / "compat.toml").write_text(text)
     with pytest.raises(DependencyError, match="numpy is in both base and install"):
         load_stub_pins(tmp_path / "compat.toml")
-    (tmp_path / "compat.toml").write_text("[triton]\nrelease = '26.08'\n")
+    without = re.sub(r"\n\[triton\.stub\]\n.*?(?=\n\[local\]\n)", "\n", COMPAT_PATH.read_text(), flags=re.S)
+    (tmp_path / "compat.toml").write_text(without)
     with pytest.raises(DependencyError, match=r"\[triton.stub\] is missing"):
         load_stub("triton", tmp_path / "compat.toml")
 
