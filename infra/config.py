@@ -744,11 +744,6 @@ class StackConfig(_Camel):
         groups = self.cluster.gpu_node_groups if model.gpu is not None else self.cluster.cpu_node_groups
         return next(g for g in groups if g.name == model.placement)
 
-    def step_package_uri(self, step: PackageRef) -> str:
-        """Where an ensemble's step package is published (the home region's bucket, `llm-serving publish`'s key)."""
-        return package_uri(self.bucket_name(self.home_region), self.model_storage.model_prefix, step.id,
-                           step.version)
-
     def regional_package_uri(self, package: str) -> str:
         """A package's URI in this region's model bucket: the home bucket's key, replicated under the same key."""
         _, _, key = package.removeprefix("s3://").partition("/")

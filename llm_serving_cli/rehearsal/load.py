@@ -42,10 +42,6 @@ class LoadResult:
     def failed(self) -> int:
         return sum(not o.ok for o in self.outcomes)
 
-    @property
-    def cut_short(self) -> int:
-        return sum(not o.ok and o.detail.startswith("cut short") for o in self.outcomes)
-
     def failures(self, limit: int = 10) -> list[str]:
         return [f"{o.at:.1f}s {'stream' if o.streamed else 'whole'}: {o.detail}" for o in self.outcomes
                 if not o.ok][:limit]

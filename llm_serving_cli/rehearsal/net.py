@@ -86,11 +86,6 @@ class Network:
         _ip("-n", name, "route", "add", "default", "via", str(GATEWAY))
         return name, address
 
-    def delete_pod(self, name: str) -> None:
-        if name in self.namespaces:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-            self.namespaces.remove(name)
-
     def close(self) -> None:
         for name in reversed(list(self.namespaces)):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)

@@ -7,7 +7,6 @@ container's rendered env on top; its volumeMounts are bound at their mountPaths;
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,7 +214,3 @@ def placement_report(plan: PodPlan, node_groups: list[dict[str, Any]]) -> str:
     capped = ", ".join(f"{k}={v}" for k, v in sorted(limits.items()))
     return (f"{plan.name}: requests {shown or 'nothing'}, limits {capped or 'none'}; would land on {where}"
             + (f"; {gpus} GPU(s) requested, none can be granted on this machine" if gpus else ""))
-
-
-def ceil_div(a: float, b: float) -> int:
-    return int(math.ceil(a / b)) if b else 0
