@@ -22,7 +22,9 @@ import numpy as np
 import openai
 from opentelemetry import trace
 
-from llm_serving.stack_outputs import StackOutputs
+from llm_serving.batch_cache import ResultCache
+from llm_serving.object_store import open_object_store
+from llm_serving.stack_outputs import StackOutputs, StackOutputsError
 from llm_serving_client.deadline import Deadline
 from llm_serving_client.discovery import Discovery, LocalEndpoints, Route, load_outputs
 from llm_serving_client.errors import CallError, ExperimentError, InvalidRequest
@@ -44,6 +46,7 @@ class ChatResult:
     completion_tokens: int
     trace_id: str
     arm: str | None = None
+    cached: bool = False  # answered from the batch path's result cache, no model call
 
 
 @dataclass
@@ -73,7 +76,8 @@ class _Resolved:
 class Client:
     def __init__(self, outputs: StackOutputs, *, api_key: str | None = None, local: LocalEndpoints | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, retry: RetryPolicy | None = None,
-                 tracer_provider: trace.TracerProvider | None = None, log_sample_rate: float = 1.0):
+                 tracer_provider: trace.TracerProvider | None = None, log_sample_rate: float = 1.0,
+                 result_cache: ResultCache | None = None):
         self.discovery = Discovery(outputs, local)
         self.experiments = Experiments(outputs.experiments)
         self.timeout_s, self.retry = timeout_s, retry or RetryPolicy()
@@ -81,11 +85,25 @@ class Client:
         self._tensor = TensorTransport()
         self._openai = OpenAITransport(api_key)
         self._in_process: dict[tuple[str, str], InProcessModel] = {}
+        # The batch path's content-addressed answers (llm_serving.batch_cache), read first by `chat(cached=True)`.
+        self._cache = result_cache
 
     @classmethod
-    def from_file(cls, path=None, **kwargs) -> Client:
-        """From the stack-outputs file the service's deployment renders (default: $LLM_SERVING_STACK_OUTPUTS)."""
-        return cls(load_outputs(path), **kwargs)
+    def from_file(cls, path=None, *, read_cache: bool = False, **kwargs) -> Client:
+        """From the stack-outputs file the service's deployment renders (default: $LLM_SERVING_STACK_OUTPUTS).
+        `read_cache`: read cached batch answers from the stack's `batch.cache` (S3, this process's credentials)."""
+        outputs = load_outputs(path)
+        if read_cache:
+            if outputs.batch is None:
+                raise StackOutputsError(f"stack {outputs.stack} renders no batch block: there is no result cache "
+                                        f"to read")
+            import boto3
+
+            cache = outputs.batch.cache
+            store = open_object_store(f"s3://{cache.bucket}/{cache.prefix}".rstrip("/"),
+                                      client=boto3.client("s3", region_name=cache.region))
+            kwargs["result_cache"] = ResultCache(store)
+        return cls(outputs, **kwargs)
 
     def close(self) -> None:
         self._tensor.close()
@@ -249,9 +267,11 @@ class Client:
     def chat(self, model: str | None = None, messages: Sequence[Mapping[str, Any]] = (), *, stream: bool = False,
              response_format: Mapping[str, Any] | None = None, constraint: Mapping[str, Any] | None = None,
              experiment: str | None = None, unit: str | None = None, deadline_s: float | None = None,
-             **parameters: Any) -> ChatResult | ChatStream:
+             cached: bool = False, **parameters: Any) -> ChatResult | ChatStream:
         """/v1/chat/completions. `parameters` are the request's other fields (max_tokens, temperature, ...);
-        `constraint` is the platform's extension (docs/architecture.md §3.5), sent in the body beside them."""
+        `constraint` is the platform's extension (docs/architecture.md §3.5), sent in the body beside them.
+        `cached`: answer from the batch path's result cache when it holds this request's answer (only deterministic
+        requests are cached: greedy or seeded), else call the model."""
         deadline = Deadline.after(deadline_s or self.timeout_s)
         resolved = self._resolve(model, None, experiment, unit, parameters)
         route = self.discovery.route(resolved.model, "openai", resolved.version)
@@ -260,11 +280,20 @@ class Client:
             body["response_format"] = dict(response_format)
         extra_body = {"constraint": dict(constraint)} if constraint is not None else {}
         if stream:
+            if cached:
+                raise ValueError("cached answers are whole answers: pass stream=False with cached=True")
             return self._chat_stream(route, resolved, body, extra_body, deadline)
+        if cached and self._cache is None:
+            raise ValueError("cached=True needs a result cache (Client(result_cache=...), from_file(read_cache=True))")
         started, error = time.perf_counter(), True
         try:
             with self._open("chat", resolved) as call:
                 extra = self._begin(call, resolved)
+                if cached:
+                    hit = self._cached(call, route, resolved, {**body, **extra_body})
+                    if hit is not None:
+                        error = False
+                        return hit
                 with call.stage("network"):
                     # Not streamed: nothing reaches the caller before the whole answer, so UNAVAILABLE is safe to
                     # retry (no output was delivered).
@@ -281,6 +310,21 @@ class Client:
             return result
         finally:
             self._finish(resolved, None, started, error)
+
+    def _cached(self, call: Call, route: Route, resolved: _Resolved, body: dict[str, Any]) -> ChatResult | None:
+        """The cached answer of this exact request for the version the route serves (a red-black model: its active
+        version; answers of a candidate mid-rollout are not read), or None on a miss (recorded on the span)."""
+        version = resolved.version or self.discovery.model(route.model).active_version
+        with call.stage("cache"):
+            lookup = self._cache.get(route.model, version, "/v1/chat/completions", body)
+        call.record.cache = "hit" if lookup.hit else f"miss ({lookup.why_miss})"
+        if not lookup.hit:
+            return None
+        choice, usage = lookup.response["choices"][0], lookup.response.get("usage") or {}
+        return ChatResult(choice["message"].get("content") or "", choice.get("finish_reason"),
+                          usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
+                          call.record.trace_id or "",
+                          resolved.assignment.arm.name if resolved.assignment else None, cached=True)
 
     def _chat_stream(self, route: Route, resolved: _Resolved, body: dict[str, Any], extra_body: dict[str, Any],
                      deadline: Deadline) -> ChatStream:

@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 call_log = logging.getLogger("llm_serving_client.calls")
 
-STAGES = ("assignment", "preprocess", "serialise", "network", "inference", "postprocess")
+STAGES = ("assignment", "cache", "preprocess", "serialise", "network", "inference", "postprocess")
 
 
 def tracer_provider(given: trace.TracerProvider | None) -> trace.TracerProvider:
@@ -46,6 +46,7 @@ class CallRecord:
     trace_id: str | None = None
     stages: dict[str, float] = field(default_factory=dict)
     duration_s: float = 0.0
+    cache: str | None = None  # a call that asked the result cache: "hit" or "miss (<why>)"
 
     def to_json(self) -> str:
         return json.dumps({"event": "call", **self.__dict__})

@@ -208,7 +208,7 @@ def test_a_call_is_a_span_with_a_child_per_stage_and_one_log_line_without_conten
     assert (record["model"], record["experiment"], record["arm"], record["outcome"]) == (
         LLM, "chat-temperature", "cool", "ok")
     assert set(record) == {"event", "call", "model", "version", "experiment", "arm", "outcome", "attempts",
-                           "trace_id", "stages", "duration_s"}  # no prompt, no messages, no output
+                           "trace_id", "stages", "duration_s", "cache"}  # no prompt, no messages, no output
 
 
 def test_log_lines_are_sampled_by_trace_id_and_errors_always_kept(caplog):
@@ -220,3 +220,32 @@ def test_log_lines_are_sampled_by_trace_id_and_errors_always_kept(caplog):
             raise RuntimeError("boom")
     records = [json.loads(r.getMessage()) for r in caplog.records if r.name == "llm_serving_client.calls"]
     assert [r["outcome"] for r in records] == ["RuntimeError"]
+
+
+# -- the batch path's result cache ---------------------------------------------------------------------------------
+
+
+def test_a_cached_batch_answer_is_read_before_any_call(tmp_path, caplog):
+    from llm_serving.batch_cache import ResultCache
+    from llm_serving.object_store import DirectoryStore
+
+    cache = ResultCache(DirectoryStore(tmp_path / "batch"))
+    messages = [{"role": "user", "content": "Say hello"}]
+    request = {"model": LLM, "messages": messages, "max_tokens": 4, "temperature": 0}
+    response = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hello there"},
+                             "finish_reason": "length"}], "usage": {"prompt_tokens": 7, "completion_tokens": 4}}
+    assert cache.put(LLM, "1.0.0", "/v1/chat/completions", request, response)  # what a batch wrote
+    c = Client(parse_stack_outputs(document()), local=LocalEndpoints("http://127.0.0.1:9/v1", "127.0.0.1:9"),
+               result_cache=cache, retry=RetryPolicy(max_attempts=1))
+    with caplog.at_level(logging.INFO, logger="llm_serving_client.calls"):
+        # Nothing listens on the remote address: the answer came from the cache.
+        out = c.chat(LLM, messages, max_tokens=4, temperature=0, cached=True)
+    assert (out.text, out.cached, out.completion_tokens) == ("hello there", True, 4)
+    record = json.loads(caplog.records[-1].getMessage())
+    assert record["cache"] == "hit" and set(record["stages"]) == {"cache"}
+    # A sampled request is never cached: the call goes to the model (here: unreachable).
+    with caplog.at_level(logging.INFO, logger="llm_serving_client.calls"), pytest.raises(Unavailable):
+        c.chat(LLM, messages, max_tokens=4, temperature=0.7, cached=True, deadline_s=5)
+    assert json.loads(caplog.records[-1].getMessage())["cache"].startswith("miss (not deterministic")
+    with pytest.raises(ValueError, match="cached answers are whole answers"):
+        c.chat(LLM, messages, stream=True, cached=True)
