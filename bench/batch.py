@@ -65,14 +65,14 @@ async def _ttfts(url: str, count: int, concurrency: int) -> list[float]:
         async def lane() -> None:
             while bodies:
                 start = time.perf_counter()
+                first = None
                 async with client.stream("POST", CHAT, json=bodies.pop()) as response:
                     response.raise_for_status()
-                    async for line in response.aiter_lines():
-                        if line.startswith("data: ") and '"content"' in line:
-                            ttfts.append(time.perf_counter() - start)
-                            break
-                    async for _ in response.aiter_lines():
-                        pass
+                    async for line in response.aiter_lines():  # read to the end: the request must complete
+                        if first is None and line.startswith("data: ") and '"content"' in line:
+                            first = time.perf_counter() - start
+                if first is not None:
+                    ttfts.append(first)
 
         await asyncio.gather(*(lane() for _ in range(concurrency)))
     return ttfts

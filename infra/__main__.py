@@ -69,16 +69,19 @@ CacheWarmer("cache-warmer", CacheWarmerArgs(
 Observability("observability", ObservabilityArgs(config=cfg, provider=cluster.provider,
                                                  depends_on=(bootstrap.monitoring,)))
 
-ctx = ServingContext(stack=cfg, provider=cluster.provider, namespace=platform.namespace,
-                     service_account=platform.service_account, model_cache_claim=platform.model_cache_claim,
-                     gateway_name=platform.gateway_name, image_ref=image.image_ref,
-                     repository_url=image.repository_url, triton=pin,
-                     depends_on=[*platform.ready, *bootstrap.ready, *cluster.node_groups.values()])
 # The batch path (docs/batch.md): the region's non-replicated batch bucket and a worker per LLM (infra/batch.py).
 batch = BatchStore("batch", BatchArgs(
     config=cfg, provider=cluster.provider, namespace=platform.namespace, image_ref=image.image_ref,
     oidc_provider_arn=cluster.oidc_provider_arn, oidc_issuer_url=cluster.oidc_issuer_url,
     depends_on=list(platform.ready), tags=tags))
+llms = [m for m in cfg.models if m.kind == "vllm"]
+batch.grant_serving(platform.serving_role_arn, llms)
+ctx = ServingContext(stack=cfg, provider=cluster.provider, namespace=platform.namespace,
+                     service_account=platform.service_account, model_cache_claim=platform.model_cache_claim,
+                     gateway_name=platform.gateway_name, image_ref=image.image_ref,
+                     repository_url=image.repository_url, triton=pin,
+                     depends_on=[*platform.ready, *bootstrap.ready, *cluster.node_groups.values()],
+                     model_env={m.id: batch.serving_env(m) for m in llms})
 models = {}
 for model in cfg.models:
     served = ModelServing(ctx, model).served

@@ -170,6 +170,28 @@ class BatchStore(pulumi.ComponentResource):
         self.workers: list[str] = []
         self.register_outputs({"batchBucket": self.bucket_name})
 
+    def serving_env(self, model: ModelConfig) -> dict[str, pulumi.Input[str]]:
+        """What the model's own pods need to serve the Files and Batches API on its prefix (serving_image/batch/
+        config.py): the store, and the key its objects are written with (the bucket's own)."""
+        return {"LLM_SERVING_BATCH_STORE": store_uri(batch_bucket_name(self.args.config), model.id),
+                "LLM_SERVING_BATCH_KMS_KEY_ID": self.kms_key_arn}
+
+    def grant_serving(self, serving_role_arn: pulumi.Input[str], models: list[ModelConfig]) -> None:
+        """The model servers' role (one for every model, infra/serving_platform.py) may use the LLMs' prefixes of
+        the batch bucket: the front-end writes the uploads and batch records there and reads the results back."""
+        if not models:
+            return
+        bucket = self.bucket_arn
+        role_name = pulumi.Output.from_input(serving_role_arn).apply(lambda arn: arn.rsplit("/", 1)[-1])
+        aws.iam.RolePolicy(f"{self.name}-serving", role=role_name, policy=policy_document(
+            {"Sid": "ServeTheLLMsBatches", "Effect": "Allow",
+             "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
+             "Resource": [bucket.apply(lambda b, m=m: f"{b}/{m.id}/*") for m in models]},
+            {"Sid": "ListTheLLMsBatches", "Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": [bucket],
+             "Condition": {"StringLike": {"s3:prefix": [f"{m.id}/*" for m in models]}}},
+            {"Sid": "UseTheBatchKey", "Effect": "Allow", "Action": ["kms:Decrypt", "kms:GenerateDataKey"],
+             "Resource": [self.kms_key_arn]}), opts=pulumi.ResourceOptions(parent=self))
+
     def add_worker(self, model: ModelConfig, openai_endpoint: str) -> None:
         """The model's worker: `openai_endpoint` is its route's OpenAI base URL (`https://<host>/v1`)."""
         args, cfg = self.args, self.args.config

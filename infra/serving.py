@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pulumi
 import pulumi_kubernetes as k8s
@@ -75,6 +75,9 @@ class ServingContext:
     repository_url: pulumi.Input[str]
     triton: TritonPin
     depends_on: list[pulumi.Resource]
+    # Environment a model's containers get beside the pod contract's, by model id: the batch path's store
+    # (infra/batch.py, BatchStore.serving_env), which turns the Files and Batches API on in that model's pods.
+    model_env: dict[str, dict[str, pulumi.Input[str]]] = field(default_factory=dict)
 
 
 def deployment_timeouts(model: ModelConfig) -> pulumi.CustomTimeouts:
@@ -186,7 +189,8 @@ def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, repli
         "env": container_env(model.id, package_version(stack, pkg.package), pkg.io_fingerprint,
                              companion_packages(model, version),
                              (model.layout.tensor, model.layout.pipeline, model.layout.data)
-                             if model.kind == "vllm" else None),
+                             if model.kind == "vllm" else None)
+               + [{"name": k, "value": v} for k, v in ctx.model_env.get(model.id, {}).items()],
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in PORTS.items()],
         # §3.2/§3.7: ready only once the engine is; the startup probe's budget is the model's load time.
         "startupProbe": {"httpGet": {"path": pc.READY_PATH, "port": pc.PROBE_PORT_NAME},

@@ -515,11 +515,19 @@ def _validate_engine_parallelism(args: ResourceValidationArgs, report: ReportVio
                    f"({declared.describe()})", None)
 
 
+# The one variable of a serving pod that may name S3: the Batch API's store of client files and results
+# (serving_image/batch/config.py ENV_STORE, rendered by infra/batch.py), which the front-end reads and writes while
+# it serves and never at start; weights and packages still may not come from S3.
+BATCH_STORE_ENV = "LLM_SERVING_BATCH_STORE"
+
+
 def _strings(container: Mapping[str, Any]) -> Iterable[tuple[str, str]]:
     for field in ("command", "args"):
         for i, value in enumerate(as_list(container.get(field))):
             yield f"{field}[{i}]", str(value)
     for env in iter_mappings(container.get("env")):
+        if env.get("name") == BATCH_STORE_ENV:
+            continue
         if env.get("value") is not None:
             yield f"env {env.get('name')}", str(env.get("value"))
 

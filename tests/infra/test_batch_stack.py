@@ -74,3 +74,25 @@ def test_a_worker_reaches_its_own_models_prefix_and_nothing_else(stack):
         condition = trust["Statement"][0]["Condition"]["StringEquals"]
         assert [v for k, v in condition.items() if k.endswith(":sub")] == [
             f"system:serviceaccount:{cfg.serving.namespace}:{worker_name(model.id)}"]
+
+
+def test_each_llms_pods_serve_the_batch_api_on_its_prefix(stack):
+    run, cfg = stack
+    llms = {m.id for m in cfg.models if m.kind == "vllm"}
+    for deployment in run.of_type("kubernetes:apps/v1:Deployment"):
+        labels = deployment.inputs["spec"]["template"]["metadata"]["labels"]
+        model_id = labels.get("app.kubernetes.io/name")
+        if labels.get("app.kubernetes.io/component") != "model-server":
+            continue
+        env = {e["name"]: e.get("value") for c in deployment.inputs["spec"]["template"]["spec"]["containers"]
+               for e in c.get("env", [])}
+        if model_id in llms:
+            assert env["LLM_SERVING_BATCH_STORE"] == f"s3://{batch_bucket_name(cfg)}/{model_id}"
+            assert env["LLM_SERVING_BATCH_KMS_KEY_ID"]
+        else:  # a ranker serves no OpenAI port, so no Batch API
+            assert "LLM_SERVING_BATCH_STORE" not in env
+    policy = json.loads(run.find("aws:iam/rolePolicy:RolePolicy", "batch-serving").inputs["policy"])
+    bucket = f"arn:aws:s3:::{batch_bucket_name(cfg)}"
+    resources = {r for st in policy["Statement"] if any(a.startswith("s3:") for a in st["Action"])
+                 for r in st["Resource"]}
+    assert resources == {bucket, *(f"{bucket}/{m}/*" for m in llms)}

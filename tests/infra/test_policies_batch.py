@@ -92,3 +92,15 @@ def test_each_break_is_named(compat, breaks, says):
     findings = stack.evaluate(compat, policies=[batch_store_isolated])
     assert POLICY in fired(findings)
     assert any(says in m for m in messages(findings, POLICY)), messages(findings, POLICY)
+
+
+def test_a_serving_pod_may_name_s3_only_for_its_batch_store(compat):
+    from policies.rules.serving import serving_no_download
+    from policies.synthetic import container
+
+    stack = compliant_stack()
+    container(stack)["env"].append({"name": "LLM_SERVING_BATCH_STORE", "value": f"s3://{BUCKET}/llama"})
+    assert "serving-no-download-at-start" not in fired(stack.evaluate(compat, policies=[serving_no_download]))
+    container(stack)["env"].append({"name": "LLM_SERVING_WEIGHTS", "value": "s3://models-prod-us-east-1/w"})
+    findings = stack.evaluate(compat, policies=[serving_no_download])
+    assert any("LLM_SERVING_WEIGHTS" in m for m in messages(findings, "serving-no-download-at-start"))
