@@ -143,13 +143,9 @@ class TritonPythonModel:
 
     def _answer(self, sender, message: dict) -> None:
         if "error" in message:
-            code = {"INVALID_ARG": pb_utils.TritonError.INVALID_ARG,
-                    "UNAVAILABLE": pb_utils.TritonError.UNAVAILABLE}.get(message.get("code"),
-                                                                          pb_utils.TritonError.INTERNAL)
-            field = message.get("field")
-            text = message["error"]
             # The engine names the candidate (candidates[2]) or the prompt; the message leads with it.
-            self._error(sender, text if not field or text.startswith(field) else f"{field}: {text}", code)
+            text, code = stub.error_answer(message)
+            self._error(sender, text, getattr(pb_utils.TritonError, code))
             return
         scores = message["scores"]
         sender.send(pb_utils.InferenceResponse(output_tensors=[

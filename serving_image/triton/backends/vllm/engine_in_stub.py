@@ -132,6 +132,21 @@ def lower_priority(value: str | None) -> None:
     os.setpriority(os.PRIO_PROCESS, 0, int(value))  # 0: the calling thread (Linux)
 
 
+ERROR_CODES = ("INVALID_ARG", "UNAVAILABLE")  # the host's codes a model answers as they are; anything else INTERNAL
+
+
+def error_answer(message: dict) -> tuple[str, str]:
+    """An error message of the engine (serving_image/triton/engine_host.py `error_message`) as every model of this
+    project answers it: (text, the name of its pb_utils.TritonError code). INVALID_ARG and UNAVAILABLE as sent,
+    anything else INTERNAL; the text leads with the field an input error names (`field: ...`) unless it already
+    does, so the field reaches the client whichever model answers (generation, embeddings, scores)."""
+    field, text = message.get("field"), str(message["error"])
+    if field and not text.startswith(field):
+        text = f"{field}: {text}"
+    code = message.get("code")
+    return text, code if code in ERROR_CODES else "INTERNAL"
+
+
 class InStubEngine:
     """One vLLM engine in this process, on a thread and loop of its own (see the module's docstring)."""
 

@@ -395,10 +395,8 @@ class TritonPythonModel:
             return  # cancelled or failed already
         if "error" in message:
             self._drop(request_id)
-            code = {"INVALID_ARG": pb_utils.TritonError.INVALID_ARG,
-                    "UNAVAILABLE": pb_utils.TritonError.UNAVAILABLE}.get(message.get("code"),
-                                                                          pb_utils.TritonError.INTERNAL)
-            self._error(state.sender, message["error"], code)
+            text, code = stub.error_answer(message)
+            self._error(state.sender, text, getattr(pb_utils.TritonError, code))
             return
         if isinstance(state, _EmbedRequest):
             self._drop(request_id)
