@@ -33,7 +33,7 @@ from llm_serving_client.inprocess.model import InProcessError, InProcessModel
 from llm_serving_client.observe import Call, Observer
 from llm_serving_client.openai_calls import OpenAITransport, translate_error
 from llm_serving_client.retry import RetryPolicy, call_with_retries
-from llm_serving_client.tensor import TensorTransport, check_inputs
+from llm_serving_client.tensor import ModelIO, TensorTransport, check_inputs
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -134,6 +134,13 @@ class Client:
         self._in_process[key] = InProcessModel(Path(source), model_id=model, version=version,
                                                io_fingerprint=marked.versions[version].io_fingerprint,
                                                workdir=workdir)
+
+    def in_process_io(self, model: str, version: str) -> ModelIO:
+        """The inputs and outputs of a model loaded in this process (its config.pbtxt's)."""
+        try:
+            return self._in_process[(model, version)].io
+        except KeyError:
+            raise InProcessError(f"model {model!r} version {version!r} is not loaded in this process") from None
 
     def _local(self, model: str, version: str | None) -> InProcessModel | None:
         if not self._in_process:

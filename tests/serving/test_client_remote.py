@@ -217,3 +217,27 @@ def test_in_process_and_remote_answers_are_the_same(openai_server):
     finally:
         remote.close()
         here.close()
+
+
+def test_the_consumer_service_runs_end_to_end(openai_server, tmp_path, capsys):
+    """examples/consumer/service.py, the example client service, as a user runs it against a local server: streamed
+    and JSON generation, the ranker remotely, the pipeline's step in-process and remotely, an experiment."""
+    from examples.consumer import service
+    from llm_serving.package import open_package
+
+    outputs = tmp_path / "stack-outputs.json"
+    outputs.write_text(json.dumps(document()))
+    package = next(p for p in openai_server.companions if open_package(p).manifest.model.id == FEATURES)
+    summary = service.main(["--outputs", str(outputs), "--api-key", OPENAI_KEY,
+                            "--local-openai", f"{openai_server.url}/v1",
+                            "--local-grpc", f"127.0.0.1:{openai_server.ports['kserve_grpc']}",
+                            "--llm", LLM, "--ranker", RANKER, "--ranker-version", "1.0.0",
+                            "--in-process", f"{FEATURES}=1.0.0={package}", "--experiment", "chat-temperature",
+                            "--units", "6"])
+    assert summary["streamed"]["deltas"] > 1 and summary["streamed"]["finish_reason"] == "length"
+    assert set(summary["json"]) == {"greeting"}
+    assert len(summary["ranker"]) == 4
+    assert summary["in_process"][FEATURES] == {"equal": True, "outputs": ["features"]}
+    assert sum(arm["calls"] for arm in summary["experiment"].values()) == 6
+    assert all(arm["errors"] == 0 for arm in summary["experiment"].values())
+    assert json.loads(capsys.readouterr().out) == summary
