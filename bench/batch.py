@@ -36,6 +36,9 @@ CONCURRENCY = 8
 PROBES = 16 if QUICK else 48
 PROBE_CONCURRENCY = 2
 BACKGROUND = 4 * N
+# The worker's concurrency while the probe runs: the throughput run's, and a quarter of it (what a platform team sets
+# when real-time latency matters more than batch completion time; the admission share caps it from the server's side).
+BACKGROUND_CONCURRENCIES = (CONCURRENCY, CONCURRENCY // 4)
 MODEL = "demo-tiny"
 CHAT = "/v1/chat/completions"
 
@@ -88,9 +91,9 @@ def _submit(url: str, bodies: list[dict], tag: str) -> str:
     return client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h").id
 
 
-def _worker(url: str, store: pathlib.Path) -> subprocess.Popen:
+def _worker(url: str, store: pathlib.Path, concurrency: int = CONCURRENCY) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "serving_image.batch.worker", "--store", str(store), "--endpoint",
-                             url, "--concurrency", str(CONCURRENCY), "--poll-s", "0.1", "--exit-when-idle"],
+                             url, "--concurrency", str(concurrency), "--poll-s", "0.1", "--exit-when-idle"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -117,40 +120,49 @@ def measure(workdir: pathlib.Path) -> dict:
         assert status["status"] == "completed" and status["request_counts"]["completed"] == N, status
 
         idle = asyncio.run(_ttfts(url, PROBES, PROBE_CONCURRENCY))
-        background = _submit(url, [_body(i, "bg") for i in range(BACKGROUND)], "background")
-        worker = _worker(url, store)
-        while _status(url, background)["status"] != "in_progress":
-            time.sleep(0.1)
-        busy = asyncio.run(_ttfts(url, PROBES, PROBE_CONCURRENCY))
-        still_running = _status(url, background)["status"] == "in_progress"
-        worker.kill()
-        worker.wait(timeout=60)
+        busy, still_running = {}, {}
+        for concurrency in BACKGROUND_CONCURRENCIES:
+            background = _submit(url, [_body(i, f"bg{concurrency}") for i in range(BACKGROUND)], "background")
+            worker = _worker(url, store, concurrency)
+            while _status(url, background)["status"] != "in_progress":
+                time.sleep(0.1)
+            busy[concurrency] = asyncio.run(_ttfts(url, PROBES, PROBE_CONCURRENCY))
+            still_running[concurrency] = _status(url, background)["status"] == "in_progress"
+            worker.kill()  # the rest of its batch stays in the store, unfinished: nothing else reads it here
+            worker.wait(timeout=60)
+            httpx.post(f"{url}/v1/batches/{background}/cancel", timeout=30)
     finally:
         server.kill()
     return {"realtime_s": realtime_s, "batch_s": batch_s, "throughput_ratio": realtime_s / batch_s,
-            "p99_idle_ms": percentile(idle, 0.99) * 1000, "p99_busy_ms": percentile(busy, 0.99) * 1000,
-            "p50_idle_ms": percentile(idle, 0.5) * 1000, "p50_busy_ms": percentile(busy, 0.5) * 1000,
-            "batch_ran_throughout_probe": still_running}
+            "p99_idle_ms": percentile(idle, 0.99) * 1000, "p50_idle_ms": percentile(idle, 0.5) * 1000,
+            "busy": {c: {"p99_ms": percentile(t, 0.99) * 1000, "p50_ms": percentile(t, 0.5) * 1000,
+                         "ratio": percentile(t, 0.99) / percentile(idle, 0.99), "ran_throughout": still_running[c]}
+                     for c, t in busy.items()}}
 
 
 def run(out_dir: pathlib.Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
         m = measure(pathlib.Path(tmp))
-    ttft_ratio = m["p99_busy_ms"] / m["p99_idle_ms"]
     lines = [
         f"Demo model, greedy chat, {OUT} output tokens. Throughput: {N} requests at concurrency {CONCURRENCY}, "
         f"real-time {m['realtime_s']:.1f} s vs batch {m['batch_s']:.1f} s (submission to completed, worker at the "
         f"same concurrency): batch/real-time throughput **{m['throughput_ratio']:.2f}** (target >= 0.8: "
         f"**{'met' if m['throughput_ratio'] >= 0.8 else 'missed'}**).",
         "",
-        f"Real-time TTFT, {PROBES} streaming probes at concurrency {PROBE_CONCURRENCY}: p99 idle "
-        f"{m['p99_idle_ms']:.0f} ms, p99 with a {BACKGROUND}-line batch running {m['p99_busy_ms']:.0f} ms "
-        f"(p50 {m['p50_idle_ms']:.0f} / {m['p50_busy_ms']:.0f} ms): ratio **{ttft_ratio:.2f}** (target <= 1.2: "
-        f"**{'met' if ttft_ratio <= 1.2 else 'missed'}**); the batch was still running at the probe's end: "
-        f"{m['batch_ran_throughout_probe']}.",
+        f"Real-time TTFT, {PROBES} streaming probes at concurrency {PROBE_CONCURRENCY}: idle p99 "
+        f"{m['p99_idle_ms']:.0f} ms (p50 {m['p50_idle_ms']:.0f} ms); with a {BACKGROUND}-line batch running:",
+        "",
+        "| worker concurrency | p99 TTFT ms | p50 TTFT ms | p99 with / without | <= 1.2 | batch ran throughout |",
+        "| ---: | ---: | ---: | ---: | --- | --- |",
+        *(f"| {c} | {b['p99_ms']:.0f} | {b['p50_ms']:.0f} | {b['ratio']:.2f} | "
+          f"{'met' if b['ratio'] <= 1.2 else 'missed'} | {b['ran_throughout']} |" for c, b in m["busy"].items()),
+        "",
+        "On this CPU-only machine the engine's two cores are shared by both kinds of request: admission bounds how "
+        "many batch requests are in flight, not how much of the engine each takes.",
     ]
     plots = [ratio_plot({"batch / real-time throughput": m["throughput_ratio"],
-                         "p99 TTFT with batch / without": ttft_ratio}, out_dir, "batch.png",
+                         **{f"p99 TTFT with batch (worker x{c}) / without": b["ratio"] for c, b in m["busy"].items()}},
+                        out_dir, "batch.png",
                         xlabel="ratio (same run)", title="Batch path vs real-time")]
     return result("The cached batch path: throughput and real-time TTFT", lines, plots)
 

@@ -134,7 +134,9 @@ class BatchWorker:
             return self._finalize(run, "cancelled")
         if record.batch.status in ("in_progress",):
             pending = collections.deque(p for p in parsed if p.index not in done)
-            if pending:
+            if record.batch.expires_at is not None and time.time() >= record.batch.expires_at:
+                run.stop = "expired"  # past its window before this run began (a worker down for a day)
+            if pending and run.stop is None:
                 run.model_version = await self._served_version()
                 await self._execute(run, pending)
             if run.stop == "expired":
@@ -200,7 +202,11 @@ class BatchWorker:
         self._save_counts(run)
 
     async def _lane(self, run: _Run, pending: collections.deque) -> None:
+        expires_at = run.record.batch.expires_at
         while pending and run.stop is None:
+            if expires_at is not None and time.time() >= run.record.batch.expires_at:
+                run.stop = "expired"  # checked before every line: none starts after the window (the monitor may lag)
+                break
             parsed = pending.popleft()
             run.in_flight.add(parsed.index)
             try:

@@ -111,3 +111,30 @@ async def test_the_worker_runs_a_batch_through_the_apps_own_endpoint(app, tmp_pa
     assert (admission.requests, admission.batch_requests, admission.tokens) == (0, 0, 0)
     # Results are in the output files' owner's listing, as OpenAI's batch_output files.
     assert done.output_file_id in [f.id async for f in client.files.list(purpose="batch_output")]
+
+
+async def test_an_expired_batch_keeps_what_it_answered_and_errors_the_rest(app):
+    client = _client(app, KEYS[0])
+    uploaded = await client.files.create(file=("f.jsonl", _lines(3)), purpose="batch")
+    batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    storage = BatchStorage(app.state.batch.storage.store)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                             headers={"Authorization": f"Bearer {KEYS[0]}"})
+
+    class OneLineThenExpire(BatchWorker):
+        """Answers one line, then the window ends (the record's expires_at moves into the past)."""
+
+        def _write(self, run, result):
+            super()._write(run, result)
+            run.record.batch.expires_at = 0
+
+    worker = OneLineThenExpire(storage, WorkerConfig(endpoint_url="http://test", concurrency=1,
+                                                     progress_every_s=0.01), http=http)
+    await worker.run_forever(exit_when_idle=True)
+    done = await client.batches.retrieve(batch.id)
+    assert done.status == "expired" and done.expired_at is not None
+    output = [json.loads(x) for x in (await client.files.content(done.output_file_id)).text.splitlines()]
+    errors = [json.loads(x) for x in (await client.files.content(done.error_file_id)).text.splitlines()]
+    assert [x["custom_id"] for x in output] == ["c0"]
+    assert sorted(x["custom_id"] for x in errors) == ["c1", "c2"]
+    assert {x["error"]["code"] for x in errors} == {"batch_expired"}
