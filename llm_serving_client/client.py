@@ -12,6 +12,7 @@ counts, errors and latencies. Errors name the model, the version and the field.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from llm_serving_client.deadline import Deadline
 from llm_serving_client.discovery import Discovery, LocalEndpoints, Route, load_outputs
 from llm_serving_client.errors import CallError, ExperimentError, InvalidRequest
 from llm_serving_client.experiments import HEADER, ArmStats, Assignment, Experiments
+from llm_serving_client.inprocess.fetch import FetchError, fetch_package
 from llm_serving_client.inprocess.model import InProcessError, InProcessModel
 from llm_serving_client.observe import Call, Observer
 from llm_serving_client.openai_calls import OpenAITransport, translate_error
@@ -117,10 +119,13 @@ class Client:
 
     # -- in-process models -------------------------------------------------------------------------------------
 
-    def load_in_process(self, model: str, version: str, source: Path | str, workdir: Path | None = None) -> None:
-        """Run `model` `version` in this process from its published package at `source` (a package directory or
-        archive fetched from the stack's `inProcess.versions[<version>].package`), verified against what the stack
-        outputs name; every later `infer` of that version runs here. Only a model the stack marks `inProcess`."""
+    def load_in_process(self, model: str, version: str, source: Path | str | None = None,
+                        workdir: Path | None = None, *, cache_dir: Path | None = None, s3=None) -> None:
+        """Run `model` `version` in this process from its published package, verified against what the stack
+        outputs name; every later `infer` of that version runs here. Only a model the stack marks `inProcess`.
+        `source`: a local copy (package directory or archive); without it the package is fetched from the outputs'
+        `inProcess.versions[<version>].package` into `cache_dir/<model>/<version>` (default: a temporary
+        directory) with `s3` (a boto3 S3 client; default: boto3's)."""
         outputs = self.discovery.model(model)
         marked = outputs.in_process
         if marked is None:
@@ -131,6 +136,12 @@ class Client:
         key = (model, version)
         if key in self._in_process:
             raise InProcessError(f"model {model!r} version {version!r} is already loaded in this process")
+        if source is None:
+            root = Path(cache_dir) if cache_dir is not None else Path(tempfile.mkdtemp(prefix="llm-serving-client-"))
+            try:
+                source = fetch_package(marked.versions[version].package, root / model / version, s3)
+            except FetchError as exc:
+                raise InProcessError(f"model {model!r} version {version!r}: {exc}") from None
         self._in_process[key] = InProcessModel(Path(source), model_id=model, version=version,
                                                io_fingerprint=marked.versions[version].io_fingerprint,
                                                workdir=workdir)

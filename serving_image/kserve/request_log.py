@@ -1,5 +1,6 @@
-"""The KServe gRPC front-end's request record: one JSON line per ModelInfer and per request of a ModelStreamInfer, on
-the logger `llm_serving.kserve_requests`, the counterpart of the OpenAI front-end's `llm_serving.requests` record.
+"""The KServe front-ends' request record: one JSON line per ModelInfer and per request of a ModelStreamInfer (gRPC),
+and per infer / generate / generate_stream request (HTTP, `HttpRecordMiddleware`), on the logger
+`llm_serving.kserve_requests`, the counterpart of the OpenAI front-end's `llm_serving.requests` record.
 
 It carries the caller's trace id (from the `traceparent` gRPC metadata) and experiment arm, so a caller's trace
 joins this record as it joins the OpenAI one (docs/clients.md, "Traces and per-stage records"), and its own
@@ -11,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import time
 from collections.abc import Iterable
+from types import SimpleNamespace
 
 from serving_image.request_context import EXPERIMENT_HEADER, count_experiment, experiment_from, trace_id_from
 
@@ -31,7 +34,7 @@ class KServeRecord:
     model_version: str  # as the request names it ("" = Triton's policy picks)
     trace_id: str | None
     experiment: str | None
-    status: str = "OK"  # the gRPC status code's name; for a request of a stream, OK or ERROR (its error_message)
+    status: str = "OK"  # gRPC: the status code's name (a request of a stream: OK or ERROR); HTTP: the status
     duration_s: float = 0.0
     first_response_s: float | None = None
     last_response_s: float | None = None
@@ -55,3 +58,49 @@ class KServeRecord:
         record = {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("_")}
         request_log.info(json.dumps(record))
         count_experiment(self.experiment, "kserve_grpc", self.status)
+
+
+# The KServe HTTP front-end's inference routes: /v2/models/<m>[/versions/<v>]/<kind>.
+_HTTP_ROUTE = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/(infer|generate|generate_stream)$")
+
+
+class HttpRecordMiddleware:
+    """The same record for KServe HTTP's inference routes (an ASGI middleware around the front-end's app): opened
+    from the path and headers, `first_response_s` when the response starts, `last_response_s` and the status when
+    its last body part leaves (a stream's last event). A malformed experiment arm is answered 400 naming the header,
+    before the request reaches Triton."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        match = _HTTP_ROUTE.match(scope.get("path", "")) if scope["type"] == "http" else None
+        if match is None or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        model, version, kind = match.groups()
+        headers = metadata_dict((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope.get("headers", ()))
+        request = SimpleNamespace(id="", model_name=model, model_version=version or "")
+        try:
+            record = KServeRecord.open(f"POST {kind}", request, headers)
+        except ValueError as exc:
+            body = json.dumps({"error": str(exc)}).encode()
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            return await send({"type": "http.response.body", "body": body})
+        async def recording_send(message):
+            if message["type"] == "http.response.start":
+                record.status = str(message["status"])
+                record.response_left()
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                record.response_left()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        except BaseException:
+            if record.first_response_s is None:  # nothing was answered: the app failed (500) or was cancelled
+                record.status = "500"
+            raise
+        finally:
+            record.close()

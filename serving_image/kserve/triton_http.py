@@ -10,6 +10,8 @@ for gRPC: every answer comes from Triton through the C API binding (serving_imag
 - `/v2/models/{m}/infer`: a decoupled model gets 501 and Triton's message, as Triton's own front-end answers; other
   models answer unary inference, JSON or with the binary tensor extension (serving_image/kserve/infer_json.py).
 
+Every inference request writes one record with the caller's trace id and experiment arm (kserve/request_log.py).
+
 Error statuses follow Triton's mapping of its error codes (INVALID_ARG 400, NOT_FOUND 404, UNAVAILABLE 503,
 UNSUPPORTED 501, INTERNAL 500). Difference, documented in docs/kserve.md: Triton 2.51's own generate endpoint
 answers 400 for every error response.
@@ -33,6 +35,7 @@ from serving_image.kserve.infer_json import (
     infer_response_body,
     parse_infer_body,
 )
+from serving_image.kserve.request_log import HttpRecordMiddleware
 from serving_image.triton.capi import ErrorCode, TritonError
 from serving_image.triton.capi.inference import NUMPY_DTYPES, Input, infer
 
@@ -111,6 +114,7 @@ def json_outputs(model: str, version: str, outputs: dict[str, np.ndarray]) -> di
 def create_triton_http_app(triton, is_draining: Callable[[], bool] = lambda: False) -> FastAPI:
     server = triton.server
     app = FastAPI(title="llm-serving KServe v2 (embedded Triton)", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(HttpRecordMiddleware)  # one request record per inference request (kserve/request_log.py)
 
     @app.get("/v2/health/live")
     async def live() -> Response:

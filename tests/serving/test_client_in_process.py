@@ -103,3 +103,37 @@ def test_a_dependency_this_process_lacks_is_named(tmp_path):
     with pytest.raises(InProcessError, match="model 'ranker-features' version '1.0.0': xgboost==3.0.5 needs xgboost, "
                                              "which this process's environment does not have"):
         InProcessModel(package, model_id=FEATURES, version="1.0.0", io_fingerprint=FEATURES_FINGERPRINT)
+
+
+def test_the_package_is_fetched_from_where_the_outputs_say(package, tmp_path, monkeypatch):
+    """The outputs name the package in the region's bucket (moto's S3 server here): published there by the real
+    store, fetched by the loader, then verified and run."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from llm_serving.store import S3Store
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+        s3 = boto3.client("s3", endpoint_url=f"http://{host}:{port}", region_name="us-east-1")
+        s3.create_bucket(Bucket="acme-llm-dev-us-east-1")
+        published = S3Store("s3://acme-llm-dev-us-east-1/models", client=s3).publish(package)
+        raw = document()
+        raw["models"][FEATURES]["inProcess"]["versions"]["1.0.0"]["package"] = published.model_cache_uri
+        lib = Client(parse_stack_outputs(raw), local=LocalEndpoints("http://127.0.0.1:9/v1", "127.0.0.1:9"))
+        lib.load_in_process(FEATURES, "1.0.0", cache_dir=tmp_path / "cache", s3=s3)
+        raw_rows = np.ones((2, 8), np.float32)
+        np.testing.assert_array_equal(lib.infer(FEATURES, {"raw": raw_rows})["features"], np.log1p(raw_rows))
+        assert (tmp_path / "cache" / FEATURES / "1.0.0" / "package.toml").is_file()
+        lib.close()
+        raw["models"][FEATURES]["inProcess"]["versions"]["1.0.0"]["package"] = \
+            "s3://acme-llm-dev-us-east-1/models/model-cache/ranker-features/9.9.9/"
+        lib = Client(parse_stack_outputs(raw), local=LocalEndpoints("http://127.0.0.1:9/v1", "127.0.0.1:9"))
+        with pytest.raises(InProcessError, match="no package there"):
+            lib.load_in_process(FEATURES, "1.0.0", cache_dir=tmp_path / "other", s3=s3)
+    finally:
+        server.stop()

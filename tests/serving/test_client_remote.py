@@ -241,3 +241,20 @@ def test_the_consumer_service_runs_end_to_end(openai_server, tmp_path, capsys):
     assert sum(arm["calls"] for arm in summary["experiment"].values()) == 6
     assert all(arm["errors"] == 0 for arm in summary["experiment"].values())
     assert json.loads(capsys.readouterr().out) == summary
+
+
+def test_one_trace_id_joins_a_kserve_http_call_to_its_record(openai_server):
+    import tritonclient.http as httpclient
+
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{openai_server.ports['kserve_http']}")
+    try:
+        features = httpclient.InferInput("features", [2, 8], "FP32")
+        features.set_data_from_numpy(kserve_client.feature_rows(2))
+        http.infer(RANKER, [features], headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01",
+                                                 "x-llm-serving-experiment": "ranking=booster"})
+    finally:
+        http.close()
+    record = wait_for(kserve_records, openai_server, trace_id)
+    assert (record["rpc"], record["model"], record["status"], record["experiment"]) == (
+        "POST infer", RANKER, "200", "ranking=booster")

@@ -52,3 +52,45 @@ def test_a_kserve_record_without_context_says_null():
     assert (record.trace_id, record.experiment, record.first_response_s) == (None, None, None)
     with pytest.raises(ValueError, match="x-llm-serving-experiment"):
         KServeRecord.open("ModelInfer", REQUEST, {"x-llm-serving-experiment": "bad"})
+
+
+def test_the_kserve_http_record_comes_from_the_path_the_headers_and_the_response(caplog):
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.testclient import TestClient
+
+    from serving_image.kserve.request_log import HttpRecordMiddleware
+
+    app = FastAPI()
+    app.add_middleware(HttpRecordMiddleware)
+
+    @app.post("/v2/models/{model}/infer")
+    async def infer(model: str):
+        return JSONResponse({"model_name": model}, status_code=400 if model == "bad" else 200)
+
+    @app.post("/v2/models/{model}/generate_stream")
+    async def stream(model: str):
+        async def events():
+            for i in range(3):
+                yield f"data: {i}\n\n".encode()
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.get("/v2/models/{model}")
+    async def metadata(model: str):
+        return {"name": model}
+
+    client = TestClient(app)
+    with caplog.at_level(logging.INFO, logger="llm_serving.kserve_requests"):
+        assert client.post("/v2/models/ranker/infer", headers={"traceparent": TRACEPARENT}).status_code == 200
+        assert client.post("/v2/models/bad/infer").status_code == 400
+        assert client.post("/v2/models/demo-tiny/generate_stream",
+                           headers={"x-llm-serving-experiment": "chat-temperature=cool"}).text.count("data:") == 3
+        client.get("/v2/models/ranker")  # not an inference request: no record
+        refused = client.post("/v2/models/ranker/infer", headers={"x-llm-serving-experiment": "Bad Arm"})
+    assert refused.status_code == 400 and "header x-llm-serving-experiment" in refused.json()["error"]
+    records = [json.loads(r.getMessage()) for r in caplog.records if r.name == "llm_serving.kserve_requests"]
+    assert [(r["rpc"], r["model"], r["status"], r["trace_id"], r["experiment"]) for r in records] == [
+        ("POST infer", "ranker", "200", "4bf92f3577b34da6a3ce929d0e0e4736", None),
+        ("POST infer", "bad", "400", None, None),
+        ("POST generate_stream", "demo-tiny", "200", None, "chat-temperature=cool")]
+    assert all(0 <= r["first_response_s"] <= r["last_response_s"] <= r["duration_s"] for r in records)
