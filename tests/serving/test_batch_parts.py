@@ -25,8 +25,23 @@ from serving_image.openai_api.errors import APIError
 CHAT = "/v1/chat/completions"
 
 
+def test_batch_work_waits_while_real_time_requests_are_in_flight():
+    admission = Admission(APIConfig(max_concurrent_requests=8, max_inflight_tokens=1000))
+    admission.admit(10, batch=True)
+    admission.admit(10)  # real time is admitted beside batch work already in flight
+    with pytest.raises(APIError, match="1 real-time requests in flight") as waits:
+        admission.admit(10, batch=True)
+    assert waits.value.status == 429
+    admission.release(10)
+    admission.admit(10, batch=True)  # idle again: batch work goes on
+    assert APIConfig.from_env({"LLM_SERVING_BATCH_YIELDS_TO_REALTIME": "0"}).batch_yields_to_realtime is False
+    with pytest.raises(ValueError, match="LLM_SERVING_BATCH_YIELDS_TO_REALTIME"):
+        APIConfig.from_env({"LLM_SERVING_BATCH_YIELDS_TO_REALTIME": "yes"})
+
+
 def test_batch_work_takes_only_its_share_of_admission():
-    admission = Admission(APIConfig(max_concurrent_requests=8, max_inflight_tokens=1000, batch_admission_share=0.25))
+    admission = Admission(APIConfig(max_concurrent_requests=8, max_inflight_tokens=1000, batch_admission_share=0.25,
+                                    batch_yields_to_realtime=False))
     assert admission.batch_limits == (2, 250)
     admission.admit(10, batch=True)
     admission.admit(10, batch=True)
@@ -40,7 +55,8 @@ def test_batch_work_takes_only_its_share_of_admission():
 
 
 def test_batch_token_share_lets_one_request_through_when_none_holds_it():
-    admission = Admission(APIConfig(max_concurrent_requests=20, max_inflight_tokens=1000, batch_admission_share=0.1))
+    admission = Admission(APIConfig(max_concurrent_requests=20, max_inflight_tokens=1000, batch_admission_share=0.1,
+                                    batch_yields_to_realtime=False))
     admission.admit(300, batch=True)  # more than the share, but nothing else of batch's in flight: never stuck
     with pytest.raises(APIError, match="batch tokens"):
         admission.admit(10, batch=True)
