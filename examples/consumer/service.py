@@ -5,7 +5,13 @@ the stack-outputs file its deployment (this directory's Pulumi program) mounts.
         --ranker ranker --experiment chat-temperature [--in-process ranker-features=1.0.0=/path/to/package]
 
 For a local server (`make up`, the tests) every route goes to one address: --local-openai http://localhost:9000/v1
---local-grpc localhost:8001. It streams a generation, asks for a JSON answer (`response_format`), ranks rows remotely,
+--local-grpc localhost:8001; with --discover-local (no stack there) the document is asked from the server:
+
+    python examples/consumer/service.py --local-openai http://localhost:9000/v1 --local-grpc localhost:8001 \\
+        --discover-local --llm demo-tiny --ranker ranker --experiment demo-temperature \\
+        --in-process ranker-features=<its published package directory>
+
+It streams a generation, asks for a JSON answer (`response_format`), ranks rows remotely,
 runs each `--in-process` model here and remotely and checks the answers agree, sends one call per unit of an
 experiment and prints its per-arm figures, and with --read-cache answers from the batch path's cache first. It prints
 one JSON summary; the per-stage records go to the `llm_serving_client.calls` log.
@@ -16,10 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
-from llm_serving_client import Client, LocalEndpoints
+from llm_serving.stack_outputs import StackOutputs, parse_stack_outputs
+from llm_serving_client import Client, LocalEndpoints, load_outputs
+from llm_serving_client.local import DEMO_EXPERIMENT, describe_local_server
 
 MESSAGES = [{"role": "user", "content": "Say hello"}]
 GREETING = {"type": "json_schema", "json_schema": {"name": "greeting", "schema": {
@@ -32,9 +41,41 @@ def rows(count: int, width: int = 8) -> np.ndarray:
     return (np.arange(count * width, dtype=np.float32).reshape(count, width) % 7) / 7
 
 
+def _in_process_specs(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """MODEL=VERSION=PACKAGE, or MODEL=PACKAGE against a local server (its one version)."""
+    specs = []
+    from llm_serving.package import open_package
+
+    for spec in args.in_process:
+        parts = spec.split("=", 2)
+        if len(parts) == 2 and args.discover_local:  # the package's own version: a local server names none
+            parts = [parts[0], open_package(Path(parts[1])).manifest.model.version, parts[1]]
+        if len(parts) != 3:
+            raise SystemExit(f"--in-process {spec!r}: MODEL=VERSION=PACKAGE (MODEL=PACKAGE with --discover-local)")
+        specs.append(tuple(parts))
+    return specs
+
+
+def _outputs(args: argparse.Namespace, specs) -> StackOutputs:
+    if not args.discover_local:
+        return load_outputs(args.outputs)
+    from llm_serving.package import open_package
+
+    marks = {model: (version, open_package(Path(package)).manifest.model.io_fingerprint)
+             for model, version, package in specs}
+    return parse_stack_outputs(describe_local_server(
+        args.local_openai, args.local_grpc, api_key=args.api_key, in_process=marks,
+        demo_experiment_on=args.llm if args.experiment == DEMO_EXPERIMENT else None))
+
+
 def run(args: argparse.Namespace) -> dict:
     local = LocalEndpoints(args.local_openai, args.local_grpc) if args.local_openai else None
-    client = Client.from_file(args.outputs, api_key=args.api_key, local=local, read_cache=args.read_cache)
+    specs = _in_process_specs(args)
+    outputs = _outputs(args, specs)
+    cache = None
+    if args.read_cache:  # the stack's batch.cache, as Client.from_file(read_cache=True) opens it
+        cache = Client.from_file(args.outputs, read_cache=True)._cache
+    client = Client(outputs, api_key=args.api_key, local=local, result_cache=cache)
     summary: dict = {"stack": client.discovery.outputs.stack}
     try:
         if args.llm:
@@ -50,9 +91,8 @@ def run(args: argparse.Namespace) -> dict:
             version = args.ranker_version
             summary["ranker"] = client.infer(args.ranker, {"features": rows(4)}, version=version)["score"] \
                 .reshape(-1).round(4).tolist()
-        for spec in args.in_process:
-            model, version, package = spec.split("=", 2)
-            remote = Client.from_file(args.outputs, api_key=args.api_key, local=local)
+        for model, version, package in specs:
+            remote = Client(outputs, api_key=args.api_key, local=local)
             client.load_in_process(model, version, package)
             inputs = {name: rows(4) for name in client.in_process_io(model, version).inputs}
             here, there = client.infer(model, inputs), remote.infer(model, inputs)
@@ -84,9 +124,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--experiment", help="an experiment of chat arms to send --units units through")
     parser.add_argument("--units", type=int, default=20)
     parser.add_argument("--read-cache", action="store_true", help="answer from the batch path's cache first")
+    parser.add_argument("--discover-local", action="store_true",
+                        help="no stack outputs: describe the local server's models (llm_serving_client.local), with "
+                             f"the demo experiment {DEMO_EXPERIMENT!r} on --llm when --experiment names it")
     args = parser.parse_args(argv)
     if bool(args.local_openai) != bool(args.local_grpc):
         parser.error("--local-openai and --local-grpc go together")
+    if args.discover_local and not args.local_openai:
+        parser.error("--discover-local describes a local server: give --local-openai and --local-grpc")
+    if args.discover_local and args.read_cache:
+        parser.error("--read-cache reads a stack's batch cache: give --outputs, not --discover-local")
     summary = run(args)
     json.dump(summary, sys.stdout, indent=1)
     print()

@@ -258,3 +258,26 @@ def test_one_trace_id_joins_a_kserve_http_call_to_its_record(openai_server):
     record = wait_for(kserve_records, openai_server, trace_id)
     assert (record["rpc"], record["model"], record["status"], record["experiment"]) == (
         "POST infer", RANKER, "200", "ranking=booster")
+
+
+def test_the_consumer_service_discovers_a_local_server(openai_server, capsys):
+    """Where no stack exists (`make up`), the service asks the server for its document
+    (llm_serving_client.local): the LLM the OpenAI port lists, the ranker and the pipeline with their kinds, the
+    in-process step, and the demo experiment on the LLM."""
+    from examples.consumer import service
+    from llm_serving.package import open_package
+    from llm_serving_client.local import describe_local_server
+
+    grpc_target = f"127.0.0.1:{openai_server.ports['kserve_grpc']}"
+    described = parse_stack_outputs(describe_local_server(f"{openai_server.url}/v1", grpc_target,
+                                                          api_key=OPENAI_KEY, demo_experiment_on=LLM))
+    assert {m: o.kind for m, o in described.models.items()} == {
+        LLM: "vllm", RANKER: "python", PIPELINE: "ensemble", FEATURES: "python", "ranker-relevance": "python"}
+    package = next(p for p in openai_server.companions if open_package(p).manifest.model.id == FEATURES)
+    summary = service.main(["--api-key", OPENAI_KEY, "--local-openai", f"{openai_server.url}/v1",
+                            "--local-grpc", grpc_target, "--discover-local", "--llm", LLM, "--ranker", RANKER,
+                            "--in-process", f"{FEATURES}={package}", "--experiment", "demo-temperature",
+                            "--units", "4"])
+    assert summary["stack"] == "local" and summary["in_process"][FEATURES]["equal"] is True
+    assert sum(arm["calls"] for arm in summary["experiment"].values()) == 4 and len(summary["ranker"]) == 4
+    capsys.readouterr()
