@@ -172,7 +172,7 @@ class Client:
             raise ExperimentError(f"experiment {experiment!r} needs the call's unit id (its "
                                   f"{self.discovery.outputs.experiment(experiment).unit})", model=where)
         start = time.time_ns()
-        assignment = self.experiments.assign(experiment, unit, self.discovery.outputs.stack)
+        assignment = self.experiments.assign(experiment, unit, self.discovery.outputs.stack, expose=False)
         span_ns = (start, time.time_ns())
         arm = assignment.arm
         if model is not None and model != arm.model:
@@ -186,6 +186,7 @@ class Client:
         if clash:
             raise ExperimentError(f"experiment {experiment!r} arm {arm.name!r} sets it; the call sets it too",
                                   model=arm.model, field=clash[0])
+        self.experiments.expose(assignment)  # the call goes ahead: the unit is exposed
         return _Resolved(arm.model, arm.version, {**parameters, **arm.parameters}, assignment, span_ns)
 
     def _open(self, call_kind: str, resolved: _Resolved):
@@ -203,7 +204,7 @@ class Client:
             call.add_stage("assignment", (end - start) / 1e9)
         return {HEADER: resolved.assignment.header} if resolved.assignment else {}
 
-    def _finish(self, resolved: _Resolved, call: Call | None, started: float, error: bool) -> None:
+    def _finish(self, resolved: _Resolved, started: float, error: bool) -> None:
         if resolved.assignment is not None:
             self.experiments.record(resolved.assignment, time.perf_counter() - started, error)
 
@@ -249,7 +250,7 @@ class Client:
             error = False
             return answer
         finally:
-            self._finish(resolved, None, started, error)
+            self._finish(resolved, started, error)
 
     def _infer_here(self, local: InProcessModel, route: Route, resolved: _Resolved, inputs: Mapping[str, np.ndarray],
                     outputs: Sequence[str] | None) -> dict[str, np.ndarray]:
@@ -272,7 +273,7 @@ class Client:
             error = False
             return answer
         finally:
-            self._finish(resolved, None, started, error)
+            self._finish(resolved, started, error)
 
     def _attempts(self, call: Call, deadline: Deadline, route: Route, *, safe: bool, attempt):
         def one(n: int):
@@ -327,7 +328,7 @@ class Client:
             error = False
             return result
         finally:
-            self._finish(resolved, None, started, error)
+            self._finish(resolved, started, error)
 
     def _cached(self, call: Call, route: Route, resolved: _Resolved, body: dict[str, Any]) -> ChatResult | None:
         """The cached answer of this exact request for the version the route serves (a red-black model: its active
@@ -387,7 +388,7 @@ class Client:
                         holder.text = "".join(holder._parts)
                 error = False
             finally:
-                self._finish(resolved, None, started, error)
+                self._finish(resolved, started, error)
 
         holder._deltas = deltas()
         return holder

@@ -53,15 +53,23 @@ class Experiments:
         self._stats: dict[tuple[str, str], ArmStats] = {}
         self._lock = threading.Lock()
 
-    def assign(self, name: str, unit: str, stack: str) -> Assignment:
+    def assign(self, name: str, unit: str, stack: str, *, expose: bool = True) -> Assignment:
+        """The unit's arm; `expose` logs the exposure (once per unit). A caller that may still refuse the call
+        passes expose=False and calls `expose` once the call goes ahead: a refused call exposed nobody."""
         experiment = self._declared.get(name)
         if experiment is None:
             raise ExperimentError(f"experiment {name!r} is not declared in stack {stack} (declared: "
                                   f"{sorted(self._declared)})", model="?")
         arm_name = assign(name, unit, experiment.arms)
         arm = next(a for a in experiment.arms if a.name == arm_name)
-        self._expose(name, experiment, unit, arm_name)
-        return Assignment(name, unit, arm)
+        assignment = Assignment(name, unit, arm)
+        if expose:
+            self.expose(assignment)
+        return assignment
+
+    def expose(self, assignment: Assignment) -> None:
+        self._expose(assignment.experiment, self._declared[assignment.experiment], assignment.unit,
+                     assignment.arm.name)
 
     def _expose(self, name: str, experiment: ExperimentOutputs, unit: str, arm: str) -> None:
         key = (name, unit)

@@ -131,6 +131,11 @@ def test_exposure_is_logged_once_per_unit(caplog):
         for _ in range(3):
             c.experiments.assign("chat-temperature", "user-42", "s")
         c.experiments.assign("chat-temperature", "user-43", "s")
+        # A call the client refuses (it sets a field the arm sets) exposes nobody.
+        refused = next(f"user-{i}" for i in range(100, 200) if c.experiments.assign(
+            "chat-temperature", f"user-{i}", "s", expose=False).arm.name == "cool")
+        with pytest.raises(ExperimentError):
+            c.chat(experiment="chat-temperature", unit=refused, messages=[], temperature=0.7)
     events = [json.loads(r.getMessage()) for r in caplog.records if r.name == "llm_serving_client.exposures"]
     assert [(e["unit"], e["unit_kind"], e["experiment"]) for e in events] == [
         ("user-42", "user", "chat-temperature"), ("user-43", "user", "chat-temperature")]
