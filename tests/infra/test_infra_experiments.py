@@ -87,3 +87,40 @@ def test_only_a_cpu_python_model_runs_in_process():
     chat["inProcess"] = True
     assert "llm-serving:models[0].inProcess: only a python model without gpu may run in the caller's process; " \
            "this model is kind: vllm with gpu" in error_for(values)
+
+
+# -- the policy, on the real program's resources (prod-us-west-2's mock run) -----------------------------------------
+
+
+def _policy_findings(experiments: list[dict]) -> list[str]:
+    from infra.mockrun import shipped_run
+    from policies.offline import evaluate
+
+    run = shipped_run(STACK)
+    config = copy.deepcopy(run.config)
+    config["llm-serving:experiments"] = experiments
+    return [f.message for f in evaluate(run.resources, run.stack, run.project, config)
+            if f.policy == "experiments-arms-served" and f.blocking]
+
+
+def test_the_policy_passes_the_shipped_experiment_and_a_served_version_experiment():
+    assert _policy_findings(base()["experiments"]) == []
+    assert _policy_findings([{"name": "ranker-v4", "unit": "user", "arms": [
+        {"name": "old", "model": "ranker", "version": "3.0.0", "percent": 50},
+        {"name": "new", "model": "ranker", "version": "4.0.0", "percent": 50}]}]) == []
+
+
+@pytest.mark.parametrize("arms,expected", [
+    ([{"name": "a", "model": "ranker", "version": "3.0.0", "percent": 60},
+      {"name": "b", "model": "ranker", "version": "4.0.0", "percent": 50}],
+     "llm-serving:experiments[0]: arms: the percentages sum to 110, not 100"),
+    ([{"name": "a", "model": "ranker", "version": "2.0.0", "percent": 50},
+      {"name": "b", "model": "ranker", "version": "4.0.0", "percent": 50}],
+     "arms[0].version: 'ranker' does not serve '2.0.0'"),
+    ([{"name": "a", "model": "chat-large", "version": "2.3.0", "percent": 50},
+      {"name": "b", "model": "chat-large", "percent": 50}],
+     "arms[0].version: 'chat-large' is red-black"),
+])
+def test_the_policy_names_a_bad_experiment(arms, expected):
+    findings = _policy_findings([{"name": "exp", "unit": "user", "arms": arms}])
+    assert any(expected in f for f in findings), findings
