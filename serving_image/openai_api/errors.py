@@ -60,6 +60,11 @@ def from_validation_error(exc: ValidationError, endpoint: str = "") -> APIError:
     errors.sort(key=lambda e: e["type"] != "extra_forbidden")
     first = errors[0]
     param = _loc(first["loc"]) or None
+    from serving_image.openai_api.protocol import FieldValueError
+
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldValueError):  # a model-level check names its field itself
+        param = ".".join(p for p in (param, cause.field) if p)
     if first["type"] == "extra_forbidden":
         reason = refusal_reason(endpoint, param) or "this server does not know it"
         message = (f"Unsupported parameter: '{param}' is not supported by this server ({reason}); it would be "

@@ -52,6 +52,12 @@ SCORE_SCHEMA = {
 # The error statuses the read-only endpoints can answer (FastAPI's generated 422 is never sent: bodies are parsed
 # by the request models and refused as 400).
 GET_ERRORS = {"/v1/models": ("401",), "/v1/models/{model_id}": ("401", "404")}
+# The Batch API's routes (serving_image/batch/api.py, when the server has a batch store): what each may answer
+# besides 200, every body the Error object.
+BATCH_PREFIXES = ("/v1/files", "/v1/batches")
+BATCH_ERRORS = {"400": "bad input", "401": "missing or wrong API key", "404": "no such file or batch for this key",
+                "409": "the batch has ended already (cancel)", "413": "file too large",
+                "429": "this key's file or batch limit", "503": "not ready"}
 READY_SCHEMA = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"},
                                                                           "reason": {"type": ["string", "null"]}}}
 ERROR_STATUSES = {"400": "bad input", "401": "missing or wrong API key", "404": "unknown model",
@@ -89,7 +95,13 @@ def install_openapi(app: FastAPI, endpoints: Iterable[Endpoint]) -> None:
         for endpoint in endpoints:
             ok: dict[str, Any] = {"application/json": {"schema": responses[endpoint.name]}}
             if endpoint.name in ("chat", "completion"):
-                ok["text/event-stream"] = {"schema": {"type": "string"}}
+                # One SSE event (OpenAPI 3.0/3.1 have no itemSchema; tools such as Schemathesis read `schema` as
+                # the per-event schema): its data is one chunk object as JSON, then the literal [DONE].
+                ok["text/event-stream"] = {"schema": {
+                    "type": "object", "required": ["data"],
+                    "properties": {"data": {"type": "string", "contentMediaType": "application/json",
+                                            "description": "a chunk object as JSON; the last event's data is [DONE]"},
+                                   "event": {"type": "string"}, "id": {"type": "string"}}}}
             operation = spec["paths"][endpoint.path]["post"]
             body = _schema(endpoint.body, components)
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
@@ -99,6 +111,11 @@ def install_openapi(app: FastAPI, endpoints: Iterable[Endpoint]) -> None:
         for path, operations in spec["paths"].items():
             for operation in operations.values():
                 operation.get("responses", {}).pop("422", None)
+            if path.startswith(BATCH_PREFIXES):
+                for operation in operations.values():
+                    for status, why in BATCH_ERRORS.items():
+                        operation.setdefault("responses", {}).setdefault(status, {"description": why, "content": {
+                            "application/json": {"schema": {"$ref": REF.format(model="Error")}}}})
             for status in GET_ERRORS.get(path, ()):
                 operations["get"]["responses"][status] = {"description": ERROR_STATUSES[status], "content": {
                     "application/json": {"schema": {"$ref": REF.format(model="Error")}}}}

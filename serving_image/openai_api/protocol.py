@@ -12,6 +12,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+class FieldValueError(ValueError):
+    """A problem a model-level validator finds in one field: pydantic locates such an error at the body (`loc` is
+    empty), so it carries the field's name for the error's `param` (errors.from_validation_error)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -136,7 +145,7 @@ class _SamplingFields(_Strict):
     @model_validator(mode="after")
     def _check_stream_options(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise FieldValueError("stream_options", "stream_options is only allowed when stream is true")
         return self
 
 
@@ -154,10 +163,10 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _check_chat(self):
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs: true")
+            raise FieldValueError("top_logprobs", "top_logprobs requires logprobs: true")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
-            raise ValueError("max_tokens and max_completion_tokens disagree; give one")
+            raise FieldValueError("max_completion_tokens", "max_tokens and max_completion_tokens disagree; give one")
         return self
 
 

@@ -62,3 +62,21 @@ def test_every_refused_field_is_refused_naming_it_and_why(model, table, endpoint
 def test_generated_doc_is_current():
     doc = REPO / "docs" / "openai-fields.md"
     assert doc.read_text() == render_markdown(), "run: python -m serving_image.openai_api.fields"
+
+
+@pytest.mark.parametrize(("model", "body", "param", "needle"), [
+    (CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
+     "only allowed when stream is true"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
+     "requires logprobs: true"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                             "max_completion_tokens": 3}, "max_completion_tokens", "disagree"),
+])
+def test_a_check_across_fields_names_the_field(model, body, param, needle):
+    """Found by the in-process fuzz (test_openai_fuzz.py): a model-level check's error had no field (`param`
+    null, "Invalid value for 'None'")."""
+    with pytest.raises(ValidationError) as info:
+        model.model_validate({"model": "m", **body})
+    error = from_validation_error(info.value)
+    assert error.param == param
+    assert f"Invalid value for '{param}'" in str(error.message) and needle in str(error.message)
