@@ -163,7 +163,8 @@ def test_karpenter_node_pool_types_count(compat):
 
 def test_shipped_pods_are_the_program_derived_share():
     run = copy.deepcopy(shipped_run("dev-us-east-1"))
-    (server,) = [r for r in run.of_type(DEPLOYMENT) if "chat-small" in r.name]
+    (server,) = [r for r in run.of_type(DEPLOYMENT) if "chat-small" in r.name
+                 and r.inputs["metadata"]["labels"].get("app.kubernetes.io/component") == "model-server"]
     assert server.inputs["spec"]["template"]["spec"]["containers"][0]["resources"] == \
         pod_share(["g6.2xlarge", "g6.4xlarge"], 1, 1).resources()
     findings = evaluate(run.resources, run.stack, run.project, run.config)
