@@ -62,15 +62,19 @@ class ProbeState:
 
 async def http_probe(host: str, probe: Probe) -> tuple[bool, str]:
     """An httpGet probe as the kubelet runs it: any status from 200 to 399 within the timeout is a success."""
+    # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation that arrives as the awaited
+    # call completes, and a probe loop that lost its cancel probes forever (it hung a test's event loop teardown).
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, probe.port), probe.timeout_s)
+        async with asyncio.timeout(probe.timeout_s):
+            reader, writer = await asyncio.open_connection(host, probe.port)
     except (TimeoutError, OSError) as exc:
         return False, f"connect {host}:{probe.port}: {type(exc).__name__}"
     try:
         writer.write(f"GET {probe.path} HTTP/1.1\r\nHost: {host}:{probe.port}\r\nUser-Agent: kube-probe/1.33\r\n"
                      f"Connection: close\r\n\r\n".encode())
         await writer.drain()
-        line = await asyncio.wait_for(reader.readline(), probe.timeout_s)
+        async with asyncio.timeout(probe.timeout_s):
+            line = await reader.readline()
         parts = line.decode("latin-1").split()
         status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
         return 200 <= status < 400, f"HTTP {status}"
@@ -139,7 +143,8 @@ class PodRunner:
                 self._set("Restarting", ready=False)
                 self._event(f"back-off {wait:.0f}s before restart {self.status.restarts}")
                 try:
-                    await asyncio.wait_for(self._stopping.wait(), wait)
+                    async with asyncio.timeout(wait):
+                        await self._stopping.wait()
                     return
                 except TimeoutError:
                     pass
@@ -165,10 +170,12 @@ class PodRunner:
             started.set()
         checks.append(asyncio.create_task(self._after_start(started)))
         stop = asyncio.create_task(self._stopping.wait())
-        done, _ = await asyncio.wait([*checks, stop], return_when=asyncio.FIRST_COMPLETED)
-        for task in [*checks, stop]:
-            if task not in done:
-                task.cancel()
+        try:
+            done, _ = await asyncio.wait([*checks, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when run() itself is cancelled: no probe loop outlives its container
+            for task in [*checks, stop]:
+                if not task.done():
+                    task.cancel()
         if stop in done:
             return "stopped"
         cause = next((t.result() for t in done if t is not stop and not t.cancelled()), "unknown")
@@ -232,9 +239,12 @@ class PodRunner:
             tasks.append(asyncio.create_task(self._probe_loop(state, live_flip)))
         if not tasks:
             await asyncio.Event().wait()
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
-            task.cancel()
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this task is cancelled (its container stopped): the probe loops end with it
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
         return next(iter(done)).result()
 
     async def _kill(self, why: str) -> None:

@@ -96,8 +96,9 @@ async def run_load(port: int, host: str, model: str, verify, stop: asyncio.Event
                 error = await _one(client, url, host, model, PROMPTS[n % len(PROMPTS)], stream)
                 result.outcomes.append(Outcome(time.monotonic() - result.started, not error, stream, error))
                 n += 1
-                try:
-                    await asyncio.wait_for(stop.wait(), pause_s)
+                try:  # asyncio.timeout: 3.11's wait_for can swallow a cancel (kubelet.http_probe)
+                    async with asyncio.timeout(pause_s):
+                        await stop.wait()
                 except TimeoutError:
                     pass
 
@@ -124,7 +125,8 @@ async def run_kserve_load(port: int, host: str, model: str, body: dict, outputs:
             except (httpx.HTTPError, json.JSONDecodeError) as err:
                 error = f"{type(err).__name__}: {err}"
             result.outcomes.append(Outcome(time.monotonic() - result.started, not error, False, error))
-            try:
-                await asyncio.wait_for(stop.wait(), pause_s)
+            try:  # asyncio.timeout: 3.11's wait_for can swallow a cancel (kubelet.http_probe)
+                async with asyncio.timeout(pause_s):
+                    await stop.wait()
             except TimeoutError:
                 pass

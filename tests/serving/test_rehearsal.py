@@ -255,9 +255,29 @@ async def test_a_pod_is_ready_only_by_its_probes_and_terminates_with_sigterm(tmp
     assert runner.status.ready_after_s >= 0.6 and runner.status.restarts == 0
     await runner.stop()
     task.cancel()
+    await asyncio.gather(task, return_exceptions=True)  # its probe loops end with it
     events = " | ".join(runner.status.events)
     assert "preStop: sleep" in events and "SIGTERM" in events and "SIGKILL" not in events
     assert runner.process.returncode == 0 and runner.status.phase == "Terminated"
+
+
+async def test_cancelling_a_pod_runner_ends_its_probe_loops(tmp_path):
+    """A runner cancelled while its container serves (what the rehearsal's interrupt and a test's end do) leaves no
+    probe loop behind: one that outlived it probed the dead port forever and hung the event loop's teardown."""
+    runner = PodRunner(_plan(free_port(), "ok", delay=0), "127.0.0.1", _launch, tmp_path)
+    task = asyncio.create_task(runner.run())
+    try:
+        await _until(lambda: runner.status.ready)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for _ in range(100):  # the cancelled probe tasks finish within a few loop iterations
+            left = asyncio.all_tasks() - {asyncio.current_task()}
+            if not left:
+                break
+            await asyncio.sleep(0)
+        assert not left, left
+    finally:
+        runner.kill_now()
 
 
 async def test_a_crashing_container_is_restarted_with_back_off_and_reported(tmp_path):
@@ -268,6 +288,7 @@ async def test_a_crashing_container_is_restarted_with_back_off_and_reported(tmp_
     await _until(lambda: runner.status.restarts >= 3)
     await runner.stop(fast=True)
     task.cancel()
+    await asyncio.gather(task, return_exceptions=True)  # its probe loops end with it
     assert waits[:4] == [0, 1, 2, 3] and not runner.status.ready
     assert runner.status.last_cause == "exited with status 3"
 
@@ -280,6 +301,7 @@ async def test_a_container_that_ignores_sigterm_is_killed_after_the_grace_period
     started = time.monotonic()
     await runner.stop()
     task.cancel()
+    await asyncio.gather(task, return_exceptions=True)  # its probe loops end with it
     assert time.monotonic() - started >= 1.0  # the grace period counts the preStop hook
     assert "SIGKILL after the 1s grace period" in " | ".join(runner.status.events)
     assert runner.process.returncode == -9
