@@ -63,13 +63,19 @@ async def generate(server: ServerState, scope: RequestScope, body: ChatCompletio
             totals[i].add(output)
 
     # Watched from the start, not from the first token on: a client may give up while its request still waits for
-    # the engine (queued behind others), and then the engine should not start on it.
+    # the engine (queued behind others), and then the engine should not start on it. Batch work is also watched
+    # for preemption by a real-time request (admission.py): it stops and is sent again later.
+    preempted = scope.preemptible()
     try:
-        completed, _ = await unless_disconnected(answer(), receive)
+        completed, _ = await unless_disconnected(answer(), receive, stop=preempted)
     except (EngineInputError, EngineUnavailableError) as exc:
         raise engine_error(exc) from exc
     scope.outcome.prompt_tokens = sum(t.prompt_tokens for t in totals)
     scope.outcome.completion_tokens = sum(t.completion_tokens for t in totals)
+    if not completed and preempted is not None and preempted.is_set():
+        for req in requests:
+            await engine.abort(req.request_id)
+        raise scope.preempted()
     if not completed:
         return await _client_left(engine, requests, scope)
     if chat:

@@ -19,6 +19,7 @@ would be cancelled too and the release lost.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -145,6 +146,23 @@ class RequestScope:
             raise RuntimeError(f"request {self.request_id} was already admitted")
         self._held.callback(self._admission.release, self._admission.admit(tokens, self.batch), self.batch)
         self._admitted = True
+
+    def preemptible(self) -> asyncio.Event | None:
+        """For batch work, once admitted: an event set when a real-time request is admitted and this request must
+        make room (admission.py, `batch_preempted_by_realtime`); None for real-time requests, or when batch work
+        is not preempted. The watch ends when the scope closes."""
+        if not (self.batch and self._admitted and self._admission.config.batch_preempted_by_realtime):
+            return None
+        event = asyncio.Event()
+        self._admission.watch_preemption(self.request_id, event.set)
+        self._held.callback(self._admission.unwatch_preemption, self.request_id)
+        return event
+
+    def preempted(self) -> APIError:
+        """The error that answers this request once it was preempted (503, Retry-After), recorded as its outcome."""
+        error = self._admission.preempted_error()
+        self.outcome.refused(error)
+        return error
 
     def hand_over(self) -> RequestScope:
         """Keep the scope open when the `with` block ends normally: whoever this returns to (a streaming response)

@@ -87,19 +87,24 @@ async def until_disconnected(receive: Callable[[], Awaitable[dict]]) -> None:
         pass
 
 
-async def unless_disconnected(work: Awaitable, receive: Callable[[], Awaitable[dict]]) -> tuple[bool, object]:
-    """Run `work` until it finishes or the client leaves, whichever is first: (True, its result), or (False, None)
-    with `work` cancelled. A non-streaming request has no write to fail on, so without this a client that gave up
-    would keep the engine busy until the whole answer was generated."""
+async def unless_disconnected(work: Awaitable, receive: Callable[[], Awaitable[dict]],
+                              stop: asyncio.Event | None = None) -> tuple[bool, object]:
+    """Run `work` until it finishes or the client leaves (or `stop` is set: batch work preempted), whichever is
+    first: (True, its result), or (False, None) with `work` cancelled. A non-streaming request has no write to fail
+    on, so without this a client that gave up would keep the engine busy until the whole answer was generated."""
     task = asyncio.ensure_future(work)
     listener = asyncio.ensure_future(until_disconnected(receive))
+    watchers = {task, listener}
+    if stop is not None:
+        watchers.add(asyncio.ensure_future(stop.wait()))
     try:
-        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # this request itself cancelled (the server stopping): take the work down with it
         task.cancel()
         raise
     finally:
-        listener.cancel()
+        for watcher in watchers - {task}:
+            watcher.cancel()
     if task.done():
         return True, task.result()
     task.cancel()

@@ -9,6 +9,7 @@ The worker runs here too, in this process, against the same app: the state machi
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -138,3 +139,67 @@ async def test_an_expired_batch_keeps_what_it_answered_and_errors_the_rest(app):
     assert [x["custom_id"] for x in output] == ["c0"]
     assert sorted(x["custom_id"] for x in errors) == ["c1", "c2"]
     assert {x["error"]["code"] for x in errors} == {"batch_expired"}
+
+
+class FirstBatchAttemptHangs(ScriptedEngine):
+    """Batch lines' prompts start with 'B': the first of them to reach the engine stays there (a long generation)
+    until something stops it; every other request is answered at once."""
+
+    def __init__(self):
+        super().__init__(Generation(3))
+        self.batch_attempts = 0
+        self.batch_running = asyncio.Event()  # set while the first attempt is deep in the engine
+
+    async def generate(self, request):
+        if request.prompt[0] == self.encode_prompt("B", add_special_tokens=False)[0]:
+            self.batch_attempts += 1
+            if self.batch_attempts == 1:
+                self.batch_running.set()
+                await asyncio.Event().wait()
+        async for output in super().generate(request):
+            yield output
+
+
+async def test_a_real_time_request_preempts_batch_work_which_is_sent_again_and_answered_once(tmp_path):
+    engine = FirstBatchAttemptHangs()
+    app = create_app(engine, config=APIConfig(api_keys=KEYS),
+                     batch=BatchConfig(store_uri=str(tmp_path / "store"), admin_keys=(ADMIN,)))
+    client = _client(app, KEYS[0])
+    line = {"custom_id": "only", "method": "POST", "url": "/v1/completions",
+            "body": {"model": MODEL.name, "prompt": "Bline", "max_tokens": 3, "temperature": 0}}
+    uploaded = await client.files.create(file=("f.jsonl", (json.dumps(line) + "\n").encode()), purpose="batch")
+    batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                             headers={"Authorization": f"Bearer {KEYS[0]}", PRIORITY_HEADER: "batch"})
+    worker = asyncio.create_task(BatchWorker(BatchStorage(app.state.batch.storage.store),
+                                             WorkerConfig(endpoint_url="http://test", concurrency=1,
+                                                          progress_every_s=0.01),
+                                             http=http).run_forever(exit_when_idle=True))
+    await engine.batch_running.wait()  # the batch line holds the engine
+    admission = app.state.server.admission
+    assert (admission.batch_requests, admission.preempted) == (1, 0)
+    realtime = await client.completions.create(model=MODEL.name, prompt="rt", max_tokens=3, temperature=0)
+    assert realtime.choices[0].text == "t0 t1 t2 "
+    await worker
+    # The batch attempt was stopped in the engine (aborted), answered 503, and the worker sent the line again.
+    assert admission.preempted == 1 and engine.batch_attempts == 2
+    assert len(engine.aborted) == 1 and engine.aborted[0].startswith("cmpl-")
+    done = await client.batches.retrieve(batch.id)
+    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (1, 0)
+    output = [json.loads(x) for x in (await client.files.content(done.output_file_id)).text.splitlines()]
+    assert [x["custom_id"] for x in output] == ["only"]
+    assert output[0]["response"]["body"]["choices"][0]["text"] == "t0 t1 t2 "
+    assert (admission.requests, admission.batch_requests, admission.tokens) == (0, 0, 0)
+
+
+async def test_batch_work_is_not_preempted_when_the_server_says_so(tmp_path):
+    engine = FirstBatchAttemptHangs()
+    app = create_app(engine, config=APIConfig(batch_preempted_by_realtime=False))
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    body = {"model": MODEL.name, "prompt": "Bline", "max_tokens": 3}
+    batch = asyncio.create_task(http.post("/v1/completions", json=body, headers={PRIORITY_HEADER: "batch"}))
+    await engine.batch_running.wait()
+    realtime = await http.post("/v1/completions", json={**body, "prompt": "rt"})
+    assert realtime.status_code == 200 and not batch.done()
+    assert app.state.server.admission.preempted == 0 and engine.aborted == []
+    batch.cancel()

@@ -39,6 +39,36 @@ def test_batch_work_waits_while_real_time_requests_are_in_flight():
         APIConfig.from_env({"LLM_SERVING_BATCH_YIELDS_TO_REALTIME": "yes"})
 
 
+def test_a_real_time_admission_stops_each_watched_batch_request_once():
+    admission = Admission(APIConfig(max_concurrent_requests=20, max_inflight_tokens=1000))
+    stopped: list[str] = []
+    for name in ("b1", "b2", "b3"):
+        admission.admit(10, batch=True)
+        admission.watch_preemption(name, lambda name=name: stopped.append(name))
+    admission.unwatch_preemption("b3")  # ended before real time came: nothing to stop
+    admission.admit(10, batch=True)  # batch work neither stops batch work ...
+    assert stopped == []
+    admission.admit(10)  # ... nor is it stopped by anything but a real-time admission
+    assert stopped == ["b1", "b2"] and admission.preempted == 2
+    admission.admit(10)  # each is told once
+    assert stopped == ["b1", "b2"] and admission.preempted == 2
+    error = admission.preempted_error()
+    assert (error.status, error.code, error.headers["Retry-After"]) == (503, "preempted_by_realtime", "1")
+
+
+def test_batch_preemption_can_be_turned_off():
+    assert APIConfig.from_env({}).batch_preempted_by_realtime is True
+    config = APIConfig.from_env({"LLM_SERVING_BATCH_PREEMPTED_BY_REALTIME": "0"})
+    admission = Admission(config)
+    stopped: list[str] = []
+    admission.admit(10, batch=True)
+    admission.watch_preemption("b1", lambda: stopped.append("b1"))
+    admission.admit(10)
+    assert stopped == [] and admission.preempted == 0
+    with pytest.raises(ValueError, match="LLM_SERVING_BATCH_PREEMPTED_BY_REALTIME"):
+        APIConfig.from_env({"LLM_SERVING_BATCH_PREEMPTED_BY_REALTIME": "true"})
+
+
 def test_batch_work_takes_only_its_share_of_admission():
     admission = Admission(APIConfig(max_concurrent_requests=8, max_inflight_tokens=1000, batch_admission_share=0.25,
                                     batch_yields_to_realtime=False))
