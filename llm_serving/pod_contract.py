@@ -138,6 +138,13 @@ STARTUP_ENV = (ENV_PACKAGE, ENV_MODEL_ID, ENV_MODEL_VERSION, ENV_IO_FINGERPRINT,
 ENV_COMPANION_PACKAGES = "LLM_SERVING_COMPANION_PACKAGES"
 COMPANION_SEPARATOR = ":"
 
+# Triton's own OpenTelemetry tracing in the `standalone` mode (serving_image/triton/tracing.py, docs/clients.md
+# "Traces and per-stage records"): where tritonserver exports its spans (an OTLP/HTTP traces endpoint; unset: no
+# tracing) and how many requests without a caller's trace context it traces too (every N-th; 0, the default: only
+# those that carry a `traceparent`). Optional on any pod; the stacks render neither yet.
+ENV_TRACE_OTLP_URL = "LLM_SERVING_TRACE_OTLP_URL"
+ENV_TRACE_RATE = "LLM_SERVING_TRACE_RATE"
+
 # -- the image's entrypoint ---------------------------------------------------------------------------------------
 NVIDIA_ENTRYPOINT = "/opt/nvidia/nvidia_entrypoint.sh"  # driver check, CUDA forward compatibility
 STARTUP_MODULE = "serving_image.startup"

@@ -85,7 +85,9 @@ async def start_standalone_triton(packages: list[VerifiedPackage], workdir: Path
     this project's stand-in `vllm` backend). Returns a StandaloneTriton."""
     from llm_serving.manifest import ServingMode
     from serving_image.triton.standalone import start_standalone
+    from serving_image.triton.tracing import TritonTracing
 
+    tracing = TritonTracing.from_env(os.environ)  # first: a wrong tracing variable fails before anything loads
     names = served_model_names(packages, ServingMode.STANDALONE)
     repository = workdir / "model-repository"
     max_model_len = _write_repository(packages, repository, engine_overrides)
@@ -93,7 +95,8 @@ async def start_standalone_triton(packages: list[VerifiedPackage], workdir: Path
     main = packages[0].manifest.model
     return await start_standalone(repository=repository, models=names, version=main.version, http_port=http_port,
                                   grpc_port=grpc_port, metrics_port=metrics_port, binary=binary,
-                                  backend_directory=backends, host=host, env=env, max_model_len=max_model_len)
+                                  backend_directory=backends, host=host, env=env, max_model_len=max_model_len,
+                                  tracing=tracing)
 
 
 def _write_repository(packages: list[VerifiedPackage], repository: Path, engine_overrides: dict | None) -> int:

@@ -16,6 +16,9 @@ binds HTTP and gRPC (measured on 2.51, and tested: tests/serving/test_triton_pyt
 nothing until the engine is ready, without anything else in front of it; step 4 is done when Triton reports every
 model ready over that port.
 
+With LLM_SERVING_TRACE_OTLP_URL set, tritonserver also exports its own OpenTelemetry spans under each caller's trace
+id (serving_image/triton/tracing.py): in this mode there is no request record of ours to carry it.
+
 The returned `StandaloneTriton` is what the startup procedure watches (the child's exit, or a model that stops being
 ready: the stand-in backend unloads its model when its engine dies, as NVIDIA's health check does) and stops (SIGTERM:
 Triton drains in-flight requests, unloads the models, whose engines stop, and exits).
@@ -36,6 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from serving_image.engine.base import ModelInfo
+from serving_image.triton.tracing import TritonTracing
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +60,8 @@ STOP_TIMEOUT_S = 90  # Triton's own exit timeout is 30 s, then each model's fina
 
 def tritonserver_command(repository: Path, models: str | Sequence[str], *, http_port: int, grpc_port: int,
                          metrics_port: int, binary: str | Path = "tritonserver",
-                         backend_directory: Path | None = None, host: str | None = None) -> list[str]:
+                         backend_directory: Path | None = None, host: str | None = None,
+                         tracing: TritonTracing | None = None) -> list[str]:
     models = [models] if isinstance(models, str) else list(models)
     command = [
         str(binary),
@@ -77,6 +82,8 @@ def tritonserver_command(repository: Path, models: str | Sequence[str], *, http_
         command += [f"--http-address={host}", f"--grpc-address={host}"]
     if backend_directory is not None:
         command.append(f"--backend-directory={backend_directory}")
+    if tracing is not None:  # Triton's own OpenTelemetry spans, under the caller's trace id (tracing.py)
+        command += tracing.arguments()
     return command
 
 
@@ -203,14 +210,14 @@ async def start_standalone(*, repository: Path, models: str | Sequence[str], ver
                            grpc_port: int, metrics_port: int, binary: str | Path = "tritonserver",
                            backend_directory: Path | None = None, host: str | None = None,
                            env: dict[str, str] | None = None, max_model_len: int = 0,
-                           ready_timeout_s: float = READY_TIMEOUT_S,
+                           tracing: TritonTracing | None = None, ready_timeout_s: float = READY_TIMEOUT_S,
                            stuck_after_s: float = LOAD_AFTER_ENGINE_READY_S) -> StandaloneTriton:
     """Start tritonserver and wait until every model is ready (its gRPC port opens only then). A load stuck after
     the engines were ready (StuckLoadError) is retried with a fresh tritonserver, STUCK_LOAD_RESTARTS times."""
     models = (models,) if isinstance(models, str) else tuple(models)
     command = tritonserver_command(repository, models, http_port=http_port, grpc_port=grpc_port,
                                    metrics_port=metrics_port, binary=binary, backend_directory=backend_directory,
-                                   host=host)
+                                   host=host, tracing=tracing)
     for attempt in range(STUCK_LOAD_RESTARTS + 1):
         try:
             return await _start_once(command, models, version, grpc_port, host, env, max_model_len,
