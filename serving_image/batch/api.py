@@ -2,6 +2,10 @@
 it creates, their progress and their output files. Executing a batch is the worker's job (worker.py); this module
 only reads and writes the store (storage.py), so any number of front-end pods can serve it.
 
+Every store call runs on a worker thread (sync endpoints, which FastAPI runs in its thread pool, or
+`run_in_threadpool`), never on the event loop: the loop is the real-time path's, and a store call is an S3 round
+trip (an fsync on a directory store) that would stall every request in flight while it waits.
+
 Access: every object belongs to the key that created it (records.owner_of), and another key gets 404 for it, as
 for an object that does not exist (no existence leak); an admin key (config.ENV_ADMIN_KEYS) sees everything.
 """
@@ -16,6 +20,7 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from llm_serving.object_store import open_object_store
 from serving_image.batch.config import BatchConfig
@@ -141,6 +146,11 @@ async def create_file(request: Request) -> JSONResponse:
     if len(content) > limits.max_file_bytes:
         raise APIError(413, f"file '{filename}' exceeds {limits.max_file_bytes} bytes", param="file",
                        code="file_too_large")
+    return await run_in_threadpool(_store_file, service, caller, content, filename)
+
+
+def _store_file(service: BatchService, caller: Caller, content: bytes, filename: str) -> JSONResponse:
+    limits = service.config
     lines = count_lines(content, limits, filename)
     if not caller.admin and len(service.storage.file_ids(caller.owner)) >= limits.max_files_per_key:
         raise APIError(429, f"this key holds {limits.max_files_per_key} files, its limit; delete some first",
@@ -161,7 +171,7 @@ def _visible_file(request: Request, file_id: str) -> tuple[BatchService, StoredF
 
 
 @router.get("/v1/files")
-async def list_files(request: Request, purpose: str | None = None, limit: int = 10_000, after: str | None = None,
+def list_files(request: Request, purpose: str | None = None, limit: int = 10_000, after: str | None = None,
                      order: Literal["asc", "desc"] = "desc") -> dict:
     service = _service(request)
     caller = _caller(request, service)
@@ -173,12 +183,12 @@ async def list_files(request: Request, purpose: str | None = None, limit: int = 
 
 
 @router.get("/v1/files/{file_id}")
-async def get_file(file_id: str, request: Request) -> dict:
+def get_file(file_id: str, request: Request) -> dict:
     return _visible_file(request, file_id)[1].file.model_dump()
 
 
 @router.get("/v1/files/{file_id}/content")
-async def file_content(file_id: str, request: Request) -> Response:
+def file_content(file_id: str, request: Request) -> Response:
     service, record = _visible_file(request, file_id)
     content = service.storage.file_content(record.file.id)
     if content is None:
@@ -187,7 +197,7 @@ async def file_content(file_id: str, request: Request) -> Response:
 
 
 @router.delete("/v1/files/{file_id}")
-async def delete_file(file_id: str, request: Request) -> dict:
+def delete_file(file_id: str, request: Request) -> dict:
     service, record = _visible_file(request, file_id)
     service.storage.delete_file(record)
     return {"id": file_id, "object": "file", "deleted": True}
@@ -226,6 +236,10 @@ async def create_batch(request: Request) -> JSONResponse:
         if len(key) > 64 or len(value) > 512:
             raise bad_request(f"metadata '{key[:64]}': keys hold at most 64 characters, values 512",
                               param="metadata", code="invalid_value")
+    return await run_in_threadpool(_store_batch, service, caller, body, server_state(request).model.name)
+
+
+def _store_batch(service: BatchService, caller: Caller, body: CreateBatchBody, model: str) -> JSONResponse:
     source = service.storage.get_file(body.input_file_id)
     if source is None or not caller.sees(source.owner):
         raise _not_found("file", body.input_file_id, param="input_file_id")
@@ -243,7 +257,7 @@ async def create_batch(request: Request) -> JSONResponse:
     batch = BatchObject(id=new_id("batch_"), endpoint=body.endpoint, input_file_id=body.input_file_id,
                         completion_window=body.completion_window, status="validating", created_at=now,
                         expires_at=now + COMPLETION_WINDOW_S[body.completion_window], metadata=body.metadata,
-                        model=server_state(request).model.name)
+                        model=model)
     batch.request_counts.total = source.lines
     service.storage.create_batch(StoredBatch(batch=batch, owner=caller.owner))
     return JSONResponse(batch.model_dump())
@@ -259,7 +273,7 @@ def _visible_batch(request: Request, batch_id: str) -> tuple[BatchService, Store
 
 
 @router.get("/v1/batches")
-async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> dict:
+def list_batches(request: Request, limit: int = 20, after: str | None = None) -> dict:
     service = _service(request)
     caller = _caller(request, service)
     ids = service.storage.batch_ids(None if caller.admin else caller.owner)
@@ -269,12 +283,12 @@ async def list_batches(request: Request, limit: int = 20, after: str | None = No
 
 
 @router.get("/v1/batches/{batch_id}")
-async def get_batch(batch_id: str, request: Request) -> dict:
+def get_batch(batch_id: str, request: Request) -> dict:
     return _visible_batch(request, batch_id)[1].batch.model_dump()
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
-async def cancel_batch(batch_id: str, request: Request) -> dict:
+def cancel_batch(batch_id: str, request: Request) -> dict:
     service, record = _visible_batch(request, batch_id)
     if record.batch.status in TERMINAL:
         raise APIError(409, f"batch '{batch_id}' is {record.batch.status}; only a batch not yet ended can be "

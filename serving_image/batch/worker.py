@@ -144,7 +144,7 @@ class BatchWorker:
                 answered = self.storage.done_indexes(batch_id)
                 for p in parsed:
                     if p.index not in answered:
-                        self._write(run, self._bad_result(run, BadLine(p.index, p.custom_id, "batch_expired",
+                        await self._write(run, self._bad_result(run, BadLine(p.index, p.custom_id, "batch_expired",
                                                                        "the batch expired before this line ran",
                                                                        None)))
         self._finalize(run, run.stop or "completed")
@@ -214,7 +214,7 @@ class BatchWorker:
             finally:
                 run.in_flight.discard(parsed.index)
             if result is not None:
-                self._write(run, result)
+                await self._write(run, result)
 
     async def _run_line(self, run: _Run, parsed: RequestLine | BadLine) -> LineResult | None:
         if isinstance(parsed, BadLine):
@@ -242,8 +242,9 @@ class BatchWorker:
             if ok and run.model_version is None:
                 run.model_version = await self._served_version()
             if ok and run.model_version is not None:
-                self.cache.put(batch.model or body.get("model", ""), run.model_version, batch.endpoint,
-                               parsed.body, body, source=CacheSource(batch_id=batch.id, custom_id=parsed.custom_id))
+                await asyncio.to_thread(self.cache.put, batch.model or body.get("model", ""), run.model_version,
+                                        batch.endpoint, parsed.body, body,
+                                        source=CacheSource(batch_id=batch.id, custom_id=parsed.custom_id))
             return LineResult(index=parsed.index, custom_id=parsed.custom_id, kind="output" if ok else "error",
                               line=line)
         return None  # stopped (cancelled or expired) before an answer: not a result
@@ -252,8 +253,10 @@ class BatchWorker:
         return LineResult(index=bad.index, custom_id=bad.custom_id, kind="error",
                           line=error_line(run.record.batch.id, bad))
 
-    def _write(self, run: _Run, result: LineResult) -> None:
-        self.storage.put_result(run.record.batch.id, result)
+    async def _write(self, run: _Run, result: LineResult) -> None:
+        # Store writes run on a thread: a put is a network round trip to S3 (an fsync on a directory store), and on
+        # the event loop every lane would wait for every other lane's writes in turn.
+        await asyncio.to_thread(self.storage.put_result, run.record.batch.id, result)
         metrics.LINES.labels(run.record.batch.endpoint, result.kind).inc()
         if result.kind == "output":
             run.completed += 1
@@ -269,11 +272,11 @@ class BatchWorker:
         batch = run.record.batch
         while True:
             await asyncio.sleep(self.config.progress_every_s)
-            if self.storage.cancel_requested_at(batch.id) is not None:
+            if await asyncio.to_thread(self.storage.cancel_requested_at, batch.id) is not None:
                 run.stop = "cancelled"
             elif batch.expires_at is not None and time.time() >= batch.expires_at:
                 run.stop = "expired"
-            self._save_counts(run)
+            await asyncio.to_thread(self._save_counts, run)
 
     def _save_counts(self, run: _Run) -> None:
         counts = run.record.batch.request_counts
