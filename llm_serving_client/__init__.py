@@ -15,8 +15,9 @@ from llm_serving_client.errors import (
     Unavailable,
 )
 from llm_serving_client.experiments import HEADER as EXPERIMENT_HEADER
+from llm_serving_client.gateway import GatewayEndpoints, GatewayError
 from llm_serving_client.retry import RetryPolicy
 
 __all__ = ["ENV_OUTPUTS", "EXPERIMENT_HEADER", "CallError", "ChatResult", "ChatStream", "Client", "DeadlineExceeded",
-           "ExperimentError", "InvalidRequest", "LocalEndpoints", "Overloaded", "RetryPolicy", "ServerError",
-           "Unavailable", "assign", "load_outputs"]
+           "ExperimentError", "GatewayEndpoints", "GatewayError", "InvalidRequest", "LocalEndpoints", "Overloaded",
+           "RetryPolicy", "ServerError", "Unavailable", "assign", "load_outputs"]

@@ -30,6 +30,7 @@ from llm_serving_client.deadline import Deadline
 from llm_serving_client.discovery import Discovery, LocalEndpoints, Route, load_outputs
 from llm_serving_client.errors import CallError, ExperimentError, InvalidRequest
 from llm_serving_client.experiments import HEADER, ArmStats, Assignment, Experiments
+from llm_serving_client.gateway import GatewayEndpoints
 from llm_serving_client.inprocess.fetch import FetchError, fetch_package
 from llm_serving_client.inprocess.model import InProcessError, InProcessModel
 from llm_serving_client.observe import Call, Observer
@@ -77,10 +78,12 @@ class _Resolved:
 
 class Client:
     def __init__(self, outputs: StackOutputs, *, api_key: str | None = None, local: LocalEndpoints | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, retry: RetryPolicy | None = None,
-                 tracer_provider: trace.TracerProvider | None = None, log_sample_rate: float = 1.0,
-                 result_cache: ResultCache | None = None):
-        self.discovery = Discovery(outputs, local)
+                 gateway: GatewayEndpoints | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 retry: RetryPolicy | None = None, tracer_provider: trace.TracerProvider | None = None,
+                 log_sample_rate: float = 1.0, result_cache: ResultCache | None = None):
+        """`local`: every route at one local server (no stack); `gateway`: the stack's routes as they are named,
+        each connection to the gateway at this address (llm_serving_client.gateway)."""
+        self.discovery = Discovery(outputs, local, gateway)
         self.experiments = Experiments(outputs.experiments)
         self.timeout_s, self.retry = timeout_s, retry or RetryPolicy()
         self._observer = Observer(tracer_provider, log_sample_rate)

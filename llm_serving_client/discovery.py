@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llm_serving.stack_outputs import ModelOutputs, StackOutputs, StackOutputsError, parse_stack_outputs
+from llm_serving_client.gateway import GatewayEndpoints
 
 ENV_OUTPUTS = "LLM_SERVING_STACK_OUTPUTS"  # the file's path, as the service's ConfigMap mounts it
 
@@ -53,6 +54,7 @@ class Route:
     version: str | None  # the pinned version (a versioned model), None where the platform routes by weight
     address: str
     tls: bool
+    gateway: GatewayEndpoints | None = None  # set: `address` keeps its hostname, the connection goes to the gateway
 
 
 # Which protocol answers which kind (docs/stack-outputs.md, `models.<id>.kind`).
@@ -60,8 +62,12 @@ OPENAI_KINDS = ("vllm",)
 
 
 class Discovery:
-    def __init__(self, outputs: StackOutputs, local: LocalEndpoints | None = None):
-        self.outputs, self.local = outputs, local
+    def __init__(self, outputs: StackOutputs, local: LocalEndpoints | None = None,
+                 gateway: GatewayEndpoints | None = None):
+        if local is not None and gateway is not None:
+            raise ValueError("local endpoints and a gateway address contradict each other: a local server has no "
+                             "gateway, a gateway routes by the stack's hostnames")
+        self.outputs, self.local, self.gateway = outputs, local, gateway
 
     def model(self, model_id: str) -> ModelOutputs:
         return self.outputs.model(model_id)
@@ -74,4 +80,4 @@ class Discovery:
         address = self.outputs.endpoint(model_id, protocol, version)  # refuses a version it does not serve
         if self.local is not None:
             return Route(model_id, model.kind, version, getattr(self.local, protocol), tls=False)
-        return Route(model_id, model.kind, version, address, tls=True)
+        return Route(model_id, model.kind, version, address, tls=True, gateway=self.gateway)

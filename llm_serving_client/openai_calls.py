@@ -10,11 +10,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import httpx
 import openai
 from openai._base_client import make_request_options
 
 from llm_serving_client.discovery import Route
 from llm_serving_client.errors import CallError, DeadlineExceeded, InvalidRequest, Overloaded, ServerError, Unavailable
+from llm_serving_client.gateway import GatewayTransport
 
 UNAVAILABLE_STATUSES = (502, 503, 504)
 
@@ -51,8 +53,11 @@ class OpenAITransport:
         with self._lock:
             if route.address not in self._clients:
                 # The SDK insists on a key; a platform without keys (make up's default) takes any.
+                # Through a gateway address: the SDK's own HTTP client, with a transport that dials the gateway.
+                http_client = (httpx.Client(transport=GatewayTransport(route.gateway)) if route.gateway is not None
+                               else None)
                 self._clients[route.address] = openai.OpenAI(base_url=route.address, api_key=self._api_key or "none",
-                                                             max_retries=0)
+                                                             max_retries=0, http_client=http_client)
             return self._clients[route.address]
 
     def chat(self, route: Route, body: dict[str, Any], extra_body: dict[str, Any], timeout_s: float,

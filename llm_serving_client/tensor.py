@@ -83,7 +83,19 @@ class TensorTransport:
         key = (route.address, route.tls)
         with self._lock:
             if key not in self._clients:
-                self._clients[key] = grpcclient.InferenceServerClient(route.address, ssl=route.tls)
+                gateway = route.gateway
+                if gateway is None:
+                    self._clients[key] = grpcclient.InferenceServerClient(route.address, ssl=route.tls)
+                else:
+                    # The gateway's address dialled; the TLS name and the :authority stay the route's hostname, by
+                    # which the gateway picks the model's GRPCRoute.
+                    # Given channel_args, tritonclient drops its default options: its message size limits kept.
+                    host = route.address.rpartition(":")[0]
+                    limits = [(f"grpc.max_{way}_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE)
+                              for way in ("send", "receive")]
+                    self._clients[key] = grpcclient.InferenceServerClient(
+                        gateway.address, ssl=True, root_certificates=gateway.ca_file, channel_args=[
+                            *limits, ("grpc.ssl_target_name_override", host), ("grpc.default_authority", host)])
             return self._clients[key]
 
     def model_io(self, route: Route, timeout_s: float, headers: dict[str, str]) -> ModelIO:

@@ -1,11 +1,13 @@
 """`build/rehearsal/report.md` and its plot: what each rollout scenario did to the route weights, the Ready pods per
-version and the requests, second by second, and the lines `make rehearse` printed."""
+version and the requests, second by second, the lines `make rehearse` printed, and the experiment driven through the
+gateway: each arm's count on Prometheus beside the client's (experiment.py)."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+from llm_serving_cli.rehearsal.experiment import ExperimentCheck
 from llm_serving_cli.rehearsal.scenarios import ScenarioResult
 
 
@@ -39,13 +41,41 @@ def plot(results: list[ScenarioResult], path: Path) -> Path:
     return path
 
 
-def write(results: list[ScenarioResult], stack: str, final_line: str, out_dir: Path) -> Path:
-    image = plot(results, out_dir / "rollouts.png")
+def experiment_section(check: ExperimentCheck) -> list[str]:
+    """The experiment's arms: the units the client assigned, its calls and errors, and the pods' count on Prometheus
+    (what an analysis of the experiment would read), side by side."""
+    lines = [f"## Experiment {check.experiment} through the gateway", "",
+             f"The client library (`Client.chat(experiment=..., unit=...)`, its routes dialled at the gateway) for "
+             f"{sum(a.units for a in check.arms)} fixed {check.unit}s; `llm_serving_experiment_requests_total` by arm "
+             f"from the rehearsal's Prometheus.", "",
+             "| arm | percent | units | client calls | client errors | Prometheus | result |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for a in check.arms:
+        same = a.prometheus is not None and a.prometheus > 0 and a.prometheus == a.client_calls
+        lines.append(f"| {a.arm} | {a.percent:g} | {a.units} | {a.client_calls} | {a.client_errors} | "
+                     f"{'-' if a.prometheus is None else a.prometheus} | {'ok' if same else 'FAILED'} |")
+    lines.append("")
+    lines += [f"- {p}" for p in check.problems]
+    return [*lines, ""] if check.problems else lines
+
+
+def write(results: list[ScenarioResult], stack: str, final_line: str, out_dir: Path,
+          experiment: ExperimentCheck | None = None) -> Path:
     lines = [f"# Rehearsal of {stack}: rollouts under load", "",
              f"Written by `make rehearse` on {time.strftime('%Y-%m-%d %H:%M:%S %Z')}.", "", "```"]
-    lines += [r.line for r in results] + [final_line, "```", "",
-                                          "| scenario | requests | failed | peak pods | planner's bound (replicas + "
-                                          "surge) | result |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+    lines += [r.line for r in results] + ([f"experiment {experiment.experiment}: "
+                                           + ("ok" if experiment.ok else "FAILED")] if experiment else [])
+    lines += [final_line, "```", ""]
+    if experiment is not None:
+        lines += experiment_section(experiment)
+    if not results:  # --no-scenarios: no rollout, no plot
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / "report.md"
+        path.write_text("\n".join(lines))
+        return path
+    image = plot(results, out_dir / "rollouts.png")
+    lines += ["| scenario | requests | failed | peak pods | planner's bound (replicas + surge) | result |",
+              "| --- | ---: | ---: | ---: | ---: | --- |"]
     lines += [f"| {r.name} | {r.requests} | {r.failed} | {r.peak_pods} | {r.bound} | {'ok' if r.ok else 'FAILED'} |"
               for r in results]
     lines += ["", f"![route weights, Ready pods and requests over time]({image.name})", ""]

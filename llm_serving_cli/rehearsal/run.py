@@ -35,7 +35,9 @@ from rich.live import Live
 from rich.table import Table
 
 from llm_serving import cache_state, dockerfile
+from llm_serving.stack_outputs import parse_stack_outputs
 from llm_serving_cli.rehearsal import (
+    experiment,
     model_cache,
     observe,
     podspec,
@@ -53,6 +55,7 @@ from llm_serving_cli.rehearsal.net import Network, service_address
 from llm_serving_cli.rehearsal.services import Endpoint, ServiceProxy
 from llm_serving_cli.rehearsal.substitutions import REPO_ROOT
 from llm_serving_cli.rehearsal.tls import CertificateAuthority
+from llm_serving_client import Client, GatewayEndpoints
 from serving_image.local_server import free_port  # below the ephemeral range: see its docstring
 
 DEFAULT_STACK = "dev-us-east-1"
@@ -86,6 +89,8 @@ class Rehearsal:
         self.only_scenarios: tuple[str, ...] = ()  # empty: every scenario the stack allows
         self.gateway: proxy.HAProxy | None = None
         self.storage_facts: dict[str, Any] = {}
+        self.gateway_parts: tuple[RehearsalCluster, int, Any] | None = None  # (cluster, port, CA) once started
+        self.experiment: experiment.ExperimentCheck | None = None
 
     # -- setup -------------------------------------------------------------------------------------------------
 
@@ -332,6 +337,8 @@ class Rehearsal:
         if not not_ready:
             await self._traffic(rendered)
             await self._observe(rendered, targets)
+            if self.result.failed == 0:
+                await self._experiment(rendered, targets)
         ready = sum(r.status.ready for r in self.runners)
         for failure in self.result.failures[:10]:
             self.console.print(f"[red]request failed[/] {failure}", markup=True)
@@ -350,16 +357,24 @@ class Rehearsal:
             self.console.print(result.line, markup=False, highlight=False)
         final = f"rehearsal: {ready} pods ready, {requests} requests, {failed} failed"
         self.console.print(final, markup=False, highlight=False)
-        if results:
-            path = rehearsal_report.write(results, self.stack, final, REPO_ROOT / "build" / "rehearsal")
+        if self.experiment is not None:
+            for line in self.experiment.lines():
+                self.console.print(line, markup=False, highlight=False)
+        if results or self.experiment is not None:
+            path = rehearsal_report.write(results, self.stack, final, REPO_ROOT / "build" / "rehearsal",
+                                          self.experiment)
             self.console.print(f"report: {path}")
-        return 0 if not not_ready and failed == 0 and all(r.ok for r in results) else 1
+        experiment_ok = self.experiment is None or self.experiment.ok
+        return 0 if not not_ready and failed == 0 and all(r.ok for r in results) and experiment_ok else 1
 
     # -- the rollout scenarios (issue 17) ----------------------------------------------------------------------
 
     def _start_gateway(self, rendered: render.Rendered, targets: Path) -> tuple[RehearsalCluster, int, Any]:
         """The Gateway's listeners as a real HAProxy with the rehearsal's CA and certificate, over the rendered
-        routes and the Ready pods; the cluster that carries out the rollout's steps."""
+        routes and the Ready pods; the cluster that carries out the rollout's steps. Started once: the experiment
+        and then the scenarios go through the same gateway."""
+        if self.gateway_parts is not None:
+            return self.gateway_parts
         gw_dir = self.workdir / "gateway"
         gw_dir.mkdir()
         ca = CertificateAuthority.create(gw_dir / "ca")
@@ -374,7 +389,8 @@ class Rehearsal:
         self.gateway.start(cluster.proxy_config())
         self.console.print(f"gateway: HAProxy on 127.0.0.1:{port} for the listeners on 443 (*.{domain}, "
                            f"*.grpc.{domain}), TLS from the rehearsal's CA")
-        return cluster, port, ca
+        self.gateway_parts = (cluster, port, ca)
+        return self.gateway_parts
 
     def _publish(self, model: dict[str, Any], version: str, defect: str | None) -> dict[str, str]:
         """Package `version` of `model` (with a storage.DEFECTS mistake built in, or none) as a model developer
@@ -442,6 +458,40 @@ class Rehearsal:
         finally:
             server.close()
         return results
+
+    async def _experiment(self, rendered: render.Rendered, targets: Path) -> None:
+        """The stack's experiment through the gateway with the client library, each arm's count on Prometheus beside
+        the client's (experiment.py); its calls are requests of the run, its problems fail it."""
+        outputs = parse_stack_outputs(rendered.outputs)
+        chosen = experiment.choose(outputs)
+        if chosen is None:
+            self.console.print(f"[yellow]{self.stack} declares no experiment on an LLM "
+                               f"({sorted(outputs.experiments) or 'none'}): no experiment through the gateway[/]")
+            return
+        name, declared = chosen
+        _cluster, port, ca = self._start_gateway(rendered, targets)
+        client = Client(outputs, gateway=GatewayEndpoints(f"127.0.0.1:{port}", str(ca.ca_path)), timeout_s=120)
+        unit_ids = experiment.units()
+        try:
+            with self.console.status(f"experiment {name}: {len(unit_ids)} {declared.unit}s x "
+                                     f"{experiment.CALLS_PER_UNIT} calls through the gateway"):
+                failures = await asyncio.to_thread(experiment.drive, client, name, unit_ids)
+            stats = client.experiment_stats(name)
+        finally:
+            client.close()
+        self.result.requests += sum(own.calls for own in stats.values())
+        self.result.failed += len(failures)
+        self.result.failures += failures
+        expected = {arm: own.calls for arm, own in stats.items()}
+
+        def read() -> dict[str, int]:
+            return experiment.counts_from_vector(self.prometheus.api("query", query=experiment.query(name))["result"])
+
+        with self.console.status(f"experiment {name}: waiting for Prometheus to scrape each arm's count"):
+            counted = await experiment.await_counts(read, expected, timeout_s=experiment.SCRAPE_WAIT_S)
+        self.experiment = experiment.compare(name, declared, unit_ids, stats, counted)
+        for line in self.experiment.lines():
+            self.console.print(line, markup=False, highlight=False)
 
     async def _traffic(self, rendered: render.Rendered) -> None:
         jobs = []
