@@ -23,6 +23,7 @@ import pulumi_kubernetes as k8s
 from infra.config import ModelConfig, StackConfig
 from infra.iam import irsa_trust, policy_document, role_with_policy
 from infra.naming import platform_labels
+from infra.secure_bucket import SecureBucketArgs, secure_bucket
 from llm_serving import pod_contract as pc
 
 WORKER_MODULE = "serving_image.batch.worker"
@@ -135,36 +136,10 @@ class BatchStore(pulumi.ComponentResource):
         cfg = args.config
         key = aws.kms.Key(f"{name}-key", description=f"batch bucket key ({cfg.region}): client files and results",
                           enable_key_rotation=True, deletion_window_in_days=30, tags=args.tags, opts=child)
-        bucket = aws.s3.Bucket(f"{name}-bucket", bucket=batch_bucket_name(cfg), force_destroy=False, tags=args.tags,
-                               opts=child)
-        bucket_child = pulumi.ResourceOptions(parent=bucket)
-        versioning = aws.s3.BucketVersioning(f"{name}-bucket", bucket=bucket.id,
-                                             versioning_configuration={"status": "Enabled"}, opts=bucket_child)
-        aws.s3.BucketServerSideEncryptionConfiguration(
-            f"{name}-bucket", bucket=bucket.id,
-            rules=[{"apply_server_side_encryption_by_default": {"sse_algorithm": "aws:kms",
-                                                                "kms_master_key_id": key.arn},
-                    "bucket_key_enabled": True}],
-            opts=bucket_child)
-        public_block = aws.s3.BucketPublicAccessBlock(
-            f"{name}-bucket", bucket=bucket.id, block_public_acls=True, block_public_policy=True,
-            ignore_public_acls=True, restrict_public_buckets=True, opts=bucket_child)
-        aws.s3.BucketPolicy(
-            f"{name}-bucket", bucket=bucket.id,
-            policy=policy_document({
-                "Sid": "DenyInsecureTransport", "Effect": "Deny", "Principal": "*", "Action": "s3:*",
-                "Resource": [bucket.arn, bucket.arn.apply(lambda a: f"{a}/*")],
-                "Condition": {"Bool": {"aws:SecureTransport": "false"}},
-            }),
-            opts=pulumi.ResourceOptions(parent=bucket, depends_on=[public_block]))
-        aws.s3.BucketLifecycleConfiguration(
-            f"{name}-bucket", bucket=bucket.id,
-            rules=[{
-                "id": "expire-deleted-client-data", "status": "Enabled", "filter": {"prefix": ""},
-                "noncurrent_version_expiration": {"noncurrent_days": NONCURRENT_DAYS},
-                "abort_incomplete_multipart_upload": {"days_after_initiation": 1},
-            }],
-            opts=pulumi.ResourceOptions(parent=bucket, depends_on=[versioning]))
+        bucket, _ = secure_bucket(
+            f"{name}-bucket", SecureBucketArgs(bucket_name=batch_bucket_name(cfg), kms_key=key, tags=args.tags,
+                                               lifecycle_rule_id="expire-deleted-client-data",
+                                               noncurrent_days=NONCURRENT_DAYS, abort_multipart_days=1), child)
         # Deliberately no aws.s3.BucketReplicationConfig: client data stays in its region.
         self.bucket_name, self.bucket_arn, self.kms_key_arn = bucket.bucket, bucket.arn, key.arn
         self.workers: list[str] = []

@@ -11,6 +11,7 @@ import pulumi_aws as aws
 
 from infra.config import StackConfig
 from infra.iam import policy_document, role_with_policy, service_trust
+from infra.secure_bucket import SecureBucketArgs, secure_bucket
 from llm_serving.pod_contract import FSX_MODELS_PATH
 
 LUSTRE_PORTS = ((988, 988), (1018, 1023))
@@ -53,36 +54,11 @@ class ModelStorage(pulumi.ComponentResource):
         key = aws.kms.Key(f"{name}-models", description=f"model bucket and model cache key ({cfg.region})",
                           enable_key_rotation=True, deletion_window_in_days=30, tags=args.tags, opts=child)
         aws.kms.Alias(f"{name}-models", name=kms_alias(cfg), target_key_id=key.key_id, opts=child)
-        bucket = aws.s3.Bucket(f"{name}-models", bucket=cfg.bucket_name(), force_destroy=False, tags=args.tags,
-                               opts=child)
-        bucket_child = pulumi.ResourceOptions(parent=bucket)
-        versioning = aws.s3.BucketVersioning(f"{name}-models", bucket=bucket.id,
-                                             versioning_configuration={"status": "Enabled"}, opts=bucket_child)
-        aws.s3.BucketServerSideEncryptionConfiguration(
-            f"{name}-models", bucket=bucket.id,
-            rules=[{"apply_server_side_encryption_by_default": {"sse_algorithm": "aws:kms",
-                                                                "kms_master_key_id": key.arn},
-                    "bucket_key_enabled": True}],
-            opts=bucket_child)
-        public_block = aws.s3.BucketPublicAccessBlock(
-            f"{name}-models", bucket=bucket.id, block_public_acls=True, block_public_policy=True,
-            ignore_public_acls=True, restrict_public_buckets=True, opts=bucket_child)
-        aws.s3.BucketPolicy(
-            f"{name}-models", bucket=bucket.id,
-            policy=policy_document({
-                "Sid": "DenyInsecureTransport", "Effect": "Deny", "Principal": "*", "Action": "s3:*",
-                "Resource": [bucket.arn, bucket.arn.apply(lambda a: f"{a}/*")],
-                "Condition": {"Bool": {"aws:SecureTransport": "false"}},
-            }),
-            opts=pulumi.ResourceOptions(parent=bucket, depends_on=[public_block]))
-        aws.s3.BucketLifecycleConfiguration(
-            f"{name}-models", bucket=bucket.id,
-            rules=[{
-                "id": "expire-old-versions", "status": "Enabled", "filter": {"prefix": ""},
-                "noncurrent_version_expiration": {"noncurrent_days": storage.noncurrent_version_days},
-                "abort_incomplete_multipart_upload": {"days_after_initiation": 7},
-            }],
-            opts=pulumi.ResourceOptions(parent=bucket, depends_on=[versioning]))
+        bucket, versioning = secure_bucket(
+            f"{name}-models", SecureBucketArgs(bucket_name=cfg.bucket_name(), kms_key=key, tags=args.tags,
+                                               lifecycle_rule_id="expire-old-versions",
+                                               noncurrent_days=storage.noncurrent_version_days,
+                                               abort_multipart_days=7), child)
         if storage.replica_regions:
             self._replication(name, args, bucket, key, versioning)
 
