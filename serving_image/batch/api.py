@@ -12,7 +12,6 @@ for an object that does not exist (no existence leak); an admin key (config.ENV_
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -38,7 +37,7 @@ from serving_image.batch.records import (
 )
 from serving_image.batch.storage import BatchStorage
 from serving_image.openai_api.admission import check_api_key
-from serving_image.openai_api.errors import APIError, bad_request, from_validation_error
+from serving_image.openai_api.errors import APIError, bad_request, from_validation_error, json_object
 from serving_image.openai_api.state import server_state
 
 router = APIRouter()
@@ -206,23 +205,12 @@ def delete_file(file_id: str, request: Request) -> dict:
 # -- batches -------------------------------------------------------------------------------------------------------
 
 
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object", code="invalid_json")
-    return body
-
-
 @router.post("/v1/batches")
 async def create_batch(request: Request) -> JSONResponse:
     service = _service(request)
     caller = _caller(request, service)
     try:
-        body = CreateBatchBody.model_validate(await _json_body(request))
+        body = CreateBatchBody.model_validate(json_object(await request.body()))
     except ValidationError as exc:
         raise from_validation_error(exc, "/v1/batches") from exc
     if body.endpoint not in BATCH_ENDPOINTS:

@@ -13,7 +13,6 @@ which counts every request itself (nv_inference_request_success, nv_inference_co
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,7 +30,7 @@ from serving_image.batch.config import BatchConfig
 from serving_image.engine.base import Engine
 from serving_image.openai_api.admission import PRIORITY_HEADER, Admission, APIConfig, check_api_key
 from serving_image.openai_api.embeddings import embed
-from serving_image.openai_api.errors import APIError, bad_request, from_validation_error
+from serving_image.openai_api.errors import APIError, bad_request, from_validation_error, json_object
 from serving_image.openai_api.generation import generate
 from serving_image.openai_api.openapi import install_openapi
 from serving_image.openai_api.protocol import (
@@ -199,12 +198,7 @@ async def _parse_body(request: Request, server: ServerState, endpoint: Endpoint)
         if len(raw) > config.max_body_bytes:
             raise APIError(413, f"request body exceeds the limit of {config.max_body_bytes} bytes",
                            code="request_too_large")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object", code="invalid_json")
+    body = json_object(raw)
     try:
         parsed = endpoint.body.model_validate(body)
     except ValidationError as exc:

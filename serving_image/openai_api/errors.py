@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
@@ -26,6 +28,17 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def json_object(raw: bytes | bytearray) -> dict:
+    """A request body as a JSON object, or 400 `invalid_json` saying why not."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    return body
 
 
 # Tags pydantic inserts into a location after a discriminated union's field (the `type` values).
