@@ -82,7 +82,7 @@ rehearse: serving-env infra-env triton-env fuse
 lint: serving-env
 	$(SERVING)/bin/ruff check .
 
-serving-env: $(SERVING)/.stamp
+serving-env: $(SERVING)/.stamp $(SERVING)/.ranker-deps.stamp
 infra-env: $(INFRA)/.stamp
 checkov-env: $(CHECKOV)/.stamp
 triton-env: $(TRITON)/.stamp
@@ -105,6 +105,18 @@ $(SERVING)/.stamp: pyproject.toml $(NATIVE_SOURCES)
 	@# HAProxy realises the Gateway API routes in the rehearsal (tests/serving/test_rehearsal_proxy.py).
 	command -v promtool >/dev/null && command -v haproxy >/dev/null || ($(if $(filter 0,$(shell id -u)),,sudo) apt-get update -q && \
 	  $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus haproxy)
+	touch $@
+
+# The demo ranker in a client's own process (llm_serving_client/inprocess/, `examples/consumer/service.py
+# --in-process ranker=...`, tests/serving/test_client_remote.py): the caller's environment must meet the package's
+# declared dependencies, which are the stub's pins (STUB_XGBOOST, STUB_SCIPY below). Installed as the stub gets them,
+# wheels only and without their dependencies: xgboost's metadata pulls nvidia-nccl-cu12 (hundreds of MB, for
+# multi-GPU training only), and numpy stays the one vLLM brought. scipy 1.13.1 warns at import that it was not
+# tested beyond numpy 2.2 (this venv's is newer); the ranker's answers are xgboost's, bit for bit the server's.
+# A stamp of its own, so that an environment built before this step gets it without being rebuilt.
+$(SERVING)/.ranker-deps.stamp: $(SERVING)/.stamp Makefile
+	$(SERVING)/bin/pip install -q --no-deps --only-binary=:all: '$(STUB_XGBOOST)' '$(STUB_SCIPY)'
+	$(SERVING)/bin/python -c "import xgboost; assert xgboost.__version__ == '$(STUB_XGBOOST)'.split('==')[1]"
 	touch $@
 
 # The control plane never needs the native core: LLM_SERVING_BUILD_NATIVE=OFF skips the C++ build, in a build

@@ -19,10 +19,11 @@ from rich.console import Console
 from llm_serving.manifest import Backend, ParallelLayout, ServingMode
 from llm_serving.package import PackageError, PackageSpec, build_package
 from llm_serving.store import LocalStore, PublishedPackage, PublishError, open_store
+from llm_serving.up_layout import ENV_BATCH_STORE, up_batch_store, up_cache
 from llm_serving_cli.local_versions import CONTENT_VERSION, build_local_package
 
 console = Console(stderr=True)
-REPO_CACHE = Path(os.environ.get("LLM_SERVING_CACHE", Path.cwd() / ".cache" / "llm-serving"))
+REPO_CACHE = up_cache()
 DEMO_ENGINE_ARGS = {"max_model_len": 2048, "kv_cache_memory_bytes": 256 * 1024 * 1024, "dtype": "float32"}
 
 
@@ -163,9 +164,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     if serving_mode is not ServingMode.OPENAI:
         return run(config, on_ready=_print_ready)
     # The Batch API and its worker (docs/batch.md), as a pod and its worker Deployment run them, on a directory
-    # store beside the model store; LLM_SERVING_BATCH_STORE set outside chooses another (an s3:// one too).
-    os.environ.setdefault("LLM_SERVING_BATCH_STORE", str(cache / "batch-store"))
-    worker = BatchWorkerProcess(os.environ["LLM_SERVING_BATCH_STORE"])
+    # store beside the model store; LLM_SERVING_BATCH_STORE set outside chooses another (an s3:// one too). The
+    # rule is llm_serving/up_layout.py's, which a client's local discovery reads the result cache by.
+    os.environ[ENV_BATCH_STORE] = up_batch_store()
+    worker = BatchWorkerProcess(os.environ[ENV_BATCH_STORE])
 
     def on_ready(started) -> None:
         _print_ready(started)

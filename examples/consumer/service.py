@@ -8,29 +8,40 @@ For a local server (`make up`, the tests) every route goes to one address: --loc
 --local-grpc localhost:8001; with --discover-local (no stack there) the document is asked from the server:
 
     python examples/consumer/service.py --local-openai http://localhost:9000/v1 --local-grpc localhost:8001 \\
-        --discover-local --llm demo-tiny --ranker ranker --experiment demo-temperature \\
-        --in-process ranker-features=<its published package directory>
+        --discover-local --llm demo-tiny --ranker ranker --experiment demo-temperature --read-cache \\
+        --in-process ranker=<its published package directory> --in-process ranker-features=<its directory>
 
 It streams a generation, asks for a JSON answer (`response_format`), ranks rows remotely,
 runs each `--in-process` model here and remotely and checks the answers agree, sends one call per unit of an
-experiment and prints its per-arm figures, and with --read-cache answers from the batch path's cache first. It prints
-one JSON summary; the per-stage records go to the `llm_serving_client.calls` log.
+experiment and prints its per-arm figures. With --read-cache it submits a small batch of greedy chat requests with the
+official `openai` client (the Files and Batches API, docs/batch.md), waits for it, asks each request again with
+`cached=True` and checks each is a cache hit equal to the batch's output line, and that a request no batch ran is a
+miss. It prints one JSON summary; the per-stage records go to the `llm_serving_client.calls` log.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import numpy as np
+import openai
 
+from llm_serving.batch_cache import ResultCache
 from llm_serving.stack_outputs import StackOutputs, parse_stack_outputs
 from llm_serving_client import Client, LocalEndpoints, load_outputs
-from llm_serving_client.local import DEMO_EXPERIMENT, describe_local_server
+from llm_serving_client.local import DEMO_EXPERIMENT, describe_local_server, local_result_cache
 
 MESSAGES = [{"role": "user", "content": "Say hello"}]
+# The batch --read-cache submits: greedy, so the worker caches every answer (llm_serving/batch_cache.py).
+BATCH_PROMPTS = ("Say hello", "Name a colour", "Count to three")
+BATCH_PARAMETERS = {"max_tokens": 8, "temperature": 0}
+BATCH_DONE = ("completed", "failed", "expired", "cancelled")
 GREETING = {"type": "json_schema", "json_schema": {"name": "greeting", "schema": {
     "type": "object", "properties": {"greeting": {"type": "string", "maxLength": 12}}, "required": ["greeting"],
     "additionalProperties": False}}}
@@ -68,14 +79,72 @@ def _outputs(args: argparse.Namespace, specs) -> StackOutputs:
         demo_experiment_on=args.llm if args.experiment == DEMO_EXPERIMENT else None))
 
 
+def _result_cache(args: argparse.Namespace, outputs: StackOutputs) -> ResultCache | None:
+    if not args.read_cache:
+        return None
+    if args.discover_local:  # the local server's batch store (make up's by default)
+        return local_result_cache(outputs, args.local_batch_store)
+    return Client.from_file(args.outputs, read_cache=True)._cache  # the stack's batch.cache, as from_file opens it
+
+
+def _run_batch(args: argparse.Namespace, outputs: StackOutputs, local: LocalEndpoints | None) -> tuple[str, dict]:
+    """Submit BATCH_PROMPTS as one batch through the official client, wait for it; (batch id, custom_id -> the
+    output line's answer text)."""
+    endpoint = local.openai if local is not None else outputs.batch.endpoint
+    lines = [{"custom_id": f"consumer-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": args.llm, "messages": [{"role": "user", "content": prompt}], **BATCH_PARAMETERS}}
+             for i, prompt in enumerate(BATCH_PROMPTS)]
+    sdk = openai.OpenAI(base_url=endpoint, api_key=args.api_key or "none")
+    try:
+        data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+        uploaded = sdk.files.create(file=("consumer-batch.jsonl", io.BytesIO(data)), purpose="batch")
+        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                   completion_window="24h", metadata={"team": "consumer-example"})
+        deadline = time.monotonic() + args.batch_timeout_s
+        while batch.status not in BATCH_DONE:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"batch {batch.id} is still {batch.status} after {args.batch_timeout_s:g} s: no "
+                                 f"batch worker is running? (make up runs one; its log is "
+                                 f".cache/llm-serving/batch-worker.log)")
+            time.sleep(0.5)
+            batch = sdk.batches.retrieve(batch.id)
+        if batch.status != "completed" or batch.request_counts.failed:
+            raise SystemExit(f"batch {batch.id} ended {batch.status} with {batch.request_counts.failed} failed "
+                             f"lines (errors: {batch.errors})")
+        answers = {}
+        for text in sdk.files.content(batch.output_file_id).text.splitlines():
+            line = json.loads(text)
+            answers[line["custom_id"]] = line["response"]["body"]["choices"][0]["message"]["content"]
+    finally:
+        sdk.close()
+    return batch.id, answers
+
+
+def _cached_answers(client: Client, args: argparse.Namespace, outputs: StackOutputs,
+                    local: LocalEndpoints | None) -> dict:
+    """A batch's answers read back through `chat(cached=True)`: each a hit equal to its output line; and a request
+    no batch ran (a fresh prompt) a miss, answered by the model."""
+    batch_id, answers = _run_batch(args, outputs, local)
+    hits = []
+    for i, prompt in enumerate(BATCH_PROMPTS):
+        answer = client.chat(args.llm, [{"role": "user", "content": prompt}], cached=True, **BATCH_PARAMETERS)
+        expected = answers[f"consumer-{i}"]
+        hits.append({"custom_id": f"consumer-{i}", "hit": answer.cached, "text": answer.text,
+                     "equal": answer.text == expected})
+    if not any(h["hit"] for h in hits):
+        where = (args.local_batch_store or "make up's batch store") if args.discover_local else "the stack's cache"
+        raise SystemExit(f"batch {batch_id} completed but {where} holds none of its answers: is it the store the "
+                         f"server and its worker use (their LLM_SERVING_BATCH_STORE)? (--local-batch-store)")
+    fresh = [{"role": "user", "content": f"Say hello ({uuid.uuid4().hex[:8]})"}]  # never batched: not cached
+    miss = client.chat(args.llm, fresh, cached=True, **BATCH_PARAMETERS)
+    return {"batch": batch_id, "answers": hits, "miss": {"hit": miss.cached, "text": miss.text}}
+
+
 def run(args: argparse.Namespace) -> dict:
     local = LocalEndpoints(args.local_openai, args.local_grpc) if args.local_openai else None
     specs = _in_process_specs(args)
     outputs = _outputs(args, specs)
-    cache = None
-    if args.read_cache:  # the stack's batch.cache, as Client.from_file(read_cache=True) opens it
-        cache = Client.from_file(args.outputs, read_cache=True)._cache
-    client = Client(outputs, api_key=args.api_key, local=local, result_cache=cache)
+    client = Client(outputs, api_key=args.api_key, local=local, result_cache=_result_cache(args, outputs))
     summary: dict = {"stack": client.discovery.outputs.stack}
     try:
         if args.llm:
@@ -85,8 +154,7 @@ def run(args: argparse.Namespace) -> dict:
             summary["json"] = json.loads(client.chat(args.llm, MESSAGES, max_tokens=120,
                                                      response_format=GREETING).text)
             if args.read_cache:
-                answer = client.chat(args.llm, MESSAGES, max_tokens=8, temperature=0, cached=True)
-                summary["cached"] = {"hit": answer.cached, "text": answer.text}
+                summary["cached"] = _cached_answers(client, args, outputs, local)
         if args.ranker:
             version = args.ranker_version
             summary["ranker"] = client.infer(args.ranker, {"features": rows(4)}, version=version)["score"] \
@@ -123,7 +191,13 @@ def main(argv: list[str] | None = None) -> dict:
                         help="run MODEL VERSION here from its package, and check it against the remote answer")
     parser.add_argument("--experiment", help="an experiment of chat arms to send --units units through")
     parser.add_argument("--units", type=int, default=20)
-    parser.add_argument("--read-cache", action="store_true", help="answer from the batch path's cache first")
+    parser.add_argument("--read-cache", action="store_true",
+                        help="run a small batch, then answer its requests from the batch path's result cache")
+    parser.add_argument("--local-batch-store",
+                        help="with --discover-local: the local server's batch store (default: make up's, "
+                             "llm_serving/up_layout.py)")
+    parser.add_argument("--batch-timeout-s", type=float, default=600.0,
+                        help="how long --read-cache waits for its batch to complete")
     parser.add_argument("--discover-local", action="store_true",
                         help="no stack outputs: describe the local server's models (llm_serving_client.local), with "
                              f"the demo experiment {DEMO_EXPERIMENT!r} on --llm when --experiment names it")
@@ -132,8 +206,10 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--local-openai and --local-grpc go together")
     if args.discover_local and not args.local_openai:
         parser.error("--discover-local describes a local server: give --local-openai and --local-grpc")
-    if args.discover_local and args.read_cache:
-        parser.error("--read-cache reads a stack's batch cache: give --outputs, not --discover-local")
+    if args.read_cache and not args.llm:
+        parser.error("--read-cache runs a batch of chat requests: give --llm")
+    if args.local_batch_store and not args.discover_local:
+        parser.error("--local-batch-store is a local server's: give --discover-local (a stack names its cache)")
     summary = run(args)
     json.dump(summary, sys.stdout, indent=1)
     print()

@@ -6,6 +6,7 @@ remote answer is in test_client_remote.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path, PurePosixPath
 
@@ -96,12 +97,25 @@ def test_a_package_that_does_not_verify_is_refused(tmp_path):
         InProcessModel(package, model_id=FEATURES, version="1.0.0", io_fingerprint=FEATURES_FINGERPRINT)
 
 
-def test_a_dependency_this_process_lacks_is_named(tmp_path):
-    """The XGBoost ranker's case: its package declares xgboost, which this environment (.venv-serving) lacks; the
-    caller installs the package's declared dependencies to run it here, or calls it remotely."""
+def test_a_dependency_this_process_lacks_or_has_at_another_version_is_named(tmp_path, monkeypatch):
+    """A package whose declared dependencies this environment does not meet: the caller installs them to run it
+    here, or calls it remotely. (The XGBoost ranker's xgboost and scipy are in .venv-serving, installed by the
+    Makefile, so its in-process answer is compared with the server's in test_client_remote.py.) Packaging checks the
+    same declarations against the image's stub, so the packages here declare what the stub has."""
+    from llm_serving_client.inprocess import model as inprocess_model
+
     package = features_package(tmp_path, dependencies=("numpy>=1.24", "xgboost==3.0.5"))
+    real = inprocess_model.this_environment()
+    without = dataclasses.replace(real, distributions={n: v for n, v in real.distributions.items() if n != "xgboost"})
+    monkeypatch.setattr(inprocess_model, "this_environment", lambda: without)
     with pytest.raises(InProcessError, match="model 'ranker-features' version '1.0.0': xgboost==3.0.5 needs xgboost, "
                                              "which this process's environment does not have"):
+        InProcessModel(package, model_id=FEATURES, version="1.0.0", io_fingerprint=FEATURES_FINGERPRINT)
+    monkeypatch.undo()
+    numpy = real.distributions["numpy"]
+    package = features_package(tmp_path / "other", dependencies=(f"numpy!={numpy}",))
+    with pytest.raises(InProcessError, match=f"numpy!={numpy} needs numpy !={numpy}; this process's environment "
+                                             f"has numpy {numpy}"):
         InProcessModel(package, model_id=FEATURES, version="1.0.0", io_fingerprint=FEATURES_FINGERPRINT)
 
 

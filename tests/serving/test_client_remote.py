@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import subprocess
+import sys
 import time
 
 import httpx
@@ -219,6 +222,35 @@ def test_in_process_and_remote_answers_are_the_same(openai_server):
         here.close()
 
 
+def test_the_xgboost_ranker_in_process_equals_remote(openai_server):
+    """The ranker itself (xgboost 3.0.5 and scipy, the package's declared dependencies, which the Makefile installs
+    into .venv-serving as the stub gets them), marked inProcess: loaded from the package the shared server serves,
+    its scores equal the server's, bit for bit (the same booster and xgboost; this process's numpy is vLLM's, the
+    stub's is 1.26.4)."""
+    from llm_serving.package import open_package
+
+    package = next(p for p in openai_server.companions if open_package(p).manifest.model.id == RANKER)
+    raw = document()
+    raw["models"][RANKER]["inProcess"] = {"versions": {"1.0.0": {
+        "package": "s3://acme-llm-dev-us-east-1/models/model-cache/ranker/1.0.0/",
+        "ioFingerprint": open_package(package).manifest.model.io_fingerprint}}}
+    outputs = parse_stack_outputs(raw)
+    local = LocalEndpoints(f"{openai_server.url}/v1", f"127.0.0.1:{openai_server.ports['kserve_grpc']}")
+    remote, here = Client(outputs, api_key=OPENAI_KEY, local=local), Client(outputs, api_key=OPENAI_KEY, local=local)
+    here.load_in_process(RANKER, "1.0.0", package)
+    try:
+        rng = np.random.default_rng(11)
+        for rows in (1, 5, 64):
+            features = rng.normal(size=(rows, 8)).astype(np.float32)
+            expected = remote.infer(RANKER, {"features": features}, version="1.0.0")["score"]
+            got = here.infer(RANKER, {"features": features}, version="1.0.0")["score"]
+            assert got.dtype == expected.dtype == np.float32 and got.shape == (rows, 1)
+            np.testing.assert_array_equal(got, expected)
+    finally:
+        remote.close()
+        here.close()
+
+
 def test_the_consumer_service_runs_end_to_end(openai_server, tmp_path, capsys):
     """examples/consumer/service.py, the example client service, as a user runs it against a local server: streamed
     and JSON generation, the ranker remotely, the pipeline's step in-process and remotely, an experiment."""
@@ -260,24 +292,46 @@ def test_one_trace_id_joins_a_kserve_http_call_to_its_record(openai_server):
         "POST infer", RANKER, "200", "ranking=booster")
 
 
-def test_the_consumer_service_discovers_a_local_server(openai_server, capsys):
+def test_the_consumer_service_discovers_a_local_server(openai_server, tmp_path, capsys):
     """Where no stack exists (`make up`), the service asks the server for its document
-    (llm_serving_client.local): the LLM the OpenAI port lists, the ranker and the pipeline with their kinds, the
-    in-process step, and the demo experiment on the LLM."""
+    (llm_serving_client.local): the LLM the OpenAI port lists at the version its front-end names, the ranker and the
+    pipeline with their kinds, the in-process models (the XGBoost ranker and the pipeline's first step), the demo
+    experiment on the LLM and the batch block. With --read-cache it runs a batch through the Batch API (a worker
+    runs beside the server, as make up's does) and reads its answers back from the server's batch store."""
     from examples.consumer import service
     from llm_serving.package import open_package
     from llm_serving_client.local import describe_local_server
+    from serving_image.batch.worker import ENV_API_KEY
 
     grpc_target = f"127.0.0.1:{openai_server.ports['kserve_grpc']}"
     described = parse_stack_outputs(describe_local_server(f"{openai_server.url}/v1", grpc_target,
                                                           api_key=OPENAI_KEY, demo_experiment_on=LLM))
     assert {m: o.kind for m, o in described.models.items()} == {
         LLM: "vllm", RANKER: "python", PIPELINE: "ensemble", FEATURES: "python", "ranker-relevance": "python"}
-    package = next(p for p in openai_server.companions if open_package(p).manifest.model.id == FEATURES)
-    summary = service.main(["--api-key", OPENAI_KEY, "--local-openai", f"{openai_server.url}/v1",
-                            "--local-grpc", grpc_target, "--discover-local", "--llm", LLM, "--ranker", RANKER,
-                            "--in-process", f"{FEATURES}={package}", "--experiment", "demo-temperature",
-                            "--units", "4"])
-    assert summary["stack"] == "local" and summary["in_process"][FEATURES]["equal"] is True
+    ready = httpx.get(f"{openai_server.url}/health/ready", timeout=10).json()
+    assert described.models[LLM].active_version == ready["version"]  # what the batch worker caches under
+    assert described.batch is not None
+    packages = {open_package(p).manifest.model.id: p for p in openai_server.companions}
+    log = (tmp_path / "batch-worker.log").open("w")
+    worker = subprocess.Popen([sys.executable, "-m", "serving_image.batch.worker", "--store",
+                               str(openai_server.batch_store), "--endpoint", openai_server.url, "--poll-s", "0.2"],
+                              env=dict(os.environ, **{ENV_API_KEY: OPENAI_KEY}), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        summary = service.main(["--api-key", OPENAI_KEY, "--local-openai", f"{openai_server.url}/v1",
+                                "--local-grpc", grpc_target, "--discover-local", "--llm", LLM, "--ranker", RANKER,
+                                "--in-process", f"{RANKER}={packages[RANKER]}",
+                                "--in-process", f"{FEATURES}={packages[FEATURES]}",
+                                "--experiment", "demo-temperature", "--units", "4",
+                                "--read-cache", "--local-batch-store", str(openai_server.batch_store)])
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
+        log.close()
+    assert summary["stack"] == "local"
+    assert summary["in_process"] == {RANKER: {"equal": True, "outputs": ["score"]},
+                                     FEATURES: {"equal": True, "outputs": ["features"]}}
     assert sum(arm["calls"] for arm in summary["experiment"].values()) == 4 and len(summary["ranker"]) == 4
+    cached = summary["cached"]
+    assert [(a["hit"], a["equal"]) for a in cached["answers"]] == [(True, True)] * len(service.BATCH_PROMPTS)
+    assert all(a["text"] for a in cached["answers"]) and cached["miss"]["hit"] is False
     capsys.readouterr()
