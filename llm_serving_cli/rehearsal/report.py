@@ -61,7 +61,7 @@ def experiment_section(check: ExperimentCheck) -> list[str]:
 
 def write(results: list[ScenarioResult], stack: str, final_line: str, out_dir: Path,
           experiment: ExperimentCheck | None = None) -> Path:
-    lines = [f"# Rehearsal of {stack}: rollouts under load", "",
+    lines = [f"# Rehearsal of {stack}" + (": rollouts under load" if results else ""), "",
              f"Written by `make rehearse` on {time.strftime('%Y-%m-%d %H:%M:%S %Z')}.", "", "```"]
     lines += [r.line for r in results] + ([f"experiment {experiment.experiment}: "
                                            + ("ok" if experiment.ok else "FAILED")] if experiment else [])

@@ -35,7 +35,7 @@ from rich.live import Live
 from rich.table import Table
 
 from llm_serving import cache_state, dockerfile
-from llm_serving.stack_outputs import parse_stack_outputs
+from llm_serving.stack_outputs import StackOutputsError, parse_stack_outputs
 from llm_serving_cli.rehearsal import (
     experiment,
     model_cache,
@@ -623,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = asyncio.run(guarded())
     except (RehearsalError, render.RenderError, storage.StorageError, podspec.PodSpecError,
-            model_cache.ModelCacheError) as err:
+            model_cache.ModelCacheError, StackOutputsError, experiment.ExperimentCheckError) as err:
         console.print(f"[red]rehearsal failed:[/] {err}")
         code = 1
     finally:

@@ -26,7 +26,7 @@ import pytest
 import uvicorn
 
 from llm_serving.stack_outputs import parse_stack_outputs
-from llm_serving_cli.rehearsal import experiment, observe, proxy, render
+from llm_serving_cli.rehearsal import experiment, observe, proxy, render, report
 from llm_serving_cli.rehearsal.services import Endpoint
 from llm_serving_cli.rehearsal.tls import CertificateAuthority
 from llm_serving_client import Client, GatewayEndpoints, GatewayError, LocalEndpoints, assign
@@ -217,3 +217,18 @@ def test_a_gateway_address_is_checked_and_excludes_local_endpoints(dev, tmp_path
     with pytest.raises(ValueError, match="local endpoints and a gateway address contradict each other"):
         Client(parse_stack_outputs(dev.outputs), local=LocalEndpoints("http://127.0.0.1:9000/v1", "127.0.0.1:8001"),
                gateway=GatewayEndpoints("127.0.0.1:8443"))
+
+
+def test_the_report_sets_each_arms_prometheus_count_beside_the_clients(dev, tmp_path):
+    """`build/rehearsal/report.md` of a run without scenarios (`--no-scenarios`): the experiment's table alone."""
+    outputs = parse_stack_outputs(dev.outputs)
+    name, declared = experiment.choose(outputs)
+    stats = {"control": ArmStats(calls=38), "cool": ArmStats(calls=42)}
+    check = experiment.compare(name, declared, experiment.units(), stats, {"control": 38, "cool": 41})
+    text = report.write([], "dev-us-east-1", "rehearsal: 4 pods ready, 104 requests, 0 failed", tmp_path,
+                        check).read_text()
+    units = {a.arm: a.units for a in check.arms}
+    assert f"| control | 50 | {units['control']} | 38 | 0 | 38 | ok |" in text
+    assert f"| cool | 50 | {units['cool']} | 42 | 0 | 41 | FAILED |" in text
+    assert f"- experiment {name} arm cool: Prometheus counted 41 requests, the client sent 42" in text
+    assert f"experiment {name}: FAILED" in text and not (tmp_path / "rollouts.png").exists()
