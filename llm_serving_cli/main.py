@@ -19,7 +19,7 @@ from rich.console import Console
 from llm_serving.manifest import Backend, ParallelLayout, ServingMode
 from llm_serving.package import PackageError, PackageSpec, build_package
 from llm_serving.store import LocalStore, PublishedPackage, PublishError, open_store
-from llm_serving.up_layout import ENV_BATCH_STORE, up_batch_store, up_cache
+from llm_serving.up_layout import ENV_BATCH_STORE, up_batch_store, up_cache, write_served
 from llm_serving_cli.local_versions import CONTENT_VERSION, build_local_package
 
 console = Console(stderr=True)
@@ -258,6 +258,7 @@ def publish_for_up(cache: Path, model_dir: Path, model_id: str, engine_args: dic
         published = store.publish(built.path)
     _print_published(published)
     companions = []
+    served = {published.model_id: (published.version, Path(published.model_cache_uri))}
     if with_companions:
         # Every model kind on one Triton (docs/architecture.md §3.4, "Model kinds"): the demo ranker (XGBoost,
         # trained now) and its pipeline (an ensemble), each packaged and published like any other package, served
@@ -271,6 +272,8 @@ def publish_for_up(cache: Path, model_dir: Path, model_id: str, engine_args: dic
                 companion = store.publish(path)
             _print_published(companion)
             companions.append(Path(companion.model_cache_uri))
+            served[companion.model_id] = (companion.version, Path(companion.model_cache_uri))
+    write_served(cache, served)  # where a client service beside the server finds a package to run in its process
     return UpPackages(Path(published.model_cache_uri), tuple(companions))
 
 

@@ -9,7 +9,7 @@ For a local server (`make up`, the tests) every route goes to one address: --loc
 
     python examples/consumer/service.py --local-openai http://localhost:9000/v1 --local-grpc localhost:8001 \\
         --discover-local --llm demo-tiny --ranker ranker --experiment demo-temperature --read-cache \\
-        --in-process ranker=<its published package directory> --in-process ranker-features=<its directory>
+        --in-process ranker --in-process ranker-features   # the packages `make up` serves (its served.json)
 
 It streams a generation, asks for a JSON answer (`response_format`), ranks rows remotely,
 runs each `--in-process` model here and remotely and checks the answers agree, sends one call per unit of an
@@ -53,16 +53,25 @@ def rows(count: int, width: int = 8) -> np.ndarray:
 
 
 def _in_process_specs(args: argparse.Namespace) -> list[tuple[str, str, str]]:
-    """MODEL=VERSION=PACKAGE, or MODEL=PACKAGE against a local server (its one version)."""
+    """MODEL=VERSION=PACKAGE; against a local server also MODEL=PACKAGE (the package's own version), or MODEL alone:
+    the package `make up` serves for it (llm_serving/up_layout.py's served.json)."""
     specs = []
     from llm_serving.package import open_package
+    from llm_serving.up_layout import served_package
 
     for spec in args.in_process:
         parts = spec.split("=", 2)
+        if len(parts) == 1 and args.discover_local:
+            try:
+                version, package = served_package(parts[0])
+            except ValueError as exc:
+                raise SystemExit(f"--in-process {spec!r}: {exc}") from None
+            parts = [parts[0], version, str(package)]
         if len(parts) == 2 and args.discover_local:  # the package's own version: a local server names none
             parts = [parts[0], open_package(Path(parts[1])).manifest.model.version, parts[1]]
         if len(parts) != 3:
-            raise SystemExit(f"--in-process {spec!r}: MODEL=VERSION=PACKAGE (MODEL=PACKAGE with --discover-local)")
+            raise SystemExit(f"--in-process {spec!r}: MODEL=VERSION=PACKAGE (MODEL=PACKAGE or MODEL with "
+                             "--discover-local)")
         specs.append(tuple(parts))
     return specs
 

@@ -12,6 +12,7 @@ import pytest
 
 from llm_serving.manifest import ServingMode
 from llm_serving.package import PackageError, PackageSpec, build_package, open_package
+from llm_serving.up_layout import served_file, served_package
 from llm_serving_cli.demo_packages import PIPELINE_ID, build_ranker_packages
 from llm_serving_cli.local_versions import CONTENT_VERSION, build_local_package
 from llm_serving_cli.main import DEMO_ENGINE_ARGS, publish_for_up
@@ -95,6 +96,16 @@ def test_up_publishes_openai_standalone_openai_into_one_store(demo_model_dir: Pa
 
     openai, standalone = up(OPENAI), up(STANDALONE)
     assert len(openai) == 5 and set(standalone) == set(openai)
+    # What the last run serves is recorded for the client beside it (examples/consumer: --in-process MODEL).
+    served = json.loads(served_file(tmp_path / "cache").read_text())
+    assert {model: entry["version"] for model, entry in served.items()} == standalone
+    assert all(Path(entry["package"]).is_dir() for entry in served.values())
+    assert served_package("ranker", {"LLM_SERVING_CACHE": str(tmp_path / "cache")}) == (
+        standalone["ranker"], Path(served["ranker"]["package"]))
+    with pytest.raises(ValueError, match="does not serve 'nope'; it serves demo-tiny, ranker"):
+        served_package("nope", {"LLM_SERVING_CACHE": str(tmp_path / "cache")})
+    with pytest.raises(ValueError, match="served.json: no such file; `make up` writes it"):
+        served_package("ranker", {"LLM_SERVING_CACHE": str(tmp_path / "elsewhere")})
     assert all(standalone[i] != openai[i] for i in openai)
     store = tmp_path / "cache" / "store" / "packages"
     before = {p: p.read_bytes() for p in store.rglob("*.tar.gz")}
