@@ -87,7 +87,12 @@ def worker_deployment_spec(cfg: StackConfig, model: ModelConfig, image: str, buc
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "runAsNonRoot": True, "runAsUser": pc.RUN_AS_UID,
                             "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}},
+        # The image's PROMETHEUS_MULTIPROC_DIR (pod_contract.MULTIPROC_DIR) puts prometheus_client in multiprocess
+        # mode: the worker's first metric opens a file there, which on the read-only root failed with ENOENT/EROFS
+        # and the worker exited before its /metrics answered (seen in `make rehearse`). The model pods have that
+        # directory on their `run` volume; the worker gets a volume of its own there.
         "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"},
+                         {"name": "metrics", "mountPath": pc.MULTIPROC_DIR},
                          {"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True}],
     }
     return {
@@ -103,6 +108,7 @@ def worker_deployment_spec(cfg: StackConfig, model: ModelConfig, image: str, buc
                 "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
                 "containers": [container],
                 "volumes": [{"name": "scratch", "emptyDir": {"sizeLimit": "1Gi"}},
+                            {"name": "metrics", "emptyDir": {"sizeLimit": "64Mi"}},
                             {"name": "api-key", "secret": {"secretName": f"{name}-api-key", "optional": True}}],
             },
         },

@@ -5,11 +5,12 @@ update, on this machine (issue 17, docs/rehearsal.md, "Rollouts").
 update with the real program under the mock runtime and plays it in Pulumi's order (infra.rollout.engine); every
 step comes here over the control socket, one at a time, and returns when it is done:
 
-- a model Deployment: its pods are started (a new Deployment, or more replicas) and the step waits, as the
-  provider's await logic does, until all of them pass their readiness probes; it fails (fewer ready than asked)
-  when the pods crash-loop or the startup budget of their probes runs out. Fewer replicas: the pods beyond the new
-  count are terminated as Kubernetes terminates them (out of the endpoints at once, preStop, SIGTERM, the grace
-  period). A changed pod template is refused by name: the scenarios never change one in place;
+- a model Deployment or a batch worker's (render.POD_COMPONENTS): its pods are started (a new Deployment, or more
+  replicas) and the step waits, as the provider's await logic does, until all of them pass their readiness probes;
+  it fails (fewer ready than asked) when the pods crash-loop or the startup budget of their probes runs out. Fewer
+  replicas: the pods beyond the new count are terminated as Kubernetes terminates them (out of the endpoints at
+  once, preStop, SIGTERM, the grace period). A changed pod template is refused by name: the scenarios never change
+  one in place;
 - an HTTPRoute or GRPCRoute: its backendRefs and weights go to the real proxy (proxy.py), weights in place through
   HAProxy's runtime API, anything else with a seamless reload; the Gateway's BackendTrafficPolicy (its retries)
   goes there too;
@@ -63,9 +64,28 @@ def _k8s_name(inputs: dict[str, Any], default: str) -> str:
     return (inputs.get("metadata") or {}).get("name") or default
 
 
-def _is_model_deployment(type_: str, inputs: dict[str, Any]) -> bool:
-    labels = (inputs.get("metadata") or {}).get("labels") or {}
-    return type_ == render.DEPLOYMENT and labels.get("app.kubernetes.io/component") == render.MODEL_SERVER
+def _runs_pods(type_: str, inputs: dict[str, Any]) -> bool:
+    """A Deployment whose pods the rehearsal runs (a model server or a batch worker, render.POD_COMPONENTS). Any
+    other Deployment would be recorded only and count 0 Ready pods, failing the update that touches it."""
+    return type_ == render.DEPLOYMENT and render.component(inputs) in render.POD_COMPONENTS
+
+
+def _images(template: Any) -> list[str]:
+    return [c.get("image") for c in ((template or {}).get("spec") or {}).get("containers") or []]
+
+
+def template_change(name: str, previous: dict[str, Any], inputs: dict[str, Any]) -> str:
+    """Why a Deployment's changed pod template is refused, naming what changed. The image changes when any file of
+    its build context does (infra/image_context.py): a commit to llm_serving/, serving_image/, infra/ or policies/
+    while the rehearsal runs re-renders every Deployment with a new digest."""
+    before, after = _images(_template(previous)), _images(_template(inputs))
+    if before != after:
+        return (f"Deployment {name}: its image changed during the rehearsal ({', '.join(before)} -> "
+                f"{', '.join(after)}): a file of the serving image's build context (llm_serving/, serving_image/, "
+                f"infra/, policies/) changed since the stack was brought up; rehearse a tree nobody edits meanwhile "
+                f"(a clone)")
+    return (f"Deployment {name}: its pod template changed; the rehearsal starts and stops pods, it does not roll a "
+            "template in place")
 
 
 @dataclass
@@ -157,11 +177,10 @@ class RehearsalCluster:
         """`name` is the resource's Pulumi name; pods belong to the Deployment's Kubernetes name (metadata.name)."""
         key = (type_, name)
         previous = self.objects.get(key)
-        if _is_model_deployment(type_, inputs):
+        if _runs_pods(type_, inputs):
             name = _k8s_name(inputs, name)
             if previous is not None and _template(previous) != _template(inputs):
-                raise ClusterError(f"Deployment {name}: its pod template changed; the rehearsal starts and stops "
-                                   "pods, it does not roll a template in place")
+                raise ClusterError(template_change(name, previous, inputs))
             self.objects[key] = inputs
             ready = await self._scale(name, inputs)
             # The Ready pods are in the proxy's endpoints before the step ends: the next step (a route's weights)
@@ -178,7 +197,7 @@ class RehearsalCluster:
 
     async def delete(self, type_: str, name: str, inputs: dict[str, Any]) -> None:
         previous = self.objects.pop((type_, name), None)
-        if previous is not None and _is_model_deployment(type_, previous):
+        if previous is not None and _runs_pods(type_, previous):
             name = _k8s_name(previous, name)
             await self._stop([r for r in self.runners if r.plan.deployment == name])
             self.events.append(f"Deployment {name}: deleted")

@@ -100,17 +100,19 @@ def main(argv: list[str] | None = None) -> None:
     _mount("--make-rprivate", "/")
     make_readable(plan["readable"], Path(plan["staging"]))
     apply_mounts(plan["mounts"], plan["readable"])
+    # Like the container runtime: a WORKDIR that does not exist (on a fresh volume) is created for the user. Before
+    # the root turns read-only: a WORKDIR on no volume (the batch worker's: the image's own) is the image's
+    # directory, which the image has and this machine may not.
+    workdir = Path(plan["workdir"])
+    if not workdir.exists():
+        workdir.mkdir(parents=True)
+        os.chown(workdir, plan["uid"], plan["gid"])
     if plan["read_only_root"]:
         _mount("-o", "remount,bind,ro", "/")
     if plan["no_new_privs"]:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-    # Like the container runtime: a WORKDIR that does not exist (on a fresh volume) is created for the user.
-    workdir = Path(plan["workdir"])
-    if not workdir.exists():
-        workdir.mkdir(parents=True)
-        os.chown(workdir, plan["uid"], plan["gid"])
     os.setgroups(plan["groups"])
     os.setgid(plan["gid"])
     os.setuid(plan["uid"])

@@ -99,9 +99,11 @@ def _probe(kind: str, spec: dict[str, Any] | None, ports: dict[str, int], where:
 
 
 def pod_plans(deployment: dict[str, Any], image: dockerfile.ImageFacts, volume_sources: dict[str, str],
-              scratch_for: Any, python_bin_dir: Path, stand_in_entrypoint: Path) -> list[PodPlan]:
+              scratch_for: Any, python_bin_dir: Path, stand_in_entrypoint: Path,
+              cloud_env: dict[str, str] | None = None) -> list[PodPlan]:
     """One plan per replica. `volume_sources`: claim name -> host directory (the model cache); `scratch_for(pod,
-    volume)` gives a host directory for an emptyDir."""
+    volume)` gives a host directory for an emptyDir (and for an optional Secret's empty volume); `cloud_env` what
+    stands in for the cloud's credentials and endpoints (substitutions.cloud_env), under the rendered env."""
     inputs = deployment["inputs"]
     name = inputs["metadata"]["name"]
     namespace = inputs["metadata"].get("namespace", "default")
@@ -126,7 +128,8 @@ def pod_plans(deployment: dict[str, Any], image: dockerfile.ImageFacts, volume_s
             raise PodSpecError(f"{where}: env {item.get('name')!r} comes from {sorted(set(item) - {'name'})}; "
                                "the rehearsal takes literal values only")
         rendered[item["name"]] = str(item["value"])
-    env = {**image.env, **subs.IMAGE_ENV_OVERRIDES, "PATH": subs.path_env(python_bin_dir), **rendered}
+    env = {**image.env, **subs.IMAGE_ENV_OVERRIDES, "PATH": subs.path_env(python_bin_dir), **(cloud_env or {}),
+           **rendered}
 
     security = {**(pod.get("securityContext") or {}), **(container.get("securityContext") or {})}
     uid = security.get("runAsUser")
@@ -169,6 +172,16 @@ def pod_plans(deployment: dict[str, Any], image: dockerfile.ImageFacts, volume_s
                 else:
                     mounts.append(Mount(vm["mountPath"], "bind", str(scratch_for(pod_name, vm["name"])), read_only,
                                         None, vm["name"]))
+            elif "secret" in volume:
+                # No Secret exists here. Kubernetes mounts an optional Secret that does not exist as an empty
+                # volume (the batch worker's API key: no file, no key); a required one would keep the pod from
+                # starting.
+                secret = volume["secret"] or {}
+                if not secret.get("optional"):
+                    raise PodSpecError(f"{where}: volume {vm['name']!r} is the Secret {secret.get('secretName')!r}, "
+                                       "which is not optional; the rehearsal creates no Secrets")
+                mounts.append(Mount(vm["mountPath"], "bind", str(scratch_for(pod_name, vm["name"])), True, None,
+                                    vm["name"]))
             else:
                 raise PodSpecError(f"{where}: volume {vm['name']!r} is of a kind the rehearsal does not provide "
                                    f"({sorted(volume)})")

@@ -20,6 +20,12 @@ SCALED_OBJECT = "kubernetes:keda.sh/v1alpha1:ScaledObject"
 DRA = "aws:fsx/dataRepositoryAssociation:DataRepositoryAssociation"
 NODE_GROUP = "aws:eks/nodeGroup:NodeGroup"
 MODEL_SERVER = "model-server"
+BUCKET = "aws:s3/bucket:Bucket"
+# The Deployments whose pods the rehearsal runs, by their app.kubernetes.io/component: the model servers and the
+# batch workers (infra/batch.py, one per LLM). Every stack update waits for each of them as the provider does, so a
+# rendered Deployment the rehearsal did not run would fail any update that touches it.
+BATCH_WORKER = "batch-worker"
+POD_COMPONENTS = (MODEL_SERVER, BATCH_WORKER)
 
 _RENDER = ("import json, sys\n"
            "from infra.mockrun import run_stack, stackrun_to_dict\n"
@@ -41,9 +47,17 @@ class Rendered:
         return [r for r in self.resources if r["type"] == type_token]
 
     def model_deployments(self) -> list[dict[str, Any]]:
-        return [d for d in self.of_type(DEPLOYMENT)
-                if d["inputs"].get("metadata", {}).get("labels", {}).get("app.kubernetes.io/component")
-                == MODEL_SERVER]
+        return [d for d in self.of_type(DEPLOYMENT) if component(d["inputs"]) == MODEL_SERVER]
+
+    def pod_deployments(self) -> list[dict[str, Any]]:
+        """Every Deployment whose pods the rehearsal runs (POD_COMPONENTS): the model servers, then the rest."""
+        return self.model_deployments() + [d for d in self.of_type(DEPLOYMENT)
+                                           if component(d["inputs"]) in POD_COMPONENTS
+                                           and component(d["inputs"]) != MODEL_SERVER]
+
+    def buckets(self) -> list[str]:
+        """The S3 buckets the program creates (the model bucket, the batch bucket, ...)."""
+        return sorted({b["inputs"]["bucket"] for b in self.of_type(BUCKET) if b["inputs"].get("bucket")})
 
     def services_for(self, deployment: dict[str, Any]) -> list[dict[str, Any]]:
         labels = deployment["inputs"]["spec"]["template"]["metadata"]["labels"]
@@ -80,6 +94,11 @@ class Rendered:
     @property
     def model_prefix(self) -> str:
         return (self.config["llm-serving:modelStorage"].get("modelPrefix") or "models/")
+
+
+def component(inputs: dict[str, Any]) -> str | None:
+    """A resource's app.kubernetes.io/component label (model-server, batch-worker, ...)."""
+    return ((inputs.get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/component")
 
 
 def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:

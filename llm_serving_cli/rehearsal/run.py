@@ -51,7 +51,7 @@ from llm_serving_cli.rehearsal import (
 from llm_serving_cli.rehearsal import report as rehearsal_report
 from llm_serving_cli.rehearsal.cluster import RehearsalCluster
 from llm_serving_cli.rehearsal.kubelet import PodRunner
-from llm_serving_cli.rehearsal.net import Network, service_address
+from llm_serving_cli.rehearsal.net import GATEWAY, Network, service_address
 from llm_serving_cli.rehearsal.services import Endpoint, ServiceProxy
 from llm_serving_cli.rehearsal.substitutions import REPO_ROOT
 from llm_serving_cli.rehearsal.tls import CertificateAuthority
@@ -110,14 +110,17 @@ class Rehearsal:
         with self.console.status(f"rendering {self.stack} under the mock runtime"):
             rendered = render.render(self.stack)
         self.console.print(f"rendered {self.stack}: {len(rendered.resources)} resources, "
-                           f"{len(rendered.model_deployments())} model Deployment(s)")
+                           f"{len(rendered.model_deployments())} model Deployment(s), "
+                           f"{len(rendered.pod_deployments()) - len(rendered.model_deployments())} other Deployment(s) "
+                           "whose pods run here (batch workers)")
         return rendered
 
     def setup_storage(self, rendered: render.Rendered) -> Path:
-        self.store = storage.start_store()
+        # On the node's bridge, not loopback: the pods (the batch worker) reach S3 from their own namespaces.
+        self.store = storage.start_store(str(GATEWAY))
         s3 = self.store.client()
         home, region = rendered.bucket(rendered.home_region), rendered.bucket()
-        for bucket in {home, region}:
+        for bucket in {home, region, *rendered.buckets()}:  # the batch bucket too: the worker lists it from start
             s3.create_bucket(Bucket=bucket)
         from serving_image.demo_model import ensure_demo_model
 
@@ -189,12 +192,14 @@ class Rehearsal:
             path.chmod(0o777)  # an emptyDir: writable by the pod's user (and its fsGroup)
             return path
 
+        cloud = substitutions.cloud_env(self.store.endpoint)
+
         def plans_for(deployment: dict[str, Any]) -> list[podspec.PodPlan]:
-            return podspec.pod_plans(deployment, image, claims, scratch, bin_dir, stand_in)
+            return podspec.pod_plans(deployment, image, claims, scratch, bin_dir, stand_in, cloud)
 
         self.plans_for = plans_for  # the rollout scenarios' new Deployments get their pods the same way
         plans = []
-        for dep in rendered.model_deployments():
+        for dep in rendered.pod_deployments():  # the batch workers too: every stack update waits for them
             plans += plans_for(dep)
         node_groups = [{"name": g["inputs"].get("nodeGroupName") or g["name"], **g["inputs"]}
                        for g in rendered.of_type(render.NODE_GROUP)]
@@ -507,18 +512,20 @@ class Rehearsal:
     async def _observe(self, rendered: render.Rendered, targets: Path) -> None:
         prom = self.prometheus
         self._write_targets(targets)
+        # The PodMonitor selects the model servers; the batch workers' pods are not its targets.
+        servers = [r for r in self.runners if r.plan.labels.get("app.kubernetes.io/component") == render.MODEL_SERVER]
         with self.console.status("waiting for Prometheus to scrape every pod through the PodMonitor"):
             deadline = time.monotonic() + 60
             up = None
             while time.monotonic() < deadline:
                 up = prom.query_value('sum(up{app_kubernetes_io_component="model-server"})')
                 seen = prom.query_value("count(vllm:num_requests_waiting)")
-                if up is not None and up >= len(self.runners) and seen:
+                if up is not None and up >= len(servers) and seen:
                     break
                 await asyncio.sleep(2)
-        self.console.print(f"Prometheus: {int(up or 0)} of {len(self.runners)} pods up through the PodMonitor's "
+        self.console.print(f"Prometheus: {int(up or 0)} of {len(servers)} model pods up through the PodMonitor's "
                            "relabeling")
-        if (up or 0) < len(self.runners):
+        if (up or 0) < len(servers):
             self.result.record("Prometheus scrape", False, f"only {int(up or 0)} pods up")
         groups = prom.api("rules")["groups"]
         rules = [r for g in groups for r in g["rules"]]

@@ -175,10 +175,28 @@ def _model_config(ctx: Context, model_id: str) -> dict[str, Any]:
     raise RuntimeError(f"{ctx.stack}: no model {model_id}")
 
 
+def weights_gib_args(model: dict[str, Any]) -> list[str]:
+    """`--weights-gib` for a new version of `model`: what the stack declares for its active version (the rehearsal's
+    candidates are packaged from the same demo model as the version they replace, so they are declared the same
+    size). The schema requires it of an LLM's versions; a model that declares none gets none. An LLM whose active
+    version declares no size is an error: the rehearsal does not make a number up."""
+    active = str(model.get("active") or model["versions"][-1]["version"])
+    entry = next((v for v in model.get("versions") or [] if str(v["version"]) == active), None)
+    declared = None if entry is None else entry.get("weightsGib")
+    if declared is not None:
+        return ["--weights-gib", f"{float(declared):g}"]
+    if model.get("kind", "vllm") == "vllm":
+        raise RuntimeError(f"{model['id']}: its active version {active} declares no weightsGib in the stack, so the "
+                           f"rehearsal has no size to declare for the new version (the schema requires one of a "
+                           f"vllm model)")
+    return []
+
+
 async def _start(ctx: Context, model_id: str, version: str, entry: dict[str, str]) -> dict[str, Any]:
-    """`llm-serving rollout start` of a published version (its package URI and I/O fingerprint)."""
+    """`llm-serving rollout start` of a published version (its package URI and I/O fingerprint, and the weights' size
+    the stack declares for the model's active version)."""
     return await rollout(ctx, "start", model_id, "--version", version, "--package", entry["package"],
-                         "--io-fingerprint", entry["ioFingerprint"])
+                         "--io-fingerprint", entry["ioFingerprint"], *weights_gib_args(_model_config(ctx, model_id)))
 
 
 async def red_black(ctx: Context, model_id: str, to_version: str) -> ScenarioResult:

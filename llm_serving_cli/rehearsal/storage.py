@@ -44,13 +44,14 @@ class Store:
         self.server.stop()
 
 
-def start_store() -> Store:
+def start_store(host: str = "127.0.0.1") -> Store:
+    """moto's S3 server on `host` (the rehearsal gives the node's bridge address: the pods reach it there)."""
     import logging
 
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per S3 request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = ThreadedMotoServer(ip_address=host, port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     return Store(f"http://{host}:{port}", server)

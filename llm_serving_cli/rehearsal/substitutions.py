@@ -53,6 +53,17 @@ IMAGE_ENV_OVERRIDES: dict[str, str] = {
     ENGINE_NICE_ENV: "10",
 }
 
+# What a pod gets from the cloud and the rehearsal replaces: IRSA's web identity (the ServiceAccount's role, traded
+# for credentials at STS) and S3's regional endpoint. None of these is in a rendered env (the pods' AWS SDK finds
+# them itself), so they go under it: moto's fixed credentials and its endpoint on the node's bridge, where the pods'
+# network namespaces reach it (the batch worker keeps its batches in the batch bucket).
+def cloud_env(s3_endpoint: str) -> dict[str, str]:
+    from llm_serving_cli.rehearsal.storage import CREDENTIALS
+
+    return {"AWS_ENDPOINT_URL_S3": s3_endpoint, "AWS_ACCESS_KEY_ID": CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            "AWS_SECRET_ACCESS_KEY": CREDENTIALS["AWS_SECRET_ACCESS_KEY"]}
+
+
 NVIDIA_ENTRYPOINT_STAND_IN = """#!/bin/sh
 # Stand-in for NVIDIA's entrypoint (driver check, CUDA forward compatibility): there is no GPU on this machine.
 exec "$@"
@@ -84,9 +95,13 @@ def substitutions(python: Path | None = None) -> list[Substitution]:
                      "several engine pods on one 2-core machine"),
         Substitution("GPUs (nvidia.com/gpu requests and limits)", "none: reported against the node group, not granted",
                      "no GPU here"),
-        Substitution("the model bucket (S3) and its replication", "moto's S3 server in the rehearsal's network "
-                     "namespace; a non-home region's bucket gets the home bucket's objects copied",
+        Substitution("the stack's S3 buckets (the model bucket and its replication, the batch bucket)",
+                     "moto's S3 server on the node's bridge address in the rehearsal's network namespace, each bucket "
+                     "the program creates; a non-home region's bucket gets the home bucket's objects copied",
                      "no AWS account here"),
+        Substitution("IRSA (a pod's role through its ServiceAccount) and S3's endpoint",
+                     "AWS_ENDPOINT_URL_S3, AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in every pod's env under the "
+                     "rendered env (moto's endpoint and credentials)", "no STS and no S3 here"),
         Substitution("FSx for Lustre with its data repository association",
                      "a directory holding the association's objects at its fileSystemPath, bound read-only at the "
                      "model cache's mountPath", "no FSx here"),

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from infra.batch import WORKER_MODULE, batch_bucket_name, worker_name
+from llm_serving import pod_contract as pc
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,6 +52,13 @@ def test_each_llm_has_a_worker_on_its_own_route(stack):
         assert pod["serviceAccountName"] == worker_name(model.id)
         assert not any(t.get("key") == "nvidia.com/gpu" for t in pod.get("tolerations", []))
         assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        # The image's multiprocess metrics directory is written by the worker's first metric: on a volume, since
+        # the root is read-only (the worker exited at start without it in `make rehearse`).
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env.get(pc.ENV_MULTIPROC_DIR, pc.MULTIPROC_DIR) == pc.MULTIPROC_DIR
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"] if not m.get("readOnly")}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert "emptyDir" in volumes[mounts[pc.MULTIPROC_DIR]]
     workers = [n for n in deployments if n.endswith("-batch-worker")]
     assert sorted(workers) == sorted(worker_name(m.id) for m in llms)
 

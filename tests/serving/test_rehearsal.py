@@ -618,3 +618,93 @@ def test_a_warmer_command_the_rehearsal_cannot_run_is_named(dev, tmp_path):
     container = {**model_cache.warmer_container(dev), "command": ["/bin/warm"]}
     with pytest.raises(model_cache.ModelCacheError, match="does not start with the image's python3"):
         model_cache.warmer_argv(container, Path(sys.executable), tmp_path, "http://s3.local")
+
+
+# -- the rollout scenarios' commands and the batch worker's pod --------------------------------------------------
+
+
+def test_rollout_start_declares_the_new_llm_versions_weights_as_the_stack_does(tmp_path, monkeypatch):
+    """The schema requires weightsGib of an LLM's versions: `rollout start` of a new chat-small version passes the
+    size the stack declares for its active version (the candidates are the same demo model), a Python model none."""
+    from types import SimpleNamespace
+
+    from llm_serving_cli.rehearsal import scenarios
+
+    shutil.copytree(REPO / "stacks", tmp_path / "stacks")
+    ctx = SimpleNamespace(stack="dev-us-east-1", config_dir=tmp_path / "stacks")
+    seen: list[tuple] = []
+
+    async def rollout(_ctx, action, model_id, *extra):
+        seen.append((action, model_id, extra))
+        return {}
+
+    monkeypatch.setattr(scenarios, "rollout", rollout)
+    entry = {"package": "s3://b/models/model-cache/x/1.1.0/", "ioFingerprint": "sha256:ab"}
+    asyncio.run(scenarios._start(ctx, "chat-small", "1.1.0", entry))
+    asyncio.run(scenarios._start(ctx, "scorer", "1.1.0", entry))
+    assert seen[0] == ("start", "chat-small", ("--version", "1.1.0", "--package", entry["package"],
+                                               "--io-fingerprint", "sha256:ab", "--weights-gib", "6"))
+    assert "--weights-gib" not in seen[1][2]
+
+
+def test_the_new_versions_size_is_the_active_versions_and_never_made_up():
+    from llm_serving_cli.rehearsal.scenarios import weights_gib_args
+
+    llm = {"id": "chat", "kind": "vllm", "active": "1.1.0",
+           "versions": [{"version": "1.0.0", "weightsGib": 6}, {"version": "1.1.0", "weightsGib": 7.5}]}
+    assert weights_gib_args(llm) == ["--weights-gib", "7.5"]
+    assert weights_gib_args({"id": "r", "kind": "python", "versions": [{"version": "1.0.0"}]}) == []
+    unsized = {**llm, "versions": [{"version": "1.1.0"}]}
+    with pytest.raises(RuntimeError, match="chat: its active version 1.1.0 declares no weightsGib"):
+        weights_gib_args(unsized)
+
+
+def test_the_batch_worker_runs_as_rendered_against_the_rehearsals_s3(dev, tmp_path):
+    """Every stack update waits for the batch worker's Deployment (issue 32): the rehearsal runs its pod as rendered
+    (its command, exactly its env on top, its volumes), its bucket exists, and what IRSA and S3's endpoint give in
+    the cloud stands in under the rendered env."""
+    from llm_serving_cli.rehearsal import cluster
+
+    (worker,) = [d for d in dev.pod_deployments() if render.component(d["inputs"]) == render.BATCH_WORKER]
+    assert cluster._runs_pods(render.DEPLOYMENT, worker["inputs"])  # a stack update's step waits for its pods
+    endpoint = "http://10.213.0.1:5000"
+    (plan,) = podspec.pod_plans(worker, IMAGE, {}, lambda pod, volume: tmp_path / pod / volume, tmp_path / "bin",
+                                tmp_path / "nvidia_entrypoint.sh", substitutions.cloud_env(endpoint))
+    (container,) = worker["inputs"]["spec"]["template"]["spec"]["containers"]
+    assert plan.argv == container["command"] and plan.argv[:3] == ["python3", "-m", "serving_image.batch.worker"]
+    store = plan.argv[plan.argv.index("--store") + 1]
+    assert store.removeprefix("s3://").split("/")[0] in dev.buckets()  # the rehearsal creates every rendered bucket
+    assert plan.env["PATH"].startswith(str(tmp_path / "bin"))  # python3: the serving environment's
+    rendered = {e["name"]: e["value"] for e in container["env"]}
+    assert plan.rendered_env == rendered and all(plan.env[k] == v for k, v in rendered.items())
+    assert plan.env["AWS_ENDPOINT_URL_S3"] == endpoint and plan.env["AWS_ACCESS_KEY_ID"] == "rehearsal"
+    assert not set(substitutions.cloud_env(endpoint)) & set(rendered)  # never a rendered value replaced
+    mounts = {m.target: m for m in plan.mounts}
+    assert not mounts["/tmp"].read_only and not mounts[pc.MULTIPROC_DIR].read_only  # the metrics' files
+    assert plan.env[pc.ENV_MULTIPROC_DIR] == pc.MULTIPROC_DIR
+    key_dir = mounts[rendered["LLM_SERVING_BATCH_WORKER_API_KEY_FILE"].rsplit("/", 1)[0]]
+    assert key_dir.kind == "bind" and key_dir.read_only  # the optional Secret, absent here: an empty directory
+    ready = plan.probes["readiness"]
+    assert (ready.path, ready.port) == ("/metrics", int(plan.argv[plan.argv.index("--metrics-port") + 1]))
+
+
+def test_a_required_secret_volume_is_named(tmp_path):
+    dep = _deployment(volumeMounts=[{"name": "key", "mountPath": "/k"}])
+    dep["inputs"]["spec"]["template"]["spec"]["volumes"] = [{"name": "key", "secret": {"secretName": "s"}}]
+    with pytest.raises(podspec.PodSpecError, match="the Secret 's', which is not optional"):
+        podspec.pod_plans(dep, IMAGE, {}, lambda p, v: tmp_path, tmp_path, tmp_path)
+
+
+def test_an_image_changed_under_a_running_rehearsal_is_named():
+    """A commit to the image's build context while the rehearsal runs re-renders every Deployment with a new digest;
+    the step is refused naming both images and why, not as a pod that never got Ready."""
+    from llm_serving_cli.rehearsal.cluster import template_change
+
+    def dep(image: str) -> dict:
+        return {"spec": {"template": {"spec": {"containers": [{"name": "c", "image": image}]}}}}
+
+    message = template_change("w", dep("repo@sha256:aa"), dep("repo@sha256:bb"))
+    assert "its image changed during the rehearsal (repo@sha256:aa -> repo@sha256:bb)" in message
+    other = dep("i")
+    other["spec"]["template"]["spec"]["containers"][0]["args"] = ["--x"]
+    assert "its pod template changed;" in template_change("w", dep("i"), other)
