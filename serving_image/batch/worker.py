@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -93,7 +94,8 @@ class BatchWorker:
             headers["Authorization"] = f"Bearer {config.api_key}"
         self.http = http or httpx.AsyncClient(base_url=config.endpoint_url, headers=headers,
                                               timeout=httpx.Timeout(600, connect=10))
-        self.results_written = 0  # in this process, over every batch (ENV_KILL_AFTER counts these)
+        self.results_written = 0  # in this process, over every batch, counted for ENV_KILL_AFTER only
+        self._kill_lock = threading.Lock()
 
     async def run_forever(self, exit_when_idle: bool = False) -> None:
         while True:
@@ -256,16 +258,26 @@ class BatchWorker:
     async def _write(self, run: _Run, result: LineResult) -> None:
         # Store writes run on a thread: a put is a network round trip to S3 (an fsync on a directory store), and on
         # the event loop every lane would wait for every other lane's writes in turn.
-        await asyncio.to_thread(self.storage.put_result, run.record.batch.id, result)
+        await asyncio.to_thread(self._put_result, run.record.batch.id, result)
         metrics.LINES.labels(run.record.batch.endpoint, result.kind).inc()
         if result.kind == "output":
             run.completed += 1
         else:
             run.failed += 1
-        self.results_written += 1
-        if self.config.kill_after is not None and self.results_written >= self.config.kill_after:
-            log.warning("%s=%d reached: killing this worker", ENV_KILL_AFTER, self.config.kill_after)
-            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _put_result(self, batch_id: str, result: LineResult) -> None:
+        """One result into the store (on a worker thread). With the test hook ENV_KILL_AFTER the puts take turns
+        and the process dies inside the one that stores the last allowed result: lanes write side by side, and
+        otherwise another lane's put could land between that put and the kill."""
+        if self.config.kill_after is None:
+            self.storage.put_result(batch_id, result)
+            return
+        with self._kill_lock:
+            self.storage.put_result(batch_id, result)
+            self.results_written += 1
+            if self.results_written >= self.config.kill_after:
+                log.warning("%s=%d reached: killing this worker", ENV_KILL_AFTER, self.config.kill_after)
+                os.kill(os.getpid(), signal.SIGKILL)
 
     async def _monitor(self, run: _Run) -> None:
         """Every `progress_every_s`: the counts into the record, and whether the batch was cancelled or expired."""
