@@ -247,10 +247,14 @@ int main(int argc, char** argv) {
   std::unordered_map<uint64_t, std::string> ids;
   std::mutex seen_mu;
   std::atomic<int> finished{0};
+  std::atomic<int> releases{0};
   std::atomic<bool> stop{false};
 
+  // Drains until every request's final response and its release were read: a release can come after the last
+  // final, and with a full queue (capacity 1) the backend thread that holds it waits for room, so a consumer that
+  // stopped at the last final left it waiting forever while main joined it (a hang about 1 run in 6).
   std::thread consumer([&, drain_rng = std::mt19937(rng())]() mutable {
-    while (finished.load() < requests) {
+    while (finished.load() < requests || releases.load() < requests) {
       pollfd p{queue.fd(), POLLIN, 0};
       ::poll(&p, 1, 50);  // the eventfd wakes the consumer once per burst
       std::vector<rp::Record> records = queue.drain(1 + drain_rng() % 7);
@@ -260,6 +264,7 @@ int main(int argc, char** argv) {
         if (r.released) {
           if (s.released) die("released twice");
           s.released = true;
+          ++releases;
           continue;
         }
         if (s.finals != 0) die("a response after the final one");
