@@ -38,11 +38,11 @@ import pulumi_aws as aws
 import pulumi_kubernetes as k8s
 
 from infra.charts import CHARTS
-from infra.cluster import GPU_TAINT, block_devices, cpu_node_labels, gpu_node_labels
+from infra.cluster import block_devices
 from infra.config import StackConfig
 from infra.iam import policy_document, role_with_policy
-from infra.instances import INSTANCE_FACTS
 from infra.naming import platform_labels
+from infra.node_groups import ModelNodeGroup, model_node_groups
 
 GATEWAY_NAMESPACE = "envoy-gateway-system"
 GATEWAY_CLASS = "envoy-gateway"
@@ -82,19 +82,6 @@ def release_args(key: str) -> dict:
     if "repo" in spec:
         args["repository_opts"] = {"repo": spec["repo"]}
     return args
-
-
-def node_pool_gpu_limit(group) -> int:
-    """The GPUs a NodePool may add on top of its node group's nodes (desiredSize, which nothing else moves): the
-    group's maxSize stays the total cap."""
-    return (group.scaling.max_size - group.scaling.desired_size) * group.gpus_per_node
-
-
-def node_pool_cpu_limit(group) -> int:
-    """The vCPUs a CPU group's NodePool may add on top of its node group's nodes: (maxSize - desiredSize) nodes of
-    its largest type, so the pool stays within the group's maxSize nodes."""
-    return (group.scaling.max_size - group.scaling.desired_size) * max(
-        INSTANCE_FACTS[t].vcpus for t in group.instance_types)
 
 
 def karpenter_block_devices(ami_type: str, disk_size_gib: int) -> list[dict]:
@@ -236,85 +223,51 @@ class ClusterBootstrap(pulumi.ComponentResource):
             "replicas": 2,
             "nodeSelector": {"llm-serving/pool": "system"},
         }, [crds, *on_nodes], skip_crds=True)
-        pools: list[pulumi.Resource] = []
-        for group in cfg.cluster.gpu_node_groups:
-            node_class = k8s.apiextensions.CustomResource(
-                f"{self._name}-nodeclass-{group.name}", api_version="karpenter.k8s.aws/v1", kind="EC2NodeClass",
-                metadata={"name": f"gpu-{group.name}", "labels": platform_labels("node-autoscaling")},
-                spec={
-                    "role": args.node_role_name,
-                    "amiSelectorTerms": [{"alias": ami_alias(group.ami_type)}],
-                    "subnetSelectorTerms": [{"id": s} for s in
-                                            (args.private_subnet_ids[:1] if group.efa else args.private_subnet_ids)],
-                    "securityGroupSelectorTerms": [{"id": args.node_security_group_id}],
-                    "metadataOptions": {"httpEndpoint": "enabled", "httpTokens": "required",
-                                        "httpPutResponseHopLimit": 1},
-                    "blockDeviceMappings": karpenter_block_devices(group.ami_type, group.disk_size_gib),
-                    "tags": {**args.tags, "Name": f"{cfg.environment}-gpu-{group.name}"},
-                },
-                opts=self._k8s([crds, controller]))
-            pools.append(k8s.apiextensions.CustomResource(
-                f"{self._name}-nodepool-{group.name}", api_version="karpenter.sh/v1", kind="NodePool",
-                metadata={"name": f"gpu-{group.name}", "labels": platform_labels("node-autoscaling")},
-                spec={
-                    "template": {
-                        "metadata": {"labels": gpu_node_labels(group)},
-                        "spec": {
-                            "nodeClassRef": {"group": "karpenter.k8s.aws", "kind": "EC2NodeClass",
-                                             "name": f"gpu-{group.name}"},
-                            "taints": [{"key": GPU_TAINT["key"], "value": GPU_TAINT["value"],
-                                        "effect": "NoSchedule"}],
-                            "requirements": [
-                                {"key": "node.kubernetes.io/instance-type", "operator": "In",
-                                 "values": list(group.instance_types)},
-                                {"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["on-demand"]},
-                            ],
-                            "expireAfter": "720h",
-                        },
-                    },
-                    "limits": {"nvidia.com/gpu": str(node_pool_gpu_limit(group))},
-                    # Only empty nodes go: consolidating busy ones would evict model servers mid-request.
-                    "disruption": {"consolidationPolicy": "WhenEmpty", "consolidateAfter": "10m"},
-                },
-                opts=self._k8s([crds, controller, node_class])))
-        for group in cfg.cluster.cpu_node_groups:
-            # The models without GPUs (infra.config cpuNodeGroups): the same pool shape without the GPU taint.
-            node_class = k8s.apiextensions.CustomResource(
-                f"{self._name}-nodeclass-cpu-{group.name}", api_version="karpenter.k8s.aws/v1", kind="EC2NodeClass",
-                metadata={"name": f"cpu-{group.name}", "labels": platform_labels("node-autoscaling")},
-                spec={
-                    "role": args.node_role_name,
-                    "amiSelectorTerms": [{"alias": ami_alias(group.ami_type)}],
-                    "subnetSelectorTerms": [{"id": s} for s in args.private_subnet_ids],
-                    "securityGroupSelectorTerms": [{"id": args.node_security_group_id}],
-                    "metadataOptions": {"httpEndpoint": "enabled", "httpTokens": "required",
-                                        "httpPutResponseHopLimit": 1},
-                    "blockDeviceMappings": karpenter_block_devices(group.ami_type, group.disk_size_gib),
-                    "tags": {**args.tags, "Name": f"{cfg.environment}-cpu-{group.name}"},
-                },
-                opts=self._k8s([crds, controller]))
-            pools.append(k8s.apiextensions.CustomResource(
-                f"{self._name}-nodepool-cpu-{group.name}", api_version="karpenter.sh/v1", kind="NodePool",
-                metadata={"name": f"cpu-{group.name}", "labels": platform_labels("node-autoscaling")},
-                spec={
-                    "template": {
-                        "metadata": {"labels": cpu_node_labels(group)},
-                        "spec": {
-                            "nodeClassRef": {"group": "karpenter.k8s.aws", "kind": "EC2NodeClass",
-                                             "name": f"cpu-{group.name}"},
-                            "requirements": [
-                                {"key": "node.kubernetes.io/instance-type", "operator": "In",
-                                 "values": list(group.instance_types)},
-                                {"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["on-demand"]},
-                            ],
-                            "expireAfter": "720h",
-                        },
-                    },
-                    "limits": {"cpu": str(node_pool_cpu_limit(group))},
-                    "disruption": {"consolidationPolicy": "WhenEmpty", "consolidateAfter": "10m"},
-                },
-                opts=self._k8s([crds, controller, node_class])))
+        pools = [self._node_pool(group, [crds, controller]) for group in model_node_groups(cfg.cluster)]
         return [controller, *pools]
+
+    def _node_pool(self, group: ModelNodeGroup, after: list[pulumi.Resource]) -> pulumi.Resource:
+        """A GPU or CPU node group's EC2NodeClass and NodePool (infra/node_groups.py): its labels, taint, instance
+        types, AMI, volumes and subnets, on-demand, up to its maxSize."""
+        args, cfg = self._args, self._args.config
+        node_class = k8s.apiextensions.CustomResource(
+            f"{self._name}-nodeclass-{group.karpenter_key}", api_version="karpenter.k8s.aws/v1", kind="EC2NodeClass",
+            metadata={"name": group.full_name, "labels": platform_labels("node-autoscaling")},
+            spec={
+                "role": args.node_role_name,
+                "amiSelectorTerms": [{"alias": ami_alias(group.config.ami_type)}],
+                "subnetSelectorTerms": [{"id": s} for s in group.subnets(args.private_subnet_ids)],
+                "securityGroupSelectorTerms": [{"id": args.node_security_group_id}],
+                "metadataOptions": {"httpEndpoint": "enabled", "httpTokens": "required",
+                                    "httpPutResponseHopLimit": 1},
+                "blockDeviceMappings": karpenter_block_devices(group.config.ami_type, group.config.disk_size_gib),
+                "tags": {**args.tags, "Name": f"{cfg.environment}-{group.full_name}"},
+            },
+            opts=self._k8s(after))
+        taints = [{**t, "effect": "NoSchedule"} for t in group.taints]  # the node group's NO_SCHEDULE, Kubernetes' way
+        return k8s.apiextensions.CustomResource(
+            f"{self._name}-nodepool-{group.karpenter_key}", api_version="karpenter.sh/v1", kind="NodePool",
+            metadata={"name": group.full_name, "labels": platform_labels("node-autoscaling")},
+            spec={
+                "template": {
+                    "metadata": {"labels": group.labels},
+                    "spec": {
+                        "nodeClassRef": {"group": "karpenter.k8s.aws", "kind": "EC2NodeClass",
+                                         "name": group.full_name},
+                        **({"taints": taints} if taints else {}),
+                        "requirements": [
+                            {"key": "node.kubernetes.io/instance-type", "operator": "In",
+                             "values": list(group.config.instance_types)},
+                            {"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["on-demand"]},
+                        ],
+                        "expireAfter": "720h",
+                    },
+                },
+                "limits": group.pool_limits(),
+                # Only empty nodes go: consolidating busy ones would evict model servers mid-request.
+                "disruption": {"consolidationPolicy": "WhenEmpty", "consolidateAfter": "10m"},
+            },
+            opts=self._k8s([*after, node_class]))
 
     # -- certificates and DNS --------------------------------------------------------------------------------------
 

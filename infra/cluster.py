@@ -14,11 +14,11 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_kubernetes as k8s
 
-from infra.config import ClusterConfig, CpuNodeGroupConfig, GpuNodeGroupConfig
+from infra.config import ClusterConfig
 from infra.iam import role_with_policy, service_trust
-from infra.naming import CPU_NODE_GROUP_LABEL, GPU_NODE_GROUP_LABEL, POOL_LABEL
+from infra.naming import POOL_LABEL
+from infra.node_groups import ModelNodeGroup, model_node_groups
 
-GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}
 SYSTEM_AMI = "AL2023_x86_64_STANDARD"
 SYSTEM_DISK_GIB = 100
 CLUSTER_POLICIES = ["arn:aws:iam::aws:policy/AmazonEKSClusterPolicy"]
@@ -44,23 +44,6 @@ class ClusterArgs:
     vpc_id: pulumi.Input[str]
     private_subnet_ids: list[pulumi.Input[str]]
     tags: dict[str, str] = field(default_factory=dict)
-
-
-def gpu_node_labels(group: GpuNodeGroupConfig) -> dict[str, str]:
-    return {
-        **group.labels,
-        POOL_LABEL: "gpu",
-        GPU_NODE_GROUP_LABEL: group.name,
-        "nvidia.com/gpu.present": "true",
-        # The device plugin DaemonSet selects on this: only AMIs without NVIDIA's plugin get ours.
-        "llm-serving/device-plugin": "program" if group.needs_device_plugin else "ami",
-    }
-
-
-def cpu_node_labels(group: CpuNodeGroupConfig) -> dict[str, str]:
-    """A CPU node group's nodes: the models without GPUs select them by CPU_NODE_GROUP_LABEL (no taint: nothing
-    on them is scarce enough to keep other pods off)."""
-    return {**group.labels, POOL_LABEL: "cpu", CPU_NODE_GROUP_LABEL: group.name}
 
 
 def _kubeconfig(name: pulumi.Output[str], endpoint: pulumi.Output[str], ca: pulumi.Output[str],
@@ -179,10 +162,8 @@ class Cluster(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self, ignore_changes=["scalingConfig.desiredSize"]),
         )
         self.node_groups = {"system": system}
-        for group in cfg.gpu_node_groups:
-            self.node_groups[group.name] = self._gpu_node_group(name, group, cluster, node_role, args)
-        for group in cfg.cpu_node_groups:
-            self.node_groups[group.name] = self._cpu_node_group(name, group, cluster, node_role, args)
+        for group in model_node_groups(cfg):
+            self.node_groups[group.name] = self._model_node_group(name, group, cluster, node_role, args)
         self.addons = {}
         for addon in ADDONS:
             settings = ADDON_CONFIGURATION.get(addon)
@@ -204,12 +185,13 @@ class Cluster(pulumi.ComponentResource):
                                      opts=pulumi.ResourceOptions(parent=self, depends_on=[system]))
         self.register_outputs({"name": self.name, "oidcProviderArn": self.oidc_provider_arn})
 
-    def _gpu_node_group(self, name: str, group: GpuNodeGroupConfig, cluster: aws.eks.Cluster,
-                        node_role: aws.iam.Role, args: ClusterArgs) -> aws.eks.NodeGroup:
+    def _model_node_group(self, name: str, group: ModelNodeGroup, cluster: aws.eks.Cluster,
+                          node_role: aws.iam.Role, args: ClusterArgs) -> aws.eks.NodeGroup:
+        """A GPU or CPU group's managed node group (infra/node_groups.py): the same role and launch template rules
+        as the system nodes, on-demand capacity, Karpenter above its desiredSize (infra/bootstrap.py)."""
         child = pulumi.ResourceOptions(parent=self)
-        full = f"{name}-gpu-{group.name}"
-        lt_args = launch_template_args(full, group.disk_size_gib, args.tags, group.ami_type)
-        subnets: list[pulumi.Input[str]] = args.private_subnet_ids
+        full = f"{name}-{group.full_name}"
+        lt_args = launch_template_args(full, group.config.disk_size_gib, args.tags, group.config.ami_type)
         if group.efa:
             # EFA wants the nodes close together: one AZ and a cluster placement group, one EFA interface per node.
             placement = aws.ec2.PlacementGroup(f"{full}-pg", strategy="cluster", tags=args.tags, opts=child)
@@ -217,51 +199,22 @@ class Cluster(pulumi.ComponentResource):
             lt_args["network_interfaces"] = [{"device_index": 0, "network_card_index": 0, "interface_type": "efa",
                                               "delete_on_termination": "true",
                                               "security_groups": [cluster.vpc_config.cluster_security_group_id]}]
-            subnets = args.private_subnet_ids[:1]
         template = aws.ec2.LaunchTemplate(full, update_default_version=True, tags=args.tags, opts=child, **lt_args)
         return aws.eks.NodeGroup(
             full,
             cluster_name=cluster.name,
-            node_group_name_prefix=f"gpu-{group.name}-",
+            node_group_name_prefix=f"{group.full_name}-",
             node_role_arn=node_role.arn,
-            subnet_ids=subnets,
-            ami_type=group.ami_type,
-            instance_types=group.instance_types,
+            subnet_ids=group.subnets(args.private_subnet_ids),
+            ami_type=group.config.ami_type,
+            instance_types=group.config.instance_types,
             capacity_type="ON_DEMAND",
-            scaling_config={"min_size": group.scaling.min_size, "max_size": group.scaling.max_size,
-                            "desired_size": group.scaling.desired_size},
+            scaling_config={"min_size": group.config.scaling.min_size, "max_size": group.config.scaling.max_size,
+                            "desired_size": group.config.scaling.desired_size},
             launch_template={"id": template.id, "version": template.latest_version.apply(str)},
-            labels=gpu_node_labels(group),
-            taints=[GPU_TAINT],
+            labels=group.labels,
+            taints=group.taints or None,
             update_config={"max_unavailable": 1},
-            tags={**args.tags, "k8s.io/cluster-autoscaler/node-template/label/" + GPU_NODE_GROUP_LABEL: group.name},
-            opts=pulumi.ResourceOptions(parent=self, ignore_changes=["scalingConfig.desiredSize"]),
-        )
-
-
-    def _cpu_node_group(self, name: str, group: CpuNodeGroupConfig, cluster: aws.eks.Cluster,
-                        node_role: aws.iam.Role, args: ClusterArgs) -> aws.eks.NodeGroup:
-        """A managed node group for models without GPUs: like a GPU group (same role, launch template rules,
-        on-demand capacity, Karpenter above its desiredSize), without the GPU taint and the NVIDIA AMI."""
-        full = f"{name}-cpu-{group.name}"
-        template = aws.ec2.LaunchTemplate(full, update_default_version=True, tags=args.tags,
-                                          opts=pulumi.ResourceOptions(parent=self),
-                                          **launch_template_args(full, group.disk_size_gib, args.tags,
-                                                                 group.ami_type))
-        return aws.eks.NodeGroup(
-            full,
-            cluster_name=cluster.name,
-            node_group_name_prefix=f"cpu-{group.name}-",
-            node_role_arn=node_role.arn,
-            subnet_ids=args.private_subnet_ids,
-            ami_type=group.ami_type,
-            instance_types=group.instance_types,
-            capacity_type="ON_DEMAND",
-            scaling_config={"min_size": group.scaling.min_size, "max_size": group.scaling.max_size,
-                            "desired_size": group.scaling.desired_size},
-            launch_template={"id": template.id, "version": template.latest_version.apply(str)},
-            labels=cpu_node_labels(group),
-            update_config={"max_unavailable": 1},
-            tags={**args.tags, "k8s.io/cluster-autoscaler/node-template/label/" + CPU_NODE_GROUP_LABEL: group.name},
+            tags={**args.tags, "k8s.io/cluster-autoscaler/node-template/label/" + group.group_label: group.name},
             opts=pulumi.ResourceOptions(parent=self, ignore_changes=["scalingConfig.desiredSize"]),
         )

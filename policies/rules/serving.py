@@ -241,7 +241,7 @@ def _validate_gpus(args: ResourceValidationArgs, report: ReportViolation) -> Non
                f"groups, so its pods can never be scheduled", None)
 
 
-# Node labels that place a pod on GPU nodes: the GPU node groups' own (infra/cluster.py gpu_node_labels).
+# Node labels that place a pod on GPU nodes: the GPU node groups' own (infra/node_groups.py gpu_node_labels).
 GPU_NODE_KEYS = (GPU_NODE_GROUP_LABEL, "nvidia.com/gpu.present")
 
 
