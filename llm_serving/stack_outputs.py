@@ -44,7 +44,6 @@ class Endpoints(_Shape):
 # generation, OpenAI and KServe), a Python-backend model (`python`: e.g. the XGBoost ranker, unary KServe
 # ModelInfer) or a Triton ensemble (`ensemble`: called as one model). Every kind answers the same KServe v2 call.
 ModelKind = Literal["vllm", "python", "ensemble"]
-MODEL_KINDS: tuple[str, ...] = ("vllm", "python", "ensemble")
 
 
 class InProcessVersion(_Shape):
@@ -180,12 +179,6 @@ class StackOutputs(_Shape):
         except KeyError:
             raise StackOutputsError(f"model {model_id!r} is not served by stack {self.stack} "
                                     f"(served: {sorted(self.models)})") from None
-
-    def of_kind(self, kind: str) -> list[str]:
-        """The ids of the models of one kind (`vllm`, `python`, `ensemble`), sorted."""
-        if kind not in MODEL_KINDS:
-            raise StackOutputsError(f"kind {kind!r} is not one of {list(MODEL_KINDS)}")
-        return sorted(m for m, out in self.models.items() if out.kind == kind)
 
     def endpoint(self, model_id: str, protocol: str = "openai", version: str | None = None) -> str:
         """The address for `protocol` of `model_id`; for a versioned model, `version` picks one version's route
