@@ -15,8 +15,7 @@ from typing import Any
 
 from infra.mockrun import MockedResource
 from llm_serving.compat import COMPAT_PATH, load_compat
-
-from .offline import Finding, evaluate
+from policies.offline import Finding, evaluate
 
 FINGERPRINT_A = "sha256:" + "a" * 64
 FINGERPRINT_B = "sha256:" + "b" * 64

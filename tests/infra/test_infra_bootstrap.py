@@ -9,7 +9,7 @@ from infra.charts import CHARTS, CRD_SOURCES, chart_key
 from policies.index import StackIndex
 from policies.offline import to_policy_resources
 from policies.rules.bootstrap import _closure, api_group
-from policies.synthetic import compliant_stack, fired, inputs_of, messages, write_compat
+from tests.infra.policy_support import compliant_stack, fired, inputs_of, messages, write_compat
 
 RELEASE = "kubernetes:helm.sh/v3:Release"
 

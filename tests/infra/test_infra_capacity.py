@@ -25,8 +25,8 @@ from infra.naming import CPU_NODE_GROUP_LABEL, GPU_NODE_GROUP_LABEL
 from policies.offline import evaluate
 from policies.rules.capacity import node_room, pod_needs, pools
 from policies.rules.gpu_nodes import APPROVED_INSTANCE_TYPES
-from policies.synthetic import compliant_stack, container, fired, inputs_of, messages, pod, write_compat
 from tests.infra.conftest import config_of
+from tests.infra.policy_support import compliant_stack, container, fired, inputs_of, messages, pod, write_compat
 
 DEPLOYMENT = "kubernetes:apps/v1:Deployment"
 

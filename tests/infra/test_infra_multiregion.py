@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from infra.mockrun import shipped_run, shipped_stacks
-from policies.synthetic import compliant_stack, fired, messages, write_compat
 from tests.infra.conftest import config_of
+from tests.infra.policy_support import compliant_stack, fired, messages, write_compat
 
 IMAGE = "docker-build:index:Image"
 REPLICATION = "aws:ecr/replicationConfiguration:ReplicationConfiguration"

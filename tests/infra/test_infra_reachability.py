@@ -10,8 +10,8 @@ import pytest
 from infra.config import ConfigError
 from infra.mockrun import run_stack, shipped_run
 from policies.offline import evaluate
-from policies.synthetic import compliant_stack, fired, inputs_of, messages, write_compat
 from tests.infra.conftest import config_of
+from tests.infra.policy_support import compliant_stack, fired, inputs_of, messages, write_compat
 
 CLUSTER = "aws:eks/cluster:Cluster"
 RULE = "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"

@@ -28,7 +28,7 @@ from pulumi_policy.policy import _PolicyAnalyzerServicer
 from policies._props import duration_seconds
 from policies.catalog import ALL_POLICIES, by_name
 from policies.offline import evaluate
-from policies.synthetic import compliant_stack, inputs_of
+from tests.infra.policy_support import compliant_stack, inputs_of
 
 stack = compliant_stack("prod-us-east-1")
 inputs_of(stack, "gpu")["instanceTypes"] = ["g4dn.xlarge"]          # resource rule, needs the env from the stack

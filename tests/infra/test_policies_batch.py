@@ -9,7 +9,7 @@ import json
 import pytest
 
 from policies.rules.batch import batch_store_isolated
-from policies.synthetic import compliant_stack, fired, inputs_of, messages, write_compat
+from tests.infra.policy_support import compliant_stack, fired, inputs_of, messages, write_compat
 
 BUCKET = "models-prod-us-east-1-batch"
 ARN = f"arn:aws:s3:::{BUCKET}"
@@ -96,7 +96,7 @@ def test_each_break_is_named(compat, breaks, says):
 
 def test_a_serving_pod_may_name_s3_only_for_its_batch_store(compat):
     from policies.rules.serving import serving_no_download
-    from policies.synthetic import container
+    from tests.infra.policy_support import container
 
     stack = compliant_stack()
     container(stack)["env"].append({"name": "LLM_SERVING_BATCH_STORE", "value": f"s3://{BUCKET}/llama"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from policies.rules.gpu_nodes import APPROVED_INSTANCE_TYPES, MAX_NODES
-from policies.synthetic import compliant_stack, fired, inputs_of, messages, write_compat
+from tests.infra.policy_support import compliant_stack, fired, inputs_of, messages, write_compat
 
 
 @pytest.fixture

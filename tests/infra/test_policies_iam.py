@@ -7,7 +7,7 @@ import json
 import pytest
 
 from policies.rules.iam import statement_problems, trust_problems
-from policies.synthetic import compliant_stack, fired, inputs_of, messages, write_compat
+from tests.infra.policy_support import compliant_stack, fired, inputs_of, messages, write_compat
 
 POLICY = "iam-no-wildcard-s3-ecr-kms"
 

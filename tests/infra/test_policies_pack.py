@@ -16,7 +16,7 @@ from rich.console import Console
 from infra.mockrun import MockedResource, StackRun
 from policies import offline
 from policies.catalog import ALL_POLICIES, by_name
-from policies.synthetic import compliant_stack, fired, inputs_of, messages, write_compat
+from tests.infra.policy_support import compliant_stack, fired, inputs_of, messages, write_compat
 
 REPO = Path(__file__).resolve().parents[2]
 ISSUE_MANDATORY = {

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from infra.config import ModelConfig
-from policies.synthetic import COMPAT_TOML, compliant_stack, fired, messages, model, write_compat
+from tests.infra.policy_support import COMPAT_TOML, compliant_stack, fired, messages, model, write_compat
 
 REPO = Path(__file__).resolve().parents[2]
 POLICY = "serving-python-dependencies-in-image"

@@ -1,7 +1,7 @@
 """S3 rules: each against the compliant synthetic stack and against one broken setting.
 
-The resources are synthetic but shaped exactly as the mock runtime records them (`policies.synthetic`); the policy
-objects and `pulumi_policy`'s argument classes are the real ones.
+The resources are synthetic but shaped exactly as the mock runtime records them (`tests/infra/policy_support.py`);
+the policy objects and `pulumi_policy`'s argument classes are the real ones.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from policies.synthetic import compliant_stack, fired, inputs_of, messages, write_compat
+from tests.infra.policy_support import compliant_stack, fired, inputs_of, messages, write_compat
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.synthetic import (
+from tests.infra.policy_support import (
     COMPAT_TOML,
     compliant_stack,
     container,

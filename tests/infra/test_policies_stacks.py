@@ -19,7 +19,7 @@ from infra.mockrun import shipped_run, shipped_stacks
 from policies.catalog import ALL_POLICIES
 from policies.compat import DEFAULT_PATH as DEFAULT_COMPAT
 from policies.offline import evaluate
-from policies.synthetic import write_compat
+from tests.infra.policy_support import write_compat
 
 STACKS = shipped_stacks()
 SENSITIVITY_STACK = "prod-us-east-1"
