@@ -21,7 +21,7 @@ import pulumi_aws as aws
 import pulumi_kubernetes as k8s
 
 from infra.config import ModelConfig, StackConfig
-from infra.iam import irsa_trust, policy_document, role_with_policy
+from infra.iam import irsa_service_account, policy_document
 from infra.naming import platform_labels
 from infra.secure_bucket import SecureBucketArgs, secure_bucket
 from llm_serving import pod_contract as pc
@@ -178,15 +178,13 @@ class BatchStore(pulumi.ComponentResource):
         args, cfg = self.args, self.args.config
         name = worker_name(model.id)
         prefix = f"{self.name}-{model.id}"
-        role = role_with_policy(
-            f"{prefix}-role", irsa_trust(args.oidc_provider_arn, args.oidc_issuer_url, args.namespace, name),
-            worker_policy(self.bucket_arn, model.id, self.kms_key_arn), (), args.tags,
-            pulumi.ResourceOptions(parent=self))
         k8s_opts = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=args.depends_on)
         meta = {"name": name, "namespace": args.namespace, "labels": platform_labels(BATCH_COMPONENT)}
-        sa = k8s.core.v1.ServiceAccount(
-            f"{prefix}-sa", metadata={**meta, "annotations": {"eks.amazonaws.com/role-arn": role.arn}},
-            automount_service_account_token=False, opts=k8s_opts)
+        _, sa = irsa_service_account(
+            f"{prefix}-role", f"{prefix}-sa", namespace=args.namespace, service_account=name, labels=meta["labels"],
+            oidc_provider_arn=args.oidc_provider_arn, oidc_issuer_url=args.oidc_issuer_url,
+            policy=worker_policy(self.bucket_arn, model.id, self.kms_key_arn), tags=args.tags,
+            role_opts=pulumi.ResourceOptions(parent=self), account_opts=k8s_opts)
         # Ingress to the metrics port from the monitoring namespace only; egress to DNS and HTTPS only (S3, STS,
         # the model's route through the Gateway).
         k8s.networking.v1.NetworkPolicy(

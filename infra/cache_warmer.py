@@ -15,7 +15,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.config import StackConfig
-from infra.iam import irsa_trust, policy_document, role_with_policy
+from infra.iam import irsa_service_account, policy_document
 from infra.naming import platform_labels
 from llm_serving import cache_state
 from llm_serving import pod_contract as pc
@@ -125,15 +125,13 @@ class CacheWarmer(pulumi.ComponentResource):
     def __init__(self, name: str, args: CacheWarmerArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("llm-serving:infra:CacheWarmer", name, None, opts)
         cfg = args.config
-        role = role_with_policy(
-            f"{name}-role", irsa_trust(args.oidc_provider_arn, args.oidc_issuer_url, args.namespace, WARMER_NAME),
-            warmer_policy(args.bucket_arn, cfg.model_storage.model_prefix, cfg.region, args.kms_key_arn),
-            (), args.tags, pulumi.ResourceOptions(parent=self))
         k8s_opts = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=args.depends_on)
         meta = {"name": WARMER_NAME, "namespace": args.namespace, "labels": platform_labels("model-cache-warmer")}
-        sa = k8s.core.v1.ServiceAccount(
-            f"{name}-sa", metadata={**meta, "annotations": {"eks.amazonaws.com/role-arn": role.arn}},
-            automount_service_account_token=False, opts=k8s_opts)
+        role, sa = irsa_service_account(
+            f"{name}-role", f"{name}-sa", namespace=args.namespace, service_account=WARMER_NAME,
+            labels=meta["labels"], oidc_provider_arn=args.oidc_provider_arn, oidc_issuer_url=args.oidc_issuer_url,
+            policy=warmer_policy(args.bucket_arn, cfg.model_storage.model_prefix, cfg.region, args.kms_key_arn),
+            tags=args.tags, role_opts=pulumi.ResourceOptions(parent=self), account_opts=k8s_opts)
         # No ingress at all; egress to DNS and HTTPS (S3) only.
         k8s.networking.v1.NetworkPolicy(
             f"{name}-netpol", metadata=meta,

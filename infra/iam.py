@@ -9,6 +9,7 @@ from typing import Any
 
 import pulumi
 import pulumi_aws as aws
+import pulumi_kubernetes as k8s
 
 # Read-only actions without resource-level permissions: IAM only accepts "*" for them.
 UNSCOPABLE_ACTIONS = frozenset({
@@ -54,3 +55,20 @@ def role_with_policy(name: str, trust: pulumi.Input[str], policy: pulumi.Input[s
     for i, arn in enumerate(managed_policy_arns):
         aws.iam.RolePolicyAttachment(f"{name}-{i}", role=role.name, policy_arn=arn, opts=child)
     return role
+
+
+def irsa_service_account(role_name: str, account_name: str, *, namespace: str, service_account: str,
+                         labels: dict[str, str], oidc_provider_arn: pulumi.Input[str],
+                         oidc_issuer_url: pulumi.Input[str], policy: pulumi.Input[str], tags: dict[str, str],
+                         role_opts: pulumi.ResourceOptions, account_opts: pulumi.ResourceOptions,
+                         ) -> tuple[aws.iam.Role, k8s.core.v1.ServiceAccount]:
+    """A ServiceAccount and the IAM role only it may assume (IRSA), from one namespace and name: the role's trust
+    names the account, the account carries the role's ARN; no API token mounted (the pods call no Kubernetes API).
+    `role_name` and `account_name` are the Pulumi resource names."""
+    role = role_with_policy(role_name, irsa_trust(oidc_provider_arn, oidc_issuer_url, namespace, service_account),
+                            policy, (), tags, role_opts)
+    account = k8s.core.v1.ServiceAccount(
+        account_name, metadata={"name": service_account, "namespace": namespace, "labels": labels,
+                                "annotations": {"eks.amazonaws.com/role-arn": role.arn}},
+        automount_service_account_token=False, opts=account_opts)
+    return role, account

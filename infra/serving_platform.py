@@ -10,7 +10,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.config import StackConfig
-from infra.iam import irsa_trust, policy_document, role_with_policy
+from infra.iam import irsa_service_account, policy_document
 from infra.naming import platform_labels
 from llm_serving import pod_contract as pc
 
@@ -82,18 +82,13 @@ class ServingPlatform(pulumi.ComponentResource):
             opts=k8s_opts)
         ns_opts = pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[namespace])
 
-        role = role_with_policy(
-            f"{name}-model-server",
-            irsa_trust(args.oidc_provider_arn, args.oidc_issuer_url, ns_name, SERVICE_ACCOUNT),
-            serving_read_policy(args.bucket_arn, cfg.model_storage.model_prefix, args.kms_key_arn),
-            (), args.tags, aws_opts)
+        role, sa = irsa_service_account(
+            f"{name}-model-server", f"{name}-model-server", namespace=ns_name, service_account=SERVICE_ACCOUNT,
+            labels=platform_labels("model-server"), oidc_provider_arn=args.oidc_provider_arn,
+            oidc_issuer_url=args.oidc_issuer_url,
+            policy=serving_read_policy(args.bucket_arn, cfg.model_storage.model_prefix, args.kms_key_arn),
+            tags=args.tags, role_opts=aws_opts, account_opts=ns_opts)
         self.serving_role_arn = role.arn
-        sa = k8s.core.v1.ServiceAccount(
-            f"{name}-model-server",
-            metadata={"name": SERVICE_ACCOUNT, "namespace": ns_name, "labels": platform_labels("model-server"),
-                      "annotations": {"eks.amazonaws.com/role-arn": role.arn}},
-            automount_service_account_token=False,
-            opts=ns_opts)
 
         pv = k8s.core.v1.PersistentVolume(
             f"{name}-model-cache",
