@@ -18,6 +18,7 @@ import statistics
 import time
 
 from bench.report import demo_model, main, percentile, ratio_plot, ratio_table, ratios, result
+from llm_serving.kserve_stream import until_final_async
 from serving_image.local_server import free_port
 
 N_REQUESTS = 128
@@ -80,14 +81,12 @@ async def _kserve(url: str, model: str, n_requests: int = N_REQUESTS) -> dict:
                 yield {"model_name": model, "inputs": inputs(), "request_id": f"kserve-{i}"}
 
             started, first = time.perf_counter(), None
-            async for result, error in client.stream_infer(requests()):
+            async for result, error in until_final_async(client.stream_infer(requests())):
                 if error is not None:
                     raise RuntimeError(f"request {i}: {error}")
                 if first is None:
                     first = time.perf_counter() - started
                 tokens += int(result.as_numpy("num_output_tokens")[0])
-                if result.get_response().parameters["triton_final_response"].bool_param:
-                    break
             ttfts.append(first)
 
     client = grpcaio.InferenceServerClient(url)

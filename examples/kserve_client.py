@@ -17,6 +17,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
+from llm_serving.kserve_stream import until_final
+
 RANKER = "ranker"
 PIPELINE = "ranker-pipeline"
 LLM = "demo-tiny"
@@ -61,16 +63,13 @@ def generate(grpc: grpcclient.InferenceServerClient, prompt: str, max_tokens: in
     try:
         grpc.async_stream_infer(LLM, inputs, enable_empty_final_response=True)
         text, tokens = "", 0
-        while True:
-            result, error = responses.get(timeout=300)
+        for result, error in until_final(responses, timeout=300):  # up to the response flagged final
             if error is not None:
                 raise error
-            response = result.get_response()
-            if response.outputs:
+            if result.get_response().outputs:
                 text += b"".join(result.as_numpy("text_output")).decode()
                 tokens += int(result.as_numpy("num_output_tokens").sum())
-            if response.parameters["triton_final_response"].bool_param:
-                return text, tokens
+        return text, tokens
     finally:
         grpc.stop_stream()
 

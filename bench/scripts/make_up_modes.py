@@ -37,6 +37,7 @@ import httpx
 import numpy as np
 
 from llm_serving import pod_contract as pc
+from llm_serving.kserve_stream import until_final
 
 DEMO_LLM = "demo-tiny"
 RANKER, PIPELINE = "ranker", "ranker-pipeline"
@@ -137,13 +138,10 @@ def _kserve_llm_stream() -> str:
     pieces = 0
     try:
         client.async_stream_infer(DEMO_LLM, inputs, request_id="check-up-modes")
-        while True:
-            result, error = responses.get(timeout=120)
+        for _result, error in until_final(responses, timeout=120):
             if error is not None:
                 raise CheckFailed(f"KServe gRPC stream of {DEMO_LLM}: {error}")
             pieces += 1
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
     finally:
         client.stop_stream()
         client.close()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from llm_serving import pod_contract as pc
+from llm_serving.kserve_stream import until_final
 
 
 @dataclass
@@ -189,15 +190,12 @@ def _stream_generate(client, grpcclient, model_id: str) -> tuple[bool, str]:
                                                     json.dumps({"max_tokens": 8}).encode())],
                                   request_id="rehearsal", enable_empty_final_response=True)
         texts = []
-        while True:
-            result, error = got.get(timeout=60)
+        for result, error in until_final(got, timeout=60):
             if error is not None:
                 return False, str(error)
             output = result.as_numpy("text_output")
             if output is not None:
                 texts += [o.decode(errors="replace") for o in output.ravel()]
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
         return (bool(texts), "" if texts else "no text_output in the stream")
     except queue.Empty:
         return False, "no response within 60 s"

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from llm_serving.kserve_stream import is_final
 from serving_image.engine.base import (
     CandidateScore,
     Embedding,
@@ -401,7 +402,7 @@ class RemoteTritonEngine(TritonEngine):
                     raise engine_error(None, message)
                 response = result.get_response()
                 outputs = {o.name: result.as_numpy(o.name) for o in response.outputs}
-                yield [(flat_outputs(outputs), response.parameters["triton_final_response"].bool_param)]
+                yield [(flat_outputs(outputs), is_final(response))]
         except grpc.aio.AioRpcError as exc:
             raise EngineUnavailableError(f"Triton stream failed: {exc.code().name}: {exc.details()}") from exc
         finally:

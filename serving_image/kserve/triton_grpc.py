@@ -29,6 +29,7 @@ import numpy as np
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from llm_serving.kserve_stream import FINAL_PARAMETER
 from serving_image.kserve.request_log import KServeRecord, metadata_dict
 from serving_image.kserve.stream_fan_in import fan_in
 from serving_image.triton.capi import ErrorCode, TritonError
@@ -104,7 +105,7 @@ def infer_response(model: str, version: str, request_id: str, outputs: dict[str,
         response.outputs.add(name=name, datatype=datatype, shape=list(array.shape))
         response.raw_output_contents.append(_raw(array))
     if final is not None:
-        response.parameters["triton_final_response"].bool_param = final
+        response.parameters[FINAL_PARAMETER].bool_param = final
     return response
 
 

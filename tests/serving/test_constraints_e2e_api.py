@@ -26,6 +26,7 @@ import openai
 import pytest
 import tritonclient.grpc.aio as grpcaio
 
+from llm_serving.kserve_stream import is_final
 from serving_image.constraints.reference import satisfies
 from serving_image.constraints.spec import validate_constraint
 
@@ -168,7 +169,7 @@ async def _generate(url: str, prompt: str, params: dict, request_id: str):
         async for result, error in client.stream_infer(requests()):
             if error is not None:
                 return error
-            if result.get_response().parameters["triton_final_response"].bool_param:
+            if is_final(result):
                 return result.as_numpy("text_output")[0].decode(), result.as_numpy("finish_reason")[0].decode()
     finally:
         await client.close()

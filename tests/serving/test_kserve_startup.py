@@ -25,6 +25,7 @@ import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from llm_serving.kserve_stream import is_final, until_final, until_final_async
 from llm_serving.package import PackageSpec, build_package
 from llm_serving.tensor_contract import VLLM_INPUTS, VLLM_OUTPUTS
 from serving_image.local_server import accepts
@@ -83,13 +84,11 @@ async def _stream(url: str, inputs, request_id: str = "r1", model: str = MODEL, 
 
     stream = client.stream_infer(requests())
     try:
-        async for result, error in stream:
+        async for result, error in until_final_async(stream):
             if error is not None:
                 errors.append(error)
                 break
             results.append(result)
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
     finally:
         stream.cancel()
         await client.close()
@@ -189,7 +188,7 @@ def test_stream_tokens_counts_and_final_flag(triton_standalone):
     results, errors = _run(_stream(url, _inputs(grpcaio, "The platform serves", stream=True, params=params)))
     assert not errors
     assert len(results) >= 2, "a streamed request answers step by step"
-    finals = [r.get_response().parameters["triton_final_response"].bool_param for r in results]
+    finals = [is_final(r) for r in results]
     assert finals == [False] * (len(results) - 1) + [True]
     assert sum(int(r.as_numpy("num_output_tokens")[0]) for r in results) == 12
     reasons = [r.as_numpy("finish_reason")[0].decode() for r in results]
@@ -225,16 +224,13 @@ def test_blocking_client_streams_with_a_callback(triton_standalone):
                                                  params={"max_tokens": "8", "temperature": "0", "ignore_eos": True}),
                                   request_id="cb-1", enable_empty_final_response=True)
         results = []
-        while True:
-            result, error = got.get(timeout=120)
+        for result, error in until_final(got, timeout=120):
             assert error is None, error
             results.append(result)
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
         client.stop_stream()
     finally:
         client.close()
-    finals = [r.get_response().parameters["triton_final_response"].bool_param for r in results]
+    finals = [is_final(r) for r in results]
     assert finals == [False] * (len(results) - 1) + [True] and results[-1].get_response().outputs
     assert sum(int(r.as_numpy("num_output_tokens")[0]) for r in results) == 8
     assert all(r.get_response().id == "cb-1" for r in results)

@@ -27,6 +27,7 @@ from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
 from examples import kserve_client
+from llm_serving.kserve_stream import is_final, until_final
 from llm_serving_cli.demo_packages import FEATURES_ID, PIPELINE_ID, RANKER_ID, RELEVANCE_ID
 from serving_image.local_server import Server
 from tests.serving import embed_score_reference as reference
@@ -162,14 +163,11 @@ def test_tritonclient_streams_from_the_same_instance(server):
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         client.async_stream_infer(MODEL, inputs, request_id="kserve-1", enable_empty_final_response=True)
         tokens, positions = 0, []
-        while True:
-            result, error = responses.get(timeout=120)
+        for result, error in until_final(responses, timeout=120):
             assert error is None, error
             if result.get_response().outputs:
                 tokens += int(result.as_numpy("num_output_tokens").sum())
                 positions += json.loads(result.as_numpy("logprobs")[0])  # NVIDIA's form: JSON per choice
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
         client.stop_stream()
         assert tokens == 4 and len(positions) == 4
         for position in positions:  # token id -> logprob, rank, decoded_token; the sampled token and the top 1
@@ -251,17 +249,16 @@ def test_several_requests_share_one_stream_and_oversized_messages_are_refused_by
                                       enable_empty_final_response=True)
         tokens = dict.fromkeys(wanted, 0)
         finals: set[str] = set()
-        while finals != set(wanted):
-            result, error = responses.get(timeout=120)
+        for result, error in until_final(responses, timeout=120, finals=len(wanted)):
             assert error is None, error
             response = result.get_response()
             if response.outputs:
                 tokens[response.id] += int(result.as_numpy("num_output_tokens").sum())
-            if response.parameters["triton_final_response"].bool_param:
+            if is_final(response):
                 assert response.id not in finals  # one final response per request
                 finals.add(response.id)
         client.stop_stream()
-        assert tokens == wanted
+        assert finals == set(wanted) and tokens == wanted
         with pytest.raises(InferenceServerException) as huge:
             client.infer(MODEL, inputs(b"x" * (MAX_MESSAGE_BYTES + 1), 1))
         assert "RESOURCE_EXHAUSTED" in str(huge.value.status()) or "larger than max" in huge.value.message()

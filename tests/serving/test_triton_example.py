@@ -17,6 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
+from llm_serving.kserve_stream import until_final
 from tests.serving.conftest import EXAMPLE
 
 sys.path.insert(0, str(EXAMPLE / "model"))
@@ -47,14 +48,11 @@ def _call(server, ticket: str, stream: bool | None = None) -> tuple[list, list]:
     try:
         client.start_stream(callback=lambda result, error: got.put((result, error)))
         client.async_stream_infer(MODEL, _inputs(ticket, stream))
-        while True:
-            result, error = got.get(timeout=180)
+        for result, error in until_final(got, timeout=180):
             if error is not None:
                 errors.append(error)
                 break
             results.append(result)
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
         client.stop_stream()
     finally:
         client.close()

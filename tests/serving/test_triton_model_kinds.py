@@ -18,6 +18,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from llm_serving.kserve_stream import until_final
 from llm_serving.manifest import Backend, ServingMode
 from llm_serving.package import PackageError, PackageSpec, build_package, open_package
 from llm_serving.tensor_contract import TensorSpec, io_fingerprint
@@ -238,12 +239,9 @@ def test_llm_streams_beside_them(triton_standalone):
     try:
         client.async_stream_infer(LLM, inputs, request_id="kinds-1")
         pieces = []
-        while True:
-            result, error = responses.get(timeout=120)
+        for result, error in until_final(responses, timeout=120):
             assert error is None, error
             pieces.append(result.as_numpy("text_output")[0])
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
     finally:
         client.stop_stream()
     assert len(pieces) > 1  # streamed: several responses, the final flag on the last

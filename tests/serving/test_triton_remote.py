@@ -30,6 +30,7 @@ import pytest
 import pytest_asyncio
 import tritonclient.grpc.aio as grpcaio
 
+from llm_serving.kserve_stream import until_final_async
 from tests.serving.engine_hold import EngineProcesses
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -139,11 +140,9 @@ async def _kserve(remote: Remote, prompt: str, params: dict, *, logprobs: bool =
 
     stream = client.stream_infer(requests())
     try:
-        async for result, error in stream:
+        async for result, error in until_final_async(stream):
             assert error is None, error
             results.append(result)
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
     finally:
         stream.cancel()
         await client.close()
