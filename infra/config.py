@@ -45,6 +45,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+def repeated(values: list[str]) -> list[str]:
+    """The values named more than once, sorted: what a list of names or ids that must be unique got wrong."""
+    return sorted({v for v in values if values.count(v) > 1})
+
+
 def _camel(name: str) -> str:
     head, *rest = name.split("_")
     return head + "".join(p.capitalize() for p in rest)
@@ -245,11 +250,11 @@ class ClusterConfig(_Camel):
     @model_validator(mode="after")
     def _unique_groups(self) -> ClusterConfig:
         names = [g.name for g in self.gpu_node_groups]
-        dupes = sorted({n for n in names if names.count(n) > 1})
+        dupes = repeated(names)
         if dupes:
             raise ValueError(f"gpuNodeGroups: duplicate names {dupes}")
         cpu = [g.name for g in self.cpu_node_groups]
-        dupes = sorted({n for n in cpu if cpu.count(n) > 1})
+        dupes = repeated(cpu)
         if dupes:
             raise ValueError(f"cpuNodeGroups: duplicate names {dupes}")
         both = sorted(set(names) & set(cpu))
@@ -354,7 +359,7 @@ class ModelVersion(_Camel):
     @classmethod
     def _unique_steps(cls, v: list[PackageRef]) -> list[PackageRef]:
         ids = [s.id for s in v]
-        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        dupes = repeated(ids)
         if dupes:
             raise ValueError(f"names the model(s) {dupes} twice; a server serves one version of each step model")
         return v
@@ -502,7 +507,7 @@ class ModelConfig(_Camel):
     @model_validator(mode="after")
     def _strategy_fields(self) -> ModelConfig:
         names = [v.version for v in self.versions]
-        dupes = sorted({n for n in names if names.count(n) > 1})
+        dupes = repeated(names)
         if dupes:
             raise ValueError(f"versions: duplicate versions {dupes}")
         if self.strategy == "versioned":
@@ -563,7 +568,7 @@ class ExperimentConfig(_Camel):
     @model_validator(mode="after")
     def _allocation(self) -> ExperimentConfig:
         names = [a.name for a in self.arms]
-        dupes = sorted({n for n in names if names.count(n) > 1})
+        dupes = repeated(names)
         if dupes:
             raise ValueError(f"arms: duplicate arm names {dupes}")
         total = sum(a.percent for a in self.arms)
@@ -631,7 +636,7 @@ class StackConfig(_Camel):
     @model_validator(mode="after")
     def _experiments_served(self) -> StackConfig:
         names = [e.name for e in self.experiments]
-        dupes = sorted({n for n in names if names.count(n) > 1})
+        dupes = repeated(names)
         if dupes:
             raise ValueError(f"experiments: duplicate experiment names {dupes}")
         models = {m.id: m for m in self.models}
@@ -646,7 +651,7 @@ class StackConfig(_Camel):
             raise ValueError("cluster.endpointPublicAccess: prod clusters have a private endpoint only "
                              "(allowed: false)")
         ids = [m.id for m in self.models]
-        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        dupes = repeated(ids)
         if dupes:
             raise ValueError(f"models: duplicate model ids {dupes}")
         groups = {g.name: g for g in self.cluster.gpu_node_groups}

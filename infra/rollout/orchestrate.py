@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from infra.config import ConfigError, ModelConfig, StackConfig, newest_version
+from infra.config import ConfigError, ModelConfig, StackConfig, newest_version, repeated
 from infra.rollout.gate import GateResult, GateThresholds, PrometheusClient, analyze, request_count
 from infra.rollout.planner import DEFAULT_STEPS, PlanError, next_weight, plan_red_black, rollback_peak
 from infra.rollout.replication import ReplicaCheck, missing_replicas
@@ -85,7 +85,7 @@ def waves(stacks: list[str], first: int = 1) -> list[list[str]]:
         raise RolloutError("--stacks: name at least one stack")
     if first < 1:
         raise RolloutError(f"--first-wave: at least 1 stack, got {first}")
-    dupes = sorted({s for s in stacks if stacks.count(s) > 1})
+    dupes = repeated(stacks)
     if dupes:
         raise RolloutError(f"--stacks: {dupes} named twice")
     return [stacks[:first], stacks[first:]] if stacks[first:] else [stacks]
