@@ -11,9 +11,9 @@ step comes here over the control socket, one at a time, and returns when it is d
   replicas: the pods beyond the new count are terminated as Kubernetes terminates them (out of the endpoints at
   once, preStop, SIGTERM, the grace period). A changed pod template is refused by name: the scenarios never change
   one in place;
-- an HTTPRoute or GRPCRoute: its backendRefs and weights go to the real proxy (proxy.py), weights in place through
-  HAProxy's runtime API, anything else with a seamless reload; the Gateway's BackendTrafficPolicy (its retries)
-  goes there too;
+- an HTTPRoute or GRPCRoute: its backendRefs and weights go to the real proxy (haproxy_config.py renders them,
+  haproxy_process.py applies them), weights in place through HAProxy's runtime API, anything else with a seamless
+  reload; the Gateway's BackendTrafficPolicy (its retries, gateway_retry.py) goes there too;
 - any other resource (Services, PodMonitors, ScaledObjects, ...) is recorded: the proxy reads Services' selectors,
   the rest changes nothing here;
 - a delete: a Deployment's pods are terminated, a route leaves the proxy.
@@ -32,13 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llm_serving_cli.rehearsal import proxy, render
+from llm_serving_cli.rehearsal import gateway_retry, gateway_routes, haproxy_config, render
+from llm_serving_cli.rehearsal.haproxy_process import HAProxy
 from llm_serving_cli.rehearsal.kubelet import PodRunner
 from llm_serving_cli.rehearsal.podspec import PodPlan, startup_budget_s
 
 log = logging.getLogger(__name__)
 
-ROUTE_TYPES = (proxy.HTTP_ROUTE, proxy.GRPC_ROUTE)
+ROUTE_TYPES = (gateway_routes.HTTP_ROUTE, gateway_routes.GRPC_ROUTE)
 NAME_LABEL = "app.kubernetes.io/name"
 VERSION_LABEL = "app.kubernetes.io/version"
 CRASH_LOOP_RESTARTS = 3  # a pod restarted this often while its Deployment's step waits: the step fails
@@ -116,10 +117,11 @@ class RehearsalCluster:
     def __init__(self, resources: list[dict[str, Any]], runners: list[PodRunner],
                  plans_for: Callable[[dict[str, Any]], list[PodPlan]],
                  add_pod: Callable[..., PodRunner], start_pod: Callable[[PodRunner], None],
-                 haproxy: proxy.HAProxy, settings: proxy.Settings, on_pods_changed: Callable[[], None] = lambda: None):
+                 haproxy: HAProxy, settings: haproxy_config.Settings,
+                 on_pods_changed: Callable[[], None] = lambda: None):
         self.objects: dict[tuple[str, str], dict[str, Any]] = {(r["type"], r["name"]): r["inputs"]
                                                                 for r in resources}
-        self.gateway = proxy.gateway_from_rendered(resources)
+        self.gateway = gateway_routes.gateway_from_rendered(resources)
         self.runners = runners  # the rehearsal's list: pods are added and removed in place
         self.plans_for = plans_for
         self.add_pod = add_pod
@@ -139,21 +141,21 @@ class RehearsalCluster:
     def _resources(self, *types: str) -> list[dict[str, Any]]:
         return [{"type": t, "name": n, "inputs": i} for (t, n), i in self.objects.items() if t in types]
 
-    def endpoints(self) -> proxy.Endpoints:
-        out: dict[tuple[str, int], list[proxy.Endpoint]] = {}
+    def endpoints(self) -> gateway_routes.Endpoints:
+        out: dict[tuple[str, int], list[gateway_routes.Endpoint]] = {}
         for service in self._resources(render.SERVICE):
             spec = service["inputs"].get("spec") or {}
             selector = spec.get("selector") or {}
             namespace = (service["inputs"].get("metadata") or {}).get("namespace")
             ready = [_PodEndpoint(r.plan.name, r.status.address, r.plan.ports) for r in self.runners
                      if r.status.ready and r.plan.namespace == namespace and render.selects(selector, r.plan.labels)]
-            out.update(proxy.endpoints_for_service(service, ready))
+            out.update(gateway_routes.endpoints_for_service(service, ready))
         return out
 
-    def proxy_config(self) -> proxy.ProxyConfig:
-        routes = proxy.routes_from_rendered(self._resources(*ROUTE_TYPES))
-        retry = proxy.retry_from_rendered(self._resources(proxy.BACKEND_TRAFFIC_POLICY), self.gateway)
-        return proxy.render_config(self.gateway, routes, self.endpoints(), self.settings, retry)
+    def proxy_config(self) -> haproxy_config.ProxyConfig:
+        routes = gateway_routes.routes_from_rendered(self._resources(*ROUTE_TYPES))
+        retry = gateway_retry.retry_from_rendered(self._resources(gateway_retry.BACKEND_TRAFFIC_POLICY), self.gateway)
+        return haproxy_config.render_config(self.gateway, routes, self.endpoints(), self.settings, retry)
 
     async def refresh_proxy(self) -> None:
         """Bring the proxy to the live routes and Ready pods; one apply at a time, each from the state as it is when
@@ -189,7 +191,7 @@ class RehearsalCluster:
             self.events.append(f"Deployment {name}: {ready}/{_replicas(inputs)} ready")
             return ready
         self.objects[key] = inputs
-        if type_ in (*ROUTE_TYPES, render.SERVICE, proxy.BACKEND_TRAFFIC_POLICY):
+        if type_ in (*ROUTE_TYPES, render.SERVICE, gateway_retry.BACKEND_TRAFFIC_POLICY):
             await self.refresh_proxy()
             if type_ in ROUTE_TYPES:
                 self.events.append(f"{type_.rsplit(':', 1)[-1]} {name}: {self._weights(inputs)}")
@@ -201,7 +203,7 @@ class RehearsalCluster:
             name = _k8s_name(previous, name)
             await self._stop([r for r in self.runners if r.plan.deployment == name])
             self.events.append(f"Deployment {name}: deleted")
-        elif type_ in (*ROUTE_TYPES, render.SERVICE, proxy.BACKEND_TRAFFIC_POLICY):
+        elif type_ in (*ROUTE_TYPES, render.SERVICE, gateway_retry.BACKEND_TRAFFIC_POLICY):
             await self.refresh_proxy()
 
     @staticmethod

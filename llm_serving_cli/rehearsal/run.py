@@ -12,21 +12,23 @@
 
 Ends with `rehearsal: <P> pods ready, <R> requests, <F> failed`; exits 1 naming the pod and the cause when a pod
 never gets Ready or a request fails. Everything it started is stopped and removed, also on Ctrl-C.
+
+This module is the order of those steps and the run's report; each step's work is elsewhere: the store and
+publishing in model_store.py, the pods' plans, mounts and launch in node.py, the gateway in gateway.py, which
+rollout scenarios a stack runs in scenarios.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import functools
 import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +36,12 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from llm_serving import cache_state, dockerfile
 from llm_serving.stack_outputs import StackOutputsError, parse_stack_outputs
 from llm_serving_cli.rehearsal import (
     experiment,
     model_cache,
     observe,
     podspec,
-    proxy,
     render,
     scenarios,
     storage,
@@ -49,18 +49,16 @@ from llm_serving_cli.rehearsal import (
     traffic,
 )
 from llm_serving_cli.rehearsal import report as rehearsal_report
-from llm_serving_cli.rehearsal.cluster import RehearsalCluster
-from llm_serving_cli.rehearsal.kubelet import PodRunner
+from llm_serving_cli.rehearsal.gateway import RehearsalGateway, create_gateway
+from llm_serving_cli.rehearsal.model_store import ModelStore, publish_stack
 from llm_serving_cli.rehearsal.net import GATEWAY, Network, service_address
+from llm_serving_cli.rehearsal.node import Node
 from llm_serving_cli.rehearsal.services import Endpoint, ServiceProxy
 from llm_serving_cli.rehearsal.substitutions import REPO_ROOT
-from llm_serving_cli.rehearsal.tls import CertificateAuthority
 from llm_serving_client import Client, GatewayEndpoints
 from serving_image.local_server import free_port  # below the ephemeral range: see its docstring
 
 DEFAULT_STACK = "dev-us-east-1"
-DOCKERFILE = REPO_ROOT / "serving_image" / "Dockerfile"
-SCENARIOS = ("red-black", "rollback", "rollback-errors", "versioned")  # the rollout scenarios, in the order they run
 CRASH_LOOP_RESTARTS = 3  # a pod restarted this often without getting Ready fails the rehearsal
 
 
@@ -74,22 +72,17 @@ class Rehearsal:
         self.console = console
         self.workdir = workdir or REPO_ROOT / ".cache" / "rehearsal" / stack
         self.net = Network(f"rh{os.getpid() % 100000}")
-        self.store: storage.Store | None = None
+        self.store: storage.Store | None = None  # held from its start: cleanup stops it whatever failed after
+        self.models: ModelStore | None = None
         self.prometheus: observe.Prometheus | None = None
-        self.runners: list[PodRunner] = []
+        self.python = substitutions.serving_python()
+        self.node = Node(self.workdir, self.python, self.net)
         self.proxies: list[tuple[ServiceProxy, dict[str, Any]]] = []
-        self.created_mountpoints: list[Path] = []
         self.result = traffic.TrafficResult()
         self.notes: list[str] = []
-        self.python = substitutions.serving_python()
-        self.plans_for = None  # set by plans(): a rendered Deployment -> its pods' plans
-        self.pod_count = 0  # pods created so far: the next pod's network index
-        self.tasks: list[asyncio.Task] = []
         self.with_scenarios = True
         self.only_scenarios: tuple[str, ...] = ()  # empty: every scenario the stack allows
-        self.gateway: proxy.HAProxy | None = None
-        self.storage_facts: dict[str, Any] = {}
-        self.gateway_parts: tuple[RehearsalCluster, int, Any] | None = None  # (cluster, port, CA) once started
+        self.gateway: RehearsalGateway | None = None  # held before it starts: cleanup stops a half-started one
         self.experiment: experiment.ExperimentCheck | None = None
 
     # -- setup -------------------------------------------------------------------------------------------------
@@ -118,39 +111,9 @@ class Rehearsal:
     def setup_storage(self, rendered: render.Rendered) -> Path:
         # On the node's bridge, not loopback: the pods (the batch worker) reach S3 from their own namespaces.
         self.store = storage.start_store(str(GATEWAY))
-        s3 = self.store.client()
-        home, region = rendered.bucket(rendered.home_region), rendered.bucket()
-        for bucket in {home, region, *rendered.buckets()}:  # the batch bucket too: the worker lists it from start
-            s3.create_bucket(Bucket=bucket)
-        from serving_image.demo_model import ensure_demo_model
-
-        with self.console.status("packaging every (model, version) of the stack from the demo model"):
-            demo = ensure_demo_model(REPO_ROOT / ".cache" / "llm-serving" / "models" / "demo-tiny")
-            packages = storage.package_versions(rendered.models, demo, self.workdir / "packages",
-                                                rendered.model_prefix)
-        store_uri = f"s3://{home}/{rendered.model_prefix.rstrip('/')}"
-        self.storage_facts = {"demo": demo, "store_uri": store_uri, "home": home, "region": region,
-                              "home_region": rendered.home_region, "aws_region": rendered.region}
-        for uri, package in packages.items():
-            record = storage.publish(package, store_uri, self.store, rendered.home_region, rendered.region)
-            if record["model_cache_uri"] != uri:
-                raise RehearsalError(f"`llm-serving publish {package.name} --store {store_uri}` put the package at "
-                                     f"{record['model_cache_uri']}, the stack names {uri}")
-            self.console.print(f"published {record['model_id']} {record['version']} -> {record['model_cache_uri']}")
-        if region != home:
-            copied = sum(storage.replicate(self.store, home, region, prefix)
-                         for prefix in (rendered.model_prefix, cache_state.CACHE_STATE_PREFIX + "/"))
-            self.console.print(f"replicated {copied} objects {home} -> {region}")
-        (dra,) = rendered.of_type(render.DRA)
-        fsx = self.workdir / "fsx"
-        self.storage_facts["dra"] = dra["inputs"]
-        self.storage_facts["fsx"] = fsx
-        count = storage.fsx_import(self.store, dra["inputs"]["dataRepositoryPath"], dra["inputs"]["fileSystemPath"],
-                                   fsx)
-        self.console.print(f"FSx: {count} objects of {dra['inputs']['dataRepositoryPath']} at "
-                           f"{dra['inputs']['fileSystemPath']} ({fsx})")
-        self._model_cache(rendered, fsx)
-        return fsx
+        self.models = publish_stack(self.store, rendered, self.workdir, self.console)
+        self._model_cache(rendered, self.models.fsx)
+        return self.models.fsx
 
     def _model_cache(self, rendered: render.Rendered, fsx: Path) -> None:
         """A pod's startup step 1 on a cold and then a warm model cache, around the stack's cache warmer
@@ -166,41 +129,10 @@ class Rehearsal:
             self.console.print(line, markup=False, highlight=False)
 
     def plans(self, rendered: render.Rendered, fsx: Path) -> list[podspec.PodPlan]:
-        image = dockerfile.read(DOCKERFILE)
-        bin_dir = self.workdir / "image-bin"
-        bin_dir.mkdir()
-        # A wrapper, not a symlink: a venv's interpreter finds its environment from the path it is run by.
-        (bin_dir / "python3").write_text(f'#!/bin/sh\nexec {self.python} "$@"\n')
-        (bin_dir / "python3").chmod(0o755)
-        bin_dir.chmod(0o755)
-        stand_in = self.workdir / "nvidia_entrypoint.sh"
-        stand_in.write_text(substitutions.NVIDIA_ENTRYPOINT_STAND_IN)
-        stand_in.chmod(0o755)
-        claims = {}
-        for claim in rendered.of_type("kubernetes:core/v1:PersistentVolumeClaim"):
-            claims[claim["inputs"]["metadata"]["name"]] = str(fsx)
-
-        def scratch(pod: str, volume: str) -> Path:
-            # A fresh directory per plan: an emptyDir lives as long as its pod, and a plan may be made for a name
-            # that runs (scaling a Deployment up plans every replica; the cluster drops the running ones' plans) or
-            # that ran before (a version rolled out again).
-            path, n = self.workdir / "pods" / pod / volume, 1
-            while path.exists():
-                n += 1
-                path = self.workdir / "pods" / pod / f"{volume}.{n}"
-            path.mkdir(parents=True)
-            path.chmod(0o777)  # an emptyDir: writable by the pod's user (and its fsGroup)
-            return path
-
-        cloud = substitutions.cloud_env(self.store.endpoint)
-
-        def plans_for(deployment: dict[str, Any]) -> list[podspec.PodPlan]:
-            return podspec.pod_plans(deployment, image, claims, scratch, bin_dir, stand_in, cloud)
-
-        self.plans_for = plans_for  # the rollout scenarios' new Deployments get their pods the same way
+        self.node.install(rendered, fsx, self.store.endpoint)
         plans = []
         for dep in rendered.pod_deployments():  # the batch workers too: every stack update waits for them
-            plans += plans_for(dep)
+            plans += self.node.plans_for(dep)
         node_groups = [{"name": g["inputs"].get("nodeGroupName") or g["name"], **g["inputs"]}
                        for g in rendered.of_type(render.NODE_GROUP)]
         for g in node_groups:  # the provider's taint effect spelling, as the kubelet sees it
@@ -209,64 +141,13 @@ class Rehearsal:
             self.console.print(podspec.placement_report(plan, node_groups))
         return plans
 
-    def _mountpoints(self, plans: list[podspec.PodPlan]) -> None:
-        """Mount points the pods need that this machine lacks (created once, removed at the end)."""
-        for plan in plans:
-            for mount in plan.mounts:
-                target = Path(mount.target)
-                if target.exists() or target.is_symlink():
-                    continue
-                missing = next((p for p in [*reversed(target.parents), target] if not p.exists()), target)
-                if mount.source and Path(mount.source).is_file():
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    target.touch()
-                else:
-                    target.mkdir(parents=True, exist_ok=True)
-                self.created_mountpoints.append(missing)
-
-    def _launch(self, namespace_of: dict[str, str]):
-        readable = sorted({str(substitutions.interpreter_home(self.python)), str(REPO_ROOT)})
-
-        def launch(plan: podspec.PodPlan, log_path: Path) -> subprocess.Popen:
-            spec = {"mounts": [asdict(m) for m in plan.mounts], "env": plan.env, "argv": plan.argv,
-                    "uid": plan.uid, "gid": plan.gid, "groups": plan.groups, "read_only_root": plan.read_only_root,
-                    "no_new_privs": plan.no_new_privs, "workdir": plan.workdir, "readable": readable,
-                    "staging": str(self.workdir / "staging" / plan.name)}
-            path = self.workdir / "plans" / f"{plan.name}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(spec, indent=1))
-            log = open(log_path, "w")  # noqa: SIM115 (the child holds it)
-            try:
-                return subprocess.Popen(
-                    ["ip", "netns", "exec", namespace_of[plan.name], "unshare", "--mount", "--propagation",
-                     "private", "--", str(self.python), "-m", "llm_serving_cli.rehearsal.launcher", str(path)],
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                    cwd=REPO_ROOT)
-            finally:
-                log.close()
-
-        return launch
-
     # -- the run -----------------------------------------------------------------------------------------------
-
-    def add_pod(self, plan: podspec.PodPlan, on_change=lambda: None) -> PodRunner:
-        """A pod for `plan` in a network namespace of its own (not started yet)."""
-        namespace, address = self.net.create_pod(self.pod_count)
-        self.pod_count += 1
-        self._mountpoints([plan])
-        runner = PodRunner(plan, address, self._launch({plan.name: namespace}), self.workdir / "logs",
-                           on_change=on_change)
-        self.runners.append(runner)
-        return runner
-
-    def start_pod(self, runner: PodRunner) -> None:
-        self.tasks.append(asyncio.create_task(runner.run(), name=runner.plan.name))
 
     def table(self) -> Table:
         table = Table(title=f"rehearsal of {self.stack}")
         for column in ("pod", "address", "phase", "ready after s", "restarts", "last event"):
             table.add_column(column)
-        for runner in self.runners:
+        for runner in self.node.runners:
             s = runner.status
             table.add_row(s.name, s.address, s.phase, f"{s.ready_after_s:.1f}" if s.ready_after_s else "-",
                           str(s.restarts), (s.events[-1].split("s ", 1)[-1] if s.events else "")[:70])
@@ -277,14 +158,14 @@ class Rehearsal:
         namespace = service["inputs"]["metadata"].get("namespace")
 
         def ready() -> list[Endpoint]:
-            return [Endpoint(r.plan.name, r.status.address, r.plan.ports) for r in self.runners
+            return [Endpoint(r.plan.name, r.status.address, r.plan.ports) for r in self.node.runners
                     if r.status.ready and r.plan.namespace == namespace and render.selects(selector, r.plan.labels)]
 
         return ready
 
     def _write_targets(self, path: Path) -> None:
         groups = []
-        for r in self.runners:
+        for r in self.node.runners:
             if r.status.phase not in ("Pending", "Terminated"):
                 groups += observe.pod_targets(r.plan.name, r.plan.namespace, r.status.address, r.plan.labels,
                                               r.plan.ports, r.status.ready)
@@ -294,7 +175,7 @@ class Rehearsal:
 
     async def run_async(self, rendered: render.Rendered, plans: list[podspec.PodPlan]) -> int:
         (self.workdir / "logs").mkdir(exist_ok=True)
-        runners = [self.add_pod(plan) for plan in plans]
+        runners = [self.node.add_pod(plan) for plan in plans]
         for j, service in enumerate(rendered.model_services()):
             address = service_address(j)
             self.net.add_service_address(address)
@@ -315,23 +196,23 @@ class Rehearsal:
         self.console.print(f"Prometheus {self.prometheus.url}: {len(jobs)} scrape job(s) from the PodMonitor")
 
         for runner in runners:
-            self.start_pod(runner)
+            self.node.start_pod(runner)
         budget = max(podspec.startup_budget_s(p.probes.get("startup")) for p in plans) + 60
         deadline = time.monotonic() + budget
         with Live(self.table(), console=self.console, refresh_per_second=2, transient=False) as live:
             while time.monotonic() < deadline:
                 self._write_targets(targets)
                 live.update(self.table())
-                if all(r.status.ready for r in self.runners):
+                if all(r.status.ready for r in self.node.runners):
                     break
-                looping = [r for r in self.runners if r.status.restarts >= CRASH_LOOP_RESTARTS]
+                looping = [r for r in self.node.runners if r.status.restarts >= CRASH_LOOP_RESTARTS]
                 if looping:
                     break
                 await asyncio.sleep(0.5)
             live.update(self.table())
         if not self.console.is_terminal:
             self.console.print()
-        not_ready = [r for r in self.runners if not r.status.ready]
+        not_ready = [r for r in self.node.runners if not r.status.ready]
         for runner in not_ready:
             s = runner.status
             runner._read_logs()
@@ -344,7 +225,7 @@ class Rehearsal:
             await self._observe(rendered, targets)
             if self.result.failed == 0:
                 await self._experiment(rendered, targets)
-        ready = sum(r.status.ready for r in self.runners)
+        ready = sum(r.status.ready for r in self.node.runners)
         for failure in self.result.failures[:10]:
             self.console.print(f"[red]request failed[/] {failure}", markup=True)
         results: list[scenarios.ScenarioResult] = []
@@ -353,7 +234,7 @@ class Rehearsal:
         await self.stop_pods()
         if self.gateway is not None:
             self.gateway.stop()
-        for task in self.tasks:
+        for task in self.node.tasks:
             task.cancel()
         self.console.print(self.table())
         requests = self.result.requests + sum(r.requests for r in results)
@@ -374,85 +255,24 @@ class Rehearsal:
 
     # -- the rollout scenarios (issue 17) ----------------------------------------------------------------------
 
-    def _start_gateway(self, rendered: render.Rendered, targets: Path) -> tuple[RehearsalCluster, int, Any]:
-        """The Gateway's listeners as a real HAProxy with the rehearsal's CA and certificate, over the rendered
-        routes and the Ready pods; the cluster that carries out the rollout's steps. Started once: the experiment
-        and then the scenarios go through the same gateway."""
-        if self.gateway_parts is not None:
-            return self.gateway_parts
-        gw_dir = self.workdir / "gateway"
-        gw_dir.mkdir()
-        ca = CertificateAuthority.create(gw_dir / "ca")
-        domain = rendered.config["llm-serving:serving"]["domain"]
-        certificate = ca.issue([f"*.{domain}", f"*.grpc.{domain}"], gw_dir / "tls")
-        port = free_port()
-        settings = proxy.Settings(binds={443: ("127.0.0.1", port)}, admin_socket=gw_dir / "admin.sock",
-                                  certificate=certificate.pem_path)
-        self.gateway = proxy.HAProxy(gw_dir)
-        cluster = RehearsalCluster(rendered.resources, self.runners, self.plans_for, self.add_pod, self.start_pod,
-                                   self.gateway, settings, on_pods_changed=lambda: self._write_targets(targets))
-        self.gateway.start(cluster.proxy_config())
-        self.console.print(f"gateway: HAProxy on 127.0.0.1:{port} for the listeners on 443 (*.{domain}, "
-                           f"*.grpc.{domain}), TLS from the rehearsal's CA")
-        self.gateway_parts = (cluster, port, ca)
-        return self.gateway_parts
-
-    def _publish(self, model: dict[str, Any], version: str, defect: str | None) -> dict[str, str]:
-        """Package `version` of `model` (with a storage.DEFECTS mistake built in, or none) as a model developer
-        would, publish it to the rehearsal's S3 and let the FSx association import it; returns the rollout's version
-        entry (package URI, I/O fingerprint)."""
-        from llm_serving.package import open_package
-
-        facts = self.storage_facts
-        out = self.workdir / "packages"
-        path = storage.build_version(model, version, out, demo_model=facts["demo"], defect=defect)
-        record = storage.publish(path, facts["store_uri"], self.store, facts["home_region"], facts["aws_region"])
-        if facts["region"] != facts["home"]:
-            for prefix in ("models/", cache_state.CACHE_STATE_PREFIX + "/"):
-                storage.replicate(self.store, facts["home"], facts["region"], prefix)
-        storage.fsx_import(self.store, facts["dra"]["dataRepositoryPath"], facts["dra"]["fileSystemPath"],
-                           facts["fsx"])
-        fingerprint = open_package(path, out / "verify" / version).manifest.model.io_fingerprint
-        self.console.print(f"published {model['id']} {version} -> {record['model_cache_uri']}")
-        return {"package": record["model_cache_uri"], "ioFingerprint": fingerprint}
+    def _start_gateway(self, rendered: render.Rendered, targets: Path) -> RehearsalGateway:
+        """The gateway (gateway.py), started once: the experiment and then the scenarios go through the same one."""
+        if self.gateway is not None:
+            return self.gateway
+        self.gateway = create_gateway(rendered, self.workdir / "gateway", self.node, free_port(),
+                                      on_pods_changed=lambda: self._write_targets(targets))
+        self.gateway.start(self.console)
+        return self.gateway
 
     async def _scenarios(self, rendered: render.Rendered, targets: Path) -> list[scenarios.ScenarioResult]:
-        cluster, port, ca = self._start_gateway(rendered, targets)
+        gateway = self._start_gateway(rendered, targets)
         control = self.workdir / "control.sock"
-        server = await cluster.serve(control)
-        ctx = scenarios.Context(self.stack, self.workdir, cluster, control, self.prometheus.url, port,
-                                rendered.config["llm-serving:serving"]["domain"], ca.httpx_verify(), self.console,
-                                self._publish)
+        server = await gateway.cluster.serve(control)
+        ctx = scenarios.Context(self.stack, self.workdir, gateway.cluster, control, self.prometheus.url, gateway.port,
+                                gateway.domain, gateway.ca.httpx_verify(), self.console,
+                                functools.partial(self.models.publish, console=self.console))
         ctx.copy_stacks()
-        def red_black_of(kind: str) -> dict[str, Any] | None:
-            return next((m for m in rendered.models if m.get("strategy") == "red-black" and m["kind"] == kind), None)
-
-        red_black, erroring = red_black_of("vllm"), red_black_of(storage.DEFECTS["serves-errors"])
-        versioned = next((m for m in rendered.models if m.get("strategy") == "versioned"), None)
-        runs = []
-        if red_black is None:
-            self.console.print(f"[yellow]{self.stack} has no red-black LLM: no red-black and crash rollback "
-                               "scenarios[/]")
-        else:
-            good, bad = _next_minor(str(red_black["active"]), 1), _next_minor(str(red_black["active"]), 2)
-            runs += [("red-black", lambda: scenarios.red_black(ctx, red_black["id"], good)),
-                     ("rollback", lambda: scenarios.rollback(ctx, red_black["id"], bad))]
-        if erroring is None:
-            self.console.print(f"[yellow]{self.stack} has no red-black Python-backend model: no rollback of a "
-                               "candidate that serves errors[/]")
-        else:
-            runs.append(("rollback-errors", lambda: scenarios.rollback_errors(
-                ctx, erroring["id"], _next_minor(str(erroring["active"]), 1))))
-        if versioned is None:
-            self.console.print(f"[yellow]{self.stack} has no versioned model: no versioned scenario[/]")
-        else:
-            newest = str(versioned["versions"][-1]["version"])
-            runs.append(("versioned", lambda: scenarios.versioned(ctx, versioned["id"], _next_minor(newest, 1))))
-        if self.only_scenarios:
-            runs = [(name, run) for name, run in runs if name in self.only_scenarios]
-            missing = sorted(set(self.only_scenarios) - {name for name, _ in runs})
-            if missing:
-                raise RehearsalError(f"{self.stack} cannot run scenario(s) {', '.join(missing)} (see above)")
+        runs = scenarios.runnable(ctx, rendered.models, self.only_scenarios)
         results = []
         try:
             for name, run in runs:
@@ -474,8 +294,9 @@ class Rehearsal:
                                f"({sorted(outputs.experiments) or 'none'}): no experiment through the gateway[/]")
             return
         name, declared = chosen
-        _cluster, port, ca = self._start_gateway(rendered, targets)
-        client = Client(outputs, gateway=GatewayEndpoints(f"127.0.0.1:{port}", str(ca.ca_path)), timeout_s=120)
+        gateway = self._start_gateway(rendered, targets)
+        client = Client(outputs, gateway=GatewayEndpoints(f"127.0.0.1:{gateway.port}", str(gateway.ca.ca_path)),
+                        timeout_s=120)
         unit_ids = experiment.units()
         try:
             with self.console.status(f"experiment {name}: {len(unit_ids)} {declared.unit}s x "
@@ -513,7 +334,8 @@ class Rehearsal:
         prom = self.prometheus
         self._write_targets(targets)
         # The PodMonitor selects the model servers; the batch workers' pods are not its targets.
-        servers = [r for r in self.runners if r.plan.labels.get("app.kubernetes.io/component") == render.MODEL_SERVER]
+        servers = [r for r in self.node.runners
+                   if r.plan.labels.get("app.kubernetes.io/component") == render.MODEL_SERVER]
         with self.console.status("waiting for Prometheus to scrape every pod through the PodMonitor"):
             deadline = time.monotonic() + 60
             up = None
@@ -551,13 +373,14 @@ class Rehearsal:
                                        f"{query} returned no series")
 
     async def stop_pods(self, fast: bool = False) -> None:
-        if self.runners:
+        if self.node.runners:
             with self.console.status("terminating the pods (preStop, SIGTERM, grace period)"):
-                await asyncio.gather(*(r.stop(fast=fast) for r in self.runners), return_exceptions=True)
+                await asyncio.gather(*(r.stop(fast=fast) for r in self.node.runners), return_exceptions=True)
 
     def cleanup(self) -> None:
-        for runner in self.runners:
-            runner.kill_now()
+        """Everything the run started, stopped and removed, whatever step it ended at (each part was held from
+        the moment it existed); the network last but the mount points, which nothing runs in by then."""
+        self.node.kill_pods()
         loop_free = [p for p, _ in self.proxies]
         for service_proxy in loop_free:
             for server in service_proxy.servers:
@@ -569,17 +392,7 @@ class Rehearsal:
         if self.store is not None:
             self.store.stop()
         self.net.close()
-        for path in reversed(self.created_mountpoints):
-            with contextlib.suppress(OSError):
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path)
-                else:
-                    path.unlink()
-
-
-def _next_minor(version: str, step: int) -> str:
-    major, minor, *_ = version.split(".")
-    return f"{major}.{int(minor) + step}.0"
+        self.node.remove_mountpoints()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -587,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stack", default=DEFAULT_STACK, help=f"a stack in stacks/ (default {DEFAULT_STACK})")
     parser.add_argument("--no-scenarios", action="store_true",
                         help="bring the stack up and drive traffic only, without the rollout scenarios")
-    parser.add_argument("--scenario", action="append", choices=SCENARIOS, dest="scenarios",
+    parser.add_argument("--scenario", action="append", choices=scenarios.SCENARIOS, dest="scenarios",
                         help="run this rollout scenario only (repeat for several; default: all of them, in order)")
     args = parser.parse_args(argv)
     if args.no_scenarios and args.scenarios:
@@ -616,8 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                 console.print("[yellow]interrupted: terminating every pod and cleaning up (again: kill now)[/]")
                 task.cancel()
             else:
-                for runner in rehearsal.runners:
-                    runner.kill_now()
+                rehearsal.node.kill_pods()
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
@@ -630,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = asyncio.run(guarded())
     except (RehearsalError, render.RenderError, storage.StorageError, podspec.PodSpecError,
-            model_cache.ModelCacheError, StackOutputsError, experiment.ExperimentCheckError) as err:
+            model_cache.ModelCacheError, StackOutputsError, experiment.ExperimentCheckError,
+            scenarios.ScenarioError) as err:
         console.print(f"[red]rehearsal failed:[/] {err}")
         code = 1
     finally:

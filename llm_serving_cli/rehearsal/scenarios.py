@@ -25,17 +25,19 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from llm_serving_cli.rehearsal import render
+from llm_serving_cli.rehearsal import render, storage
 from llm_serving_cli.rehearsal.cluster import NAME_LABEL, VERSION_LABEL, RehearsalCluster
 from llm_serving_cli.rehearsal.load import LoadResult, run_kserve_load, run_load
 from llm_serving_cli.rehearsal.substitutions import REPO_ROOT
 
+SCENARIOS = ("red-black", "rollback", "rollback-errors", "versioned")  # the rollout scenarios, in the order they run
 INFRA_CLI = REPO_ROOT / ".venv-infra" / "bin" / "llm-serving"
 STEPS = "50,100"
 SURGE = 1
@@ -391,3 +393,52 @@ async def versioned(ctx: Context, model_id: str, new_version: str) -> ScenarioRe
     peak = ctx.cluster.pods.peak.get(model_id, 0)
     return ScenarioResult("versioned", line, outcome == "both served" and failed == 0 and peak <= bound, requests,
                           failed, peak, bound, samples, old_load.failures(5) + new_load.failures(5), reports)
+
+
+# -- which of them a stack runs ----------------------------------------------------------------------------------
+
+
+class ScenarioError(RuntimeError):
+    """A scenario was asked for that the stack cannot run (it lacks the model the scenario rolls out)."""
+
+
+def _next_minor(version: str, step: int) -> str:
+    major, minor, *_ = version.split(".")
+    return f"{major}.{int(minor) + step}.0"
+
+
+def runnable(ctx: Context, models: list[dict[str, Any]],
+             only: tuple[str, ...] = ()) -> list[tuple[str, Callable[[], Awaitable[ScenarioResult]]]]:
+    """The scenarios the stack's `models` allow, in SCENARIOS' order, each ready to run (`only`: those alone; one
+    the stack cannot run is a ScenarioError). What a missing model rules out is printed, so a run that skips a
+    scenario says why."""
+
+    def red_black_of(kind: str) -> dict[str, Any] | None:
+        return next((m for m in models if m.get("strategy") == "red-black" and m["kind"] == kind), None)
+
+    llm, erroring = red_black_of("vllm"), red_black_of(storage.DEFECTS["serves-errors"])
+    versioned_model = next((m for m in models if m.get("strategy") == "versioned"), None)
+    runs: list[tuple[str, Callable[[], Awaitable[ScenarioResult]]]] = []
+    if llm is None:
+        ctx.console.print(f"[yellow]{ctx.stack} has no red-black LLM: no red-black and crash rollback scenarios[/]")
+    else:
+        good, bad = _next_minor(str(llm["active"]), 1), _next_minor(str(llm["active"]), 2)
+        runs += [("red-black", lambda: red_black(ctx, llm["id"], good)),
+                 ("rollback", lambda: rollback(ctx, llm["id"], bad))]
+    if erroring is None:
+        ctx.console.print(f"[yellow]{ctx.stack} has no red-black Python-backend model: no rollback of a candidate "
+                          "that serves errors[/]")
+    else:
+        runs.append(("rollback-errors", lambda: rollback_errors(
+            ctx, erroring["id"], _next_minor(str(erroring["active"]), 1))))
+    if versioned_model is None:
+        ctx.console.print(f"[yellow]{ctx.stack} has no versioned model: no versioned scenario[/]")
+    else:
+        newest = str(versioned_model["versions"][-1]["version"])
+        runs.append(("versioned", lambda: versioned(ctx, versioned_model["id"], _next_minor(newest, 1))))
+    if only:
+        runs = [(name, run) for name, run in runs if name in only]
+        missing = sorted(set(only) - {name for name, _ in runs})
+        if missing:
+            raise ScenarioError(f"{ctx.stack} cannot run scenario(s) {', '.join(missing)} (see above)")
+    return runs

@@ -17,7 +17,19 @@ import pytest
 
 from llm_serving import dockerfile
 from llm_serving import pod_contract as pc
-from llm_serving_cli.rehearsal import kubelet, observe, podspec, proxy, render, storage, substitutions, traffic
+from llm_serving_cli.rehearsal import (
+    gateway_retry,
+    gateway_routes,
+    haproxy_config,
+    haproxy_process,
+    kubelet,
+    observe,
+    podspec,
+    render,
+    storage,
+    substitutions,
+    traffic,
+)
 from llm_serving_cli.rehearsal.kubelet import PodRunner, ProbeState, backoff_s
 from llm_serving_cli.rehearsal.launcher import _hidden_ancestor, mount_order
 from llm_serving_cli.rehearsal.podspec import PodPlan, Probe
@@ -545,17 +557,19 @@ def test_the_gateways_retry_policy_as_the_program_renders_it_is_what_haproxy_rea
     """The seam program -> gateway: the dev stack's rendered Gateway, routes and BackendTrafficPolicy become one
     HAProxy configuration (checked by haproxy -c) in which every route rule's backend retries a refused or reset
     attempt and the pod contract's statuses on another server."""
-    gateway = proxy.gateway_from_rendered(dev.resources)
-    retry = proxy.retry_from_rendered(dev.resources, gateway)
+    gateway = gateway_routes.gateway_from_rendered(dev.resources)
+    retry = gateway_retry.retry_from_rendered(dev.resources, gateway)
     assert retry is not None and retry.retries == pc.GATEWAY_RETRIES
     assert retry.retry_on == ("conn-failure", "empty-response", *map(str, pc.GATEWAY_RETRY_STATUS_CODES))
-    settings = proxy.Settings(binds={443: ("127.0.0.1", 8443)}, admin_socket=tmp_path / "admin.sock",
+    settings = haproxy_config.Settings(binds={443: ("127.0.0.1", 8443)}, admin_socket=tmp_path / "admin.sock",
                               certificate=tmp_path / "unused.pem")
-    config = proxy.render_config(gateway, proxy.routes_from_rendered(dev.resources), {}, settings, retry)
+    routes = gateway_routes.routes_from_rendered(dev.resources)
+    config = haproxy_config.render_config(gateway, routes, {}, settings, retry)
     backends = config.text.count("\nbackend ") - 1
     assert backends >= 6 and config.text.count("    option redispatch 1") == backends  # 3 models, HTTP and gRPC
     certificate = CertificateAuthority.create(tmp_path / "ca").issue(["*.test"], tmp_path / "tls")
-    proxy.HAProxy(tmp_path).check(config.text.replace(str(tmp_path / "unused.pem"), str(certificate.pem_path)))
+    text = config.text.replace(str(tmp_path / "unused.pem"), str(certificate.pem_path))
+    haproxy_process.HAProxy(tmp_path).check(text)
 
 
 # -- the model cache: cold, the stack's warmer, warm (model_cache.py) ------------------------------------------

@@ -20,7 +20,7 @@ import pytest_asyncio
 
 from infra.rollout.engine import LiveResource, Node, UpdateError
 from infra.rollout.remote import RemoteCluster
-from llm_serving_cli.rehearsal import proxy, render
+from llm_serving_cli.rehearsal import haproxy_config, haproxy_process, render
 from llm_serving_cli.rehearsal.cluster import RehearsalCluster
 from llm_serving_cli.rehearsal.kubelet import PodRunner
 from llm_serving_cli.rehearsal.podspec import PodPlan, Probe
@@ -88,10 +88,11 @@ class Harness:
         self.ca = CertificateAuthority.create(workdir / "ca")
         certificate = self.ca.issue([f"*.{DOMAIN}"], workdir / "tls")
         self.port = free_port()
-        self.haproxy = proxy.HAProxy(workdir / "gw")
+        self.haproxy = haproxy_process.HAProxy(workdir / "gw")
         self.haproxy.workdir.mkdir()
-        settings = proxy.Settings(binds={443: ("127.0.0.1", self.port)}, admin_socket=workdir / "gw" / "admin.sock",
-                                  certificate=certificate.pem_path)
+        settings = haproxy_config.Settings(binds={443: ("127.0.0.1", self.port)},
+                                           admin_socket=workdir / "gw" / "admin.sock",
+                                           certificate=certificate.pem_path)
         resources = [GATEWAY, {"type": render.SERVICE, "name": "chat-1-Service", "inputs": _service("1")},
                      {"type": ROUTE, "name": "chat-HTTPRoute", "inputs": _route({"1": 100})}]
         self.cluster = RehearsalCluster(resources, self.runners, self.plans_for, self.add_pod, self.start_pod,

@@ -26,7 +26,16 @@ import pytest
 import uvicorn
 
 from llm_serving.stack_outputs import parse_stack_outputs
-from llm_serving_cli.rehearsal import experiment, observe, proxy, render, report
+from llm_serving_cli.rehearsal import (
+    experiment,
+    gateway_retry,
+    gateway_routes,
+    haproxy_config,
+    haproxy_process,
+    observe,
+    render,
+    report,
+)
 from llm_serving_cli.rehearsal.services import Endpoint
 from llm_serving_cli.rehearsal.tls import CertificateAuthority
 from llm_serving_client import Client, GatewayEndpoints, GatewayError, LocalEndpoints, assign
@@ -114,14 +123,15 @@ def gateway(dev, pod, workdir):
         names = [p.get("targetPort") for p in service["inputs"]["spec"]["ports"]]
         pods = ([Endpoint("chat-small-0", "127.0.0.1", {n: openai_port for n in names if isinstance(n, str)})]
                 if labels.get("app.kubernetes.io/name") == MODEL else [])
-        endpoints.update(proxy.endpoints_for_service(service, pods))
+        endpoints.update(gateway_routes.endpoints_for_service(service, pods))
     port = free_port()
-    settings = proxy.Settings(binds={443: ("127.0.0.1", port)}, admin_socket=workdir / "admin.sock",
+    settings = haproxy_config.Settings(binds={443: ("127.0.0.1", port)}, admin_socket=workdir / "admin.sock",
                               certificate=certificate.pem_path)
-    rendered_gateway = proxy.gateway_from_rendered(dev.resources)
-    haproxy = proxy.HAProxy(workdir / "haproxy")
-    haproxy.start(proxy.render_config(rendered_gateway, proxy.routes_from_rendered(dev.resources), endpoints,
-                                      settings, proxy.retry_from_rendered(dev.resources, rendered_gateway)))
+    rendered_gateway = gateway_routes.gateway_from_rendered(dev.resources)
+    haproxy = haproxy_process.HAProxy(workdir / "haproxy")
+    routes = gateway_routes.routes_from_rendered(dev.resources)
+    retry = gateway_retry.retry_from_rendered(dev.resources, rendered_gateway)
+    haproxy.start(haproxy_config.render_config(rendered_gateway, routes, endpoints, settings, retry))
     yield GatewayEndpoints(f"127.0.0.1:{port}", str(ca.ca_path))
     haproxy.stop()
 

@@ -1,6 +1,7 @@
-"""The Gateway API routes realised by a real HAProxy (llm_serving_cli/rehearsal/proxy.py) behind the rehearsal's own
-certificate authority (tls.py), with real requests: HTTP/1.1 with httpx and gRPC over HTTP/2 with grpcio, both over
-TLS to loopback ports (no root, no namespace).
+"""The Gateway API routes realised by a real HAProxy (llm_serving_cli/rehearsal/: gateway_routes.py and
+gateway_retry.py read the rendered objects, haproxy_config.py renders the configuration, haproxy_process.py runs it)
+behind the rehearsal's own certificate authority (tls.py), with real requests: HTTP/1.1 with httpx and gRPC over
+HTTP/2 with grpcio, both over TLS to loopback ports (no root, no namespace).
 
 The "pods" here are stand-ins: each is a tiny HTTP/1.1 server and a gRPC (h2c) server on loopback in this process
 that answer with the pod's name, so that every answer says which pod the proxy chose. The routes are shaped as the
@@ -32,16 +33,10 @@ import httpx
 import pytest
 from cryptography import x509
 
-from llm_serving_cli.rehearsal import proxy
-from llm_serving_cli.rehearsal.proxy import (
-    BackendRef,
-    Endpoint,
-    HAProxy,
-    PathMatch,
-    ProxyConfigError,
-    Settings,
-    server_weights,
-)
+from llm_serving_cli.rehearsal import gateway_retry, gateway_routes, haproxy_config, haproxy_process
+from llm_serving_cli.rehearsal.gateway_routes import BackendRef, Endpoint, PathMatch, ProxyConfigError
+from llm_serving_cli.rehearsal.haproxy_config import Settings, server_weights
+from llm_serving_cli.rehearsal.haproxy_process import HAProxy
 from llm_serving_cli.rehearsal.tls import CertificateAuthority
 from serving_image.local_server import free_port
 
@@ -63,7 +58,7 @@ def test_haproxy_is_installed():
 
 def gateway_resource() -> dict:
     tls = {"mode": "Terminate", "certificateRefs": [{"kind": "Secret", "name": "llm-serving-tls"}]}
-    return {"type": proxy.GATEWAY, "name": "platform-gateway", "inputs": {
+    return {"type": gateway_routes.GATEWAY, "name": "platform-gateway", "inputs": {
         "apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
         "metadata": {"name": "llm-serving", "namespace": "llm-serving"},
         "spec": {"gatewayClassName": "envoy-gateway", "listeners": [
@@ -80,13 +75,13 @@ def route_resources(name: str, label: str, backends: list[tuple[str, int]]) -> l
         return [{"name": svc, "port": port, "weight": weight} for svc, weight in backends]
 
     meta = {"namespace": "llm-serving", "labels": {"app.kubernetes.io/name": name.split("-")[0]}}
-    http = {"type": proxy.HTTP_ROUTE, "name": f"{name}-http", "inputs": {
+    http = {"type": gateway_routes.HTTP_ROUTE, "name": f"{name}-http", "inputs": {
         "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": {**meta, "name": f"{name}-http"},
         "spec": {"parentRefs": [{"name": "llm-serving", "sectionName": "openai"}], "hostnames": [f"{label}.{DOMAIN}"],
                  "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/v1"}}], "backendRefs": refs(OPENAI)},
                            {"matches": [{"path": {"type": "PathPrefix", "value": "/v2"}}],
                             "backendRefs": refs(KSERVE_HTTP)}]}}}
-    grpc_route = {"type": proxy.GRPC_ROUTE, "name": f"{name}-grpc", "inputs": {
+    grpc_route = {"type": gateway_routes.GRPC_ROUTE, "name": f"{name}-grpc", "inputs": {
         "apiVersion": "gateway.networking.k8s.io/v1", "kind": "GRPCRoute", "metadata": {**meta, "name": f"{name}-grpc"},
         "spec": {"parentRefs": [{"name": "llm-serving", "sectionName": "grpc"}],
                  "hostnames": [f"{label}.grpc.{DOMAIN}"],
@@ -268,10 +263,10 @@ def running(workdir, certificate, ca, request):
     haproxy.stop()
 
 
-def render(resources: list[dict], endpoints: dict, cfg: Settings) -> proxy.ProxyConfig:
-    gateway = proxy.gateway_from_rendered(resources)
-    return proxy.render_config(gateway, proxy.routes_from_rendered(resources), endpoints, cfg,
-                               proxy.retry_from_rendered(resources, gateway))
+def render(resources: list[dict], endpoints: dict, cfg: Settings) -> haproxy_config.ProxyConfig:
+    gateway = gateway_routes.gateway_from_rendered(resources)
+    return haproxy_config.render_config(gateway, gateway_routes.routes_from_rendered(resources), endpoints, cfg,
+                               gateway_retry.retry_from_rendered(resources, gateway))
 
 
 def retry_policy_resource(**retry) -> dict:
@@ -282,7 +277,7 @@ def retry_policy_resource(**retry) -> dict:
     section = retry or {"numRetries": pc.GATEWAY_RETRIES,
                         "retryOn": {"triggers": list(pc.GATEWAY_RETRY_TRIGGERS),
                                     "httpStatusCodes": list(pc.GATEWAY_RETRY_STATUS_CODES)}}
-    return {"type": proxy.BACKEND_TRAFFIC_POLICY, "name": "platform-gateway-backend-traffic", "inputs": {
+    return {"type": gateway_retry.BACKEND_TRAFFIC_POLICY, "name": "platform-gateway-backend-traffic", "inputs": {
         "apiVersion": "gateway.envoyproxy.io/v1alpha1", "kind": "BackendTrafficPolicy",
         "metadata": {"name": "llm-serving", "namespace": "llm-serving"},
         "spec": {"targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "llm-serving"}],
@@ -390,12 +385,12 @@ def test_a_policy_attached_elsewhere_is_named(tmp_path, certificate):
 
 
 def test_path_matches_follow_the_gateway_api():
-    assert proxy._path_acls(PathMatch("PathPrefix", "/v1/")) == ["{ path -m str /v1 }", "{ path -m beg /v1/ }"]
-    assert proxy._path_acls(PathMatch("PathPrefix", "/")) == [""]
-    assert proxy._path_acls(PathMatch("Exact", "/v1")) == ["{ path -m str /v1 }"]
-    route = proxy.route_from_rendered({"type": proxy.GRPC_ROUTE, "inputs": {"kind": "GRPCRoute", "metadata": {
-        "name": "r"}, "spec": {"rules": [{"matches": [{"method": {"service": "s.S", "method": "M"}}],
-                                          "backendRefs": [{"name": "svc", "port": 8001}]}]}}})
+    assert haproxy_config._path_acls(PathMatch("PathPrefix", "/v1/")) == ["{ path -m str /v1 }", "{ path -m beg /v1/ }"]
+    assert haproxy_config._path_acls(PathMatch("PathPrefix", "/")) == [""]
+    assert haproxy_config._path_acls(PathMatch("Exact", "/v1")) == ["{ path -m str /v1 }"]
+    rule = {"matches": [{"method": {"service": "s.S", "method": "M"}}], "backendRefs": [{"name": "svc", "port": 8001}]}
+    route = gateway_routes.route_from_rendered({"type": gateway_routes.GRPC_ROUTE, "inputs": {
+        "kind": "GRPCRoute", "metadata": {"name": "r"}, "spec": {"rules": [rule]}}})
     assert route.rules[0].matches == (PathMatch("Exact", "/s.S/M"),)
     assert route.rules[0].backends == (BackendRef("svc", 8001, 1),)
 
@@ -524,7 +519,7 @@ def test_weights_move_under_load_through_the_runtime_api_without_a_failed_reques
     haproxy, cfg, gw = running
     endpoints = merge(pods["pod-a"].endpoints("chat-1-0"), pods["pod-b"].endpoints("chat-2-0"))
 
-    def at(active: int) -> proxy.ProxyConfig:
+    def at(active: int) -> haproxy_config.ProxyConfig:
         return render([gateway_resource(), *route_resources("chat", "chat", [("chat-1-0", active),
                                                                              ("chat-2-0", 100 - active)])],
                       endpoints, cfg)
@@ -598,9 +593,9 @@ def test_a_configuration_haproxy_refuses_leaves_the_running_one(running, pods):
     resources = [gateway_resource(), *route_resources("chat", "chat", [("chat-1-0", 100)])]
     good = render(resources, pods["pod-a"].endpoints("chat-1-0"), cfg)
     haproxy.start(good)
-    broken = proxy.ProxyConfig(good.text.replace("balance roundrobin", "balance nonsense"), good.skeleton + "x",
-                               good.weights, good.admin_socket)
-    with pytest.raises(proxy.ProxyError, match="haproxy -c refused"):
+    broken = haproxy_config.ProxyConfig(good.text.replace("balance roundrobin", "balance nonsense"),
+                                        good.skeleton + "x", good.weights, good.admin_socket)
+    with pytest.raises(haproxy_process.ProxyError, match="haproxy -c refused"):
         haproxy.apply(broken)
     assert haproxy.config is good and haproxy.config_path.read_text() == good.text
     with gw.http() as client:
