@@ -1,4 +1,5 @@
-"""Every model kind through one endpoint, with NVIDIA's tritonclient (docs/kserve.md, "One client for every model").
+"""Every model kind through one endpoint, with NVIDIA's tritonclient (docs/kserve.md, "Every model kind through one
+call").
 
 Against what `make up` serves (KServe gRPC on localhost:8001, HTTP on localhost:8000): the XGBoost ranker with a
 unary `ModelInfer` over a batch of feature rows (gRPC and HTTP), the ranker pipeline (a Triton ensemble) called as one

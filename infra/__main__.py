@@ -97,7 +97,7 @@ for model in cfg.models:
                 "ioFingerprint": model.version(v).io_fingerprint} for v in served.versions}})
         if model.in_process else None,
     ).model_dump(by_alias=True)
-# Experiments as the clients read them (docs/clients.md §3), validated by the same shape they parse.
+# Experiments as the clients read them (docs/clients.md, "Experiments"), validated by the same shape they parse.
 experiments = {e.name: ExperimentOutputs.model_validate({"unit": e.unit, "arms": [
     a.model_dump(by_alias=True) for a in e.arms]}).model_dump(by_alias=True) for e in cfg.experiments}
 

@@ -22,9 +22,10 @@ METRICS_PORT_NAME = "metrics"
 OPENAI_PORT_NAME = "openai"
 PORTS: dict[str, int] = {KSERVE_HTTP_PORT_NAME: 8000, KSERVE_GRPC_PORT_NAME: 8001, METRICS_PORT_NAME: 8002,
                          OPENAI_PORT_NAME: 9000}
-# Internal: Triton's own metrics (standalone) or the front-ends' request metrics (openai); bound to 127.0.0.1 and
-# read only by the metrics proxy, so it is not a container port.
-INTERNAL_METRICS_PORT = 8004
+# Internal: Triton's metrics port, where `tritonserver --metrics-port` listens (standalone) or the process serves the
+# embedded Triton's C API metrics text (openai); bound to 127.0.0.1 and read only by the metrics proxy, so it is not a
+# container port.
+TRITON_METRICS_PORT = 8004
 
 # -- probes (§3.2, §3.7) ------------------------------------------------------------------------------------------
 READY_PATH = "/v2/health/ready"

@@ -112,7 +112,7 @@ def _print_ready(started) -> None:
     console.print(
         ("  OpenAI API     http://localhost:9000/v1   (models, completions, chat/completions)\n"
          "  readiness      http://localhost:9000/health/ready\n"
-         "  metrics        http://localhost:8002/metrics   (vLLM + Triton-named front-end metrics)\n"
+         "  metrics        http://localhost:8002/metrics   (Triton's nv_* + vLLM)\n"
          if openai_mode else
          f"  serving mode   standalone: NVIDIA's tritonserver {getattr(started.engine, 'server_version', '')} owns "
          "the KServe ports, no OpenAI front-end\n"

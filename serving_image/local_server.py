@@ -103,14 +103,14 @@ def publish_demo(demo_model_dir: Path, root: Path, *, version: str = "1.0.0", ta
 def _launch(package: Path, workdir: Path, extra_env: dict | None, extra_args: list[str]) -> Server:
     """The entrypoint (`python -m serving_image.startup`) on free ports, in a session of its own, logging to a file."""
     workdir.mkdir(parents=True, exist_ok=True)
-    ports = {name: free_port() for name in ("openai", "metrics", "frontend", "kserve_http", "kserve_grpc")}
+    ports = {name: free_port() for name in ("openai", "metrics", "triton_metrics", "kserve_http", "kserve_grpc")}
     log_path = workdir / "server.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", **(extra_env or {}))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "serving_image.startup", str(package), "--workdir", str(workdir / "run"),
              "--host", "127.0.0.1", "--openai-port", str(ports["openai"]), "--metrics-port", str(ports["metrics"]),
-             "--frontend-metrics-port", str(ports["frontend"]), "--kserve-http-port", str(ports["kserve_http"]),
+             "--triton-metrics-port", str(ports["triton_metrics"]), "--kserve-http-port", str(ports["kserve_http"]),
              "--kserve-grpc-port", str(ports["kserve_grpc"]), *extra_args],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )

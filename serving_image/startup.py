@@ -64,7 +64,7 @@ class StartupConfig:
     kserve_http_port: int = pc.PORTS[pc.KSERVE_HTTP_PORT_NAME]
     kserve_grpc_port: int = pc.PORTS[pc.KSERVE_GRPC_PORT_NAME]
     metrics_port: int = pc.PORTS[pc.METRICS_PORT_NAME]
-    frontend_metrics_port: int = pc.INTERNAL_METRICS_PORT
+    triton_metrics_port: int = pc.TRITON_METRICS_PORT
     multiproc_dir: Path | None = None  # default: $PROMETHEUS_MULTIPROC_DIR, else <workdir>/prometheus
     engine_overrides: dict = field(default_factory=dict)  # local runs only (e.g. a smaller KV cache in tests)
     # Packages the same Triton serves beside `package` (standalone mode only): e.g. the LLM that a Python-backend
@@ -294,7 +294,7 @@ async def _start_engine(packages: list[VerifiedPackage], config: StartupConfig):
         # gRPC port opens only once the model is loaded (serving_image/triton/standalone.py).
         triton = await start_standalone_triton(packages, config.workdir, http_port=config.kserve_http_port,
                                                grpc_port=config.kserve_grpc_port,
-                                               metrics_port=config.frontend_metrics_port, host=config.host,
+                                               metrics_port=config.triton_metrics_port, host=config.host,
                                                engine_overrides=config.engine_overrides)
         served = ", ".join(f"{p.manifest.model.id} {p.manifest.model.version} ({p.manifest.model.backend})"
                            for p in packages)
@@ -331,19 +331,19 @@ async def _open_ports(started: Started, config: StartupConfig) -> str:
         # Triton alone: its own KServe ports are already up (step 4) and this project's KServe front-ends stay off;
         # the proxy merges Triton's metrics (its internal port) with vLLM's multiprocess files.
         proxy = start_proxy(ProxyConfig(multiproc_dir=config.multiproc_dir, host=config.host, port=config.metrics_port,
-                                        upstream_url=f"http://127.0.0.1:{config.frontend_metrics_port}/metrics"))
+                                        upstream_url=f"http://127.0.0.1:{config.triton_metrics_port}/metrics"))
         started.servers.append(proxy)
         return (f"serving mode standalone: Triton's KServe HTTP :{config.kserve_http_port} gRPC "
-                f":{config.kserve_grpc_port}, metrics :{proxy.port} (Triton's :{config.frontend_metrics_port}); "
+                f":{config.kserve_grpc_port}, metrics :{proxy.port} (Triton's :{config.triton_metrics_port}); "
                 "no OpenAI front-end")
 
     # Triton counts every request itself (nv_*, the OpenAI front-end's too): its C API's metrics are the upstream
     from serving_image.metrics.frontend import serve_exposition
 
     triton = started.engine.triton  # Triton in this process (EmbeddedTritonEngine)
-    frontend_metrics = serve_exposition(triton.metrics_text, port=config.frontend_metrics_port)
-    started.servers.append(frontend_metrics)
-    proxy = start_proxy(ProxyConfig(multiproc_dir=config.multiproc_dir, upstream_url=frontend_metrics.url,
+    triton_metrics = serve_exposition(triton.metrics_text, port=config.triton_metrics_port)
+    started.servers.append(triton_metrics)
+    proxy = start_proxy(ProxyConfig(multiproc_dir=config.multiproc_dir, upstream_url=triton_metrics.url,
                                     host=config.host, port=config.metrics_port))
     started.servers.append(proxy)
     from serving_image.kserve.frontends import start_kserve
@@ -369,7 +369,7 @@ async def _open_ports(started: Started, config: StartupConfig) -> str:
         await asyncio.sleep(0.02)
     started.tasks.append(task)
     return (f"serving mode openai: OpenAI :{config.openai_port}, {kserve_detail}, metrics :{proxy.port} "
-            f"(front-end metrics :{frontend_metrics.port})")
+            f"(Triton's :{triton_metrics.port})")
 
 
 def _make_cache_dirs() -> None:
@@ -512,7 +512,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kserve-http-port", type=int, default=pc.PORTS[pc.KSERVE_HTTP_PORT_NAME])
     parser.add_argument("--kserve-grpc-port", type=int, default=pc.PORTS[pc.KSERVE_GRPC_PORT_NAME])
     parser.add_argument("--metrics-port", type=int, default=pc.PORTS[pc.METRICS_PORT_NAME])
-    parser.add_argument("--frontend-metrics-port", type=int, default=pc.INTERNAL_METRICS_PORT)
+    parser.add_argument("--triton-metrics-port", type=int, default=pc.TRITON_METRICS_PORT,
+                        help="Triton's internal metrics port (loopback), which the metrics proxy reads")
     parser.add_argument("--with-package", type=Path, action="append", default=[], dest="companions",
                         help="a package the same Triton serves beside the main one (repeatable): e.g. the LLM a "
                              "Python-backend model calls through BLS, an ensemble's step models (default: "
@@ -527,7 +528,7 @@ def main(argv: list[str] | None = None) -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="llm-serving-"))
     config = StartupConfig(package=args.package, workdir=workdir, host=args.host, openai_port=args.openai_port,
                            kserve_http_port=args.kserve_http_port, kserve_grpc_port=args.kserve_grpc_port,
-                           metrics_port=args.metrics_port, frontend_metrics_port=args.frontend_metrics_port,
+                           metrics_port=args.metrics_port, triton_metrics_port=args.triton_metrics_port,
                            companions=list(args.companions), expected=_expectation(parser))
     sys.exit(run(config))
 

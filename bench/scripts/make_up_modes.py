@@ -45,7 +45,7 @@ N_FEATURES = 8
 OPENAI_PORT = pc.PORTS[pc.OPENAI_PORT_NAME]
 KSERVE_HTTP_PORT = pc.PORTS[pc.KSERVE_HTTP_PORT_NAME]
 KSERVE_GRPC_PORT = pc.PORTS[pc.KSERVE_GRPC_PORT_NAME]
-PORTS = {**pc.PORTS, "frontend-metrics": pc.INTERNAL_METRICS_PORT}
+PORTS = {**pc.PORTS, "triton-metrics": pc.TRITON_METRICS_PORT}
 RUNS = (("openai", []), ("standalone", ["MODE=standalone"]), ("openai", []))
 # The lines `llm-serving up` prints once it serves (llm_serving_cli/main.py, _print_ready) and when a package was
 # published before with the same bytes (_print_published).

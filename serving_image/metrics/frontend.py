@@ -2,7 +2,7 @@
 
 Triton counts every request itself, the OpenAI and KServe front-ends' too: in the `openai` mode it is embedded in
 this process, and `serve_exposition` serves its C API's metrics text (serving_image/triton/embedded.py) on
-FRONTEND_METRICS_PORT, bound to loopback; in the `standalone` mode `tritonserver --metrics-port` listens there
+pc.TRITON_METRICS_PORT, bound to loopback; in the `standalone` mode `tritonserver --metrics-port` listens there
 itself. Either way the proxy fetches http://127.0.0.1:8004/metrics over HTTP and merges it with vLLM's
 multiprocess files, so dashboards and alerts read Triton's own `nv_*` families (nv_inference_request_success,
 nv_inference_count, nv_inference_pending_request_count, ...) in both modes.
@@ -15,12 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from llm_serving import pod_contract as pc
 from serving_image.metrics.exposition import CONTENT_TYPE_TEXT
 
-# Internal port of Triton's metrics (not one of §3.2's public ports): standalone Triton runs with
-# `--metrics-port 8004`, and the embedded one's text is served here, so the proxy's upstream is
+# Internal port of Triton's metrics (pc.TRITON_METRICS_PORT, not one of §3.2's public ports): standalone Triton runs
+# with `--metrics-port 8004`, and the embedded one's text is served here, so the proxy's upstream is
 # http://127.0.0.1:8004/metrics in both modes.
-FRONTEND_METRICS_PORT = 8004
 
 #: Triton's per-model request families (its docs/user_guide/metrics.md), the ones the dashboards and alerts may use
 #: (test_metrics_observability.py checks their expressions against this list).
@@ -58,7 +58,7 @@ class FrontendMetricsServer:
         self._thread.join(timeout=5)
 
 
-def serve_exposition(body: Callable[[], bytes], port: int = FRONTEND_METRICS_PORT,
+def serve_exposition(body: Callable[[], bytes], port: int = pc.TRITON_METRICS_PORT,
                      host: str = "127.0.0.1") -> FrontendMetricsServer:
     """Serve what `body()` returns (Prometheus text 0.0.4) on http://host:port/metrics from a daemon thread: embedded
     Triton's own metrics (its C API's metrics text, serving_image/triton/embedded.py).
@@ -87,6 +87,6 @@ def serve_exposition(body: Callable[[], bytes], port: int = FRONTEND_METRICS_POR
 
     server = ThreadingHTTPServer((host, port), Handler)
     server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, name="frontend-metrics", daemon=True)
+    thread = threading.Thread(target=server.serve_forever, name="triton-metrics", daemon=True)
     thread.start()
     return FrontendMetricsServer(host=host, port=server.server_address[1], _server=server, _thread=thread)

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from llm_serving import pod_contract as pc
 from serving_image.metrics.exposition import Family, Sample
 from serving_image.metrics.formats import negotiate, render
-from serving_image.metrics.frontend import FRONTEND_METRICS_PORT
 from serving_image.metrics.merge import merge
 from serving_image.metrics.multiproc import collect_multiproc, reap_dead_processes
 from serving_image.metrics.upstream import ERROR_REASONS, UpstreamResult, fetch_upstream
@@ -43,7 +43,7 @@ from serving_image.metrics.upstream import ERROR_REASONS, UpstreamResult, fetch_
 log = logging.getLogger("serving_image.metrics.proxy")
 
 METRICS_PORT = 8002
-DEFAULT_UPSTREAM = f"http://127.0.0.1:{FRONTEND_METRICS_PORT}/metrics"
+DEFAULT_UPSTREAM = f"http://127.0.0.1:{pc.TRITON_METRICS_PORT}/metrics"
 PREFIX = "llm_serving_metrics_"
 _REPEAT_LOG_S = 60.0
 

@@ -1,5 +1,6 @@
 """The issue's scripted rollout: three prod regions, a failure injected in the second, which stops there and rolls
-that region back; the first keeps its step (docs/rollouts.md, "Multi-region"), the third is not touched.
+that region back; the first keeps its step (docs/rollouts.md, "Regions, waves and the analysis gate"), the third is
+not touched.
 
 Runner: `MockRunner`, i.e. the real program (infra/__main__.py) under Pulumi's mock runtime on edited copies of
 the shipped stack files, with the update itself played by infra.rollout.engine (there is no Pulumi CLI, provider or

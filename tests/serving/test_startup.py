@@ -168,7 +168,7 @@ def test_unknown_model_is_404(client: openai.OpenAI):
     assert info.value.body["code"] == "model_not_found"
 
 
-def test_metrics_proxy_serves_vllm_and_frontend_metrics(server: Server, client: openai.OpenAI):
+def test_metrics_proxy_serves_vllm_and_triton_metrics(server: Server, client: openai.OpenAI):
     client.completions.create(model="demo-tiny", prompt="count me", max_tokens=3)
     # The front-end counts the request as it ends, which may be just after the client has its answer, and the proxy
     # gives the front-ends' metrics a 1 s deadline, which a loaded machine may miss (that scrape serves vLLM's
@@ -191,7 +191,7 @@ def _run_to_failure(package: Path, workdir: Path) -> tuple[int, str]:
     result = subprocess.run(
         [sys.executable, "-m", "serving_image.startup", str(package), "--workdir", str(workdir),
          "--host", "127.0.0.1", "--openai-port", str(port), "--metrics-port", str(free_port()),
-         "--frontend-metrics-port", str(free_port()), "--kserve-http-port", str(free_port()),
+         "--triton-metrics-port", str(free_port()), "--kserve-http-port", str(free_port()),
          "--kserve-grpc-port", str(free_port())],
         capture_output=True, text=True, timeout=240, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert not accepts(port)

@@ -82,13 +82,13 @@ def held(tmp_path_factory):
     hold.mkdir()
     work = root / "work"
     work.mkdir()
-    ports = {name: free_port() for name in ("openai", "metrics", "frontend", "kserve_http", "kserve_grpc")}
+    ports = {name: free_port() for name in ("openai", "metrics", "triton_metrics", "kserve_http", "kserve_grpc")}
     log_path = work / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "serving_image.startup", str(package), "--workdir", str(work / "run"),
              "--host", "127.0.0.1", "--openai-port", str(ports["openai"]), "--metrics-port", str(ports["metrics"]),
-             "--frontend-metrics-port", str(ports["frontend"]), "--kserve-http-port", str(ports["kserve_http"]),
+             "--triton-metrics-port", str(ports["triton_metrics"]), "--kserve-http-port", str(ports["kserve_http"]),
              "--kserve-grpc-port", str(ports["kserve_grpc"])],
             stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, TEST_HOLD_DIR=str(hold),
                                                            LLM_SERVING_DRAIN_DELAY_S="0"),
@@ -144,7 +144,7 @@ def test_python_package_runs_as_written(held):
 def test_sigterm_closes_every_port(held):
     server, _hold = held
     assert server.stop(signal.SIGTERM, timeout=120) == 0, server.log()[-3000:]
-    for name in ("kserve_http", "kserve_grpc", "metrics", "frontend"):
+    for name in ("kserve_http", "kserve_grpc", "metrics", "triton_metrics"):
         assert not accepts(server.ports[name]), name
     assert Path(server.log_path).exists()
 
