@@ -11,7 +11,9 @@ import it.
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
@@ -149,7 +151,38 @@ ENV_TRACE_RATE = "LLM_SERVING_TRACE_RATE"
 # -- the image's entrypoint ---------------------------------------------------------------------------------------
 NVIDIA_ENTRYPOINT = "/opt/nvidia/nvidia_entrypoint.sh"  # driver check, CUDA forward compatibility
 STARTUP_MODULE = "serving_image.startup"
-ENTRYPOINT: tuple[str, ...] = (NVIDIA_ENTRYPOINT, "python3", "-m", STARTUP_MODULE, "--workdir", WORK_DIR)
+# The startup procedure's command line (serving_image/startup.py parses it): its options by the StartupConfig field
+# each sets, and the repeatable option naming a companion package. `startup_argv` is the one place that writes it: the
+# image's ENTRYPOINT below, the local server (serving_image/local_server.py), the procedure's own re-execution for the
+# embedded Triton and the tests.
+STARTUP_OPTIONS: dict[str, str] = {
+    "workdir": "--workdir", "host": "--host", "openai_port": "--openai-port",
+    "kserve_http_port": "--kserve-http-port", "kserve_grpc_port": "--kserve-grpc-port",
+    "metrics_port": "--metrics-port", "triton_metrics_port": "--triton-metrics-port",
+}
+STARTUP_COMPANION_OPTION = "--with-package"
+
+
+def startup_argv(python: str | os.PathLike = "python3", package: str | os.PathLike | None = None, *,
+                 companions: Iterable[str | os.PathLike] = (), **options: object) -> list[str]:
+    """`<python> -m serving_image.startup [PACKAGE] [--option value ...] [--with-package COMPANION ...]`: the
+    options are StartupConfig field names (STARTUP_OPTIONS), written in the order given; one set to None is left out
+    (the procedure's default applies). Without a package the procedure reads ENV_PACKAGE, as in a pod."""
+    unknown = sorted(set(options) - set(STARTUP_OPTIONS))
+    if unknown:
+        raise TypeError(f"startup_argv: no startup option for {unknown} (known: {sorted(STARTUP_OPTIONS)})")
+    argv = [os.fspath(python), "-m", STARTUP_MODULE]
+    if package is not None:
+        argv.append(os.fspath(package))
+    for name, value in options.items():
+        if value is not None:
+            argv += [STARTUP_OPTIONS[name], os.fspath(value) if isinstance(value, os.PathLike) else str(value)]
+    for companion in companions:
+        argv += [STARTUP_COMPANION_OPTION, os.fspath(companion)]
+    return argv
+
+
+ENTRYPOINT: tuple[str, ...] = (NVIDIA_ENTRYPOINT, *startup_argv("python3", workdir=WORK_DIR))
 
 # -- where a published package lives (shared by `llm-serving publish` and the program) ----------------------------
 PACKAGES_PREFIX = "packages"  # <store>/packages/<id>/<version>.tar.gz: the publishing format, never read by a pod

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from llm_serving import pod_contract as pc
 from llm_serving.package import PackageSpec, build_package
 from llm_serving.store import LocalStore
 
@@ -100,18 +101,25 @@ def publish_demo(demo_model_dir: Path, root: Path, *, version: str = "1.0.0", ta
     return Path(LocalStore(root / "store", root / "model-cache").publish(package).model_cache_uri)
 
 
+PORT_NAMES = ("openai", "metrics", "triton_metrics", "kserve_http", "kserve_grpc")
+
+
+def local_startup_argv(package: Path, workdir: Path, ports: dict[str, int]) -> list[str]:
+    """This interpreter's `python -m serving_image.startup` on loopback, with `ports` (PORT_NAMES -> port)."""
+    return pc.startup_argv(sys.executable, package, workdir=workdir, host="127.0.0.1", openai_port=ports["openai"],
+                           metrics_port=ports["metrics"], triton_metrics_port=ports["triton_metrics"],
+                           kserve_http_port=ports["kserve_http"], kserve_grpc_port=ports["kserve_grpc"])
+
+
 def _launch(package: Path, workdir: Path, extra_env: dict | None, extra_args: list[str]) -> Server:
     """The entrypoint (`python -m serving_image.startup`) on free ports, in a session of its own, logging to a file."""
     workdir.mkdir(parents=True, exist_ok=True)
-    ports = {name: free_port() for name in ("openai", "metrics", "triton_metrics", "kserve_http", "kserve_grpc")}
+    ports = {name: free_port() for name in PORT_NAMES}
     log_path = workdir / "server.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", **(extra_env or {}))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "serving_image.startup", str(package), "--workdir", str(workdir / "run"),
-             "--host", "127.0.0.1", "--openai-port", str(ports["openai"]), "--metrics-port", str(ports["metrics"]),
-             "--triton-metrics-port", str(ports["triton_metrics"]), "--kserve-http-port", str(ports["kserve_http"]),
-             "--kserve-grpc-port", str(ports["kserve_grpc"]), *extra_args],
+            [*local_startup_argv(package, workdir / "run", ports), *extra_args],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
     return Server(proc, log_path, ports, workdir)

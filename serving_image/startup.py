@@ -501,24 +501,35 @@ def companions_from_env(value: str) -> list[Path]:
     return [Path(p) for p in parts]
 
 
-def main(argv: list[str] | None = None) -> None:
+def argument_parser() -> argparse.ArgumentParser:
+    """The command line pc.startup_argv writes: each option's destination is the StartupConfig field it sets."""
+    option = pc.STARTUP_OPTIONS
     parser = argparse.ArgumentParser(description="Serving startup procedure (docs/architecture.md §3.7)")
     parser.add_argument("package", type=Path, nargs="?", default=os.environ.get(pc.ENV_PACKAGE),
                         help=f"package directory on the model cache, or a .tar.gz outside a pod "
                              f"(default: ${pc.ENV_PACKAGE}, what the Deployment sets)")
-    parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary directory")
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--openai-port", type=int, default=OPENAI_PORT)
-    parser.add_argument("--kserve-http-port", type=int, default=pc.PORTS[pc.KSERVE_HTTP_PORT_NAME])
-    parser.add_argument("--kserve-grpc-port", type=int, default=pc.PORTS[pc.KSERVE_GRPC_PORT_NAME])
-    parser.add_argument("--metrics-port", type=int, default=pc.PORTS[pc.METRICS_PORT_NAME])
-    parser.add_argument("--triton-metrics-port", type=int, default=pc.TRITON_METRICS_PORT,
+    parser.add_argument(option["workdir"], dest="workdir", type=Path, default=None,
+                        help="default: a new temporary directory")
+    parser.add_argument(option["host"], dest="host", default="0.0.0.0")
+    parser.add_argument(option["openai_port"], dest="openai_port", type=int, default=OPENAI_PORT)
+    parser.add_argument(option["kserve_http_port"], dest="kserve_http_port", type=int,
+                        default=pc.PORTS[pc.KSERVE_HTTP_PORT_NAME])
+    parser.add_argument(option["kserve_grpc_port"], dest="kserve_grpc_port", type=int,
+                        default=pc.PORTS[pc.KSERVE_GRPC_PORT_NAME])
+    parser.add_argument(option["metrics_port"], dest="metrics_port", type=int, default=pc.PORTS[pc.METRICS_PORT_NAME])
+    parser.add_argument(option["triton_metrics_port"], dest="triton_metrics_port", type=int,
+                        default=pc.TRITON_METRICS_PORT,
                         help="Triton's internal metrics port (loopback), which the metrics proxy reads")
-    parser.add_argument("--with-package", type=Path, action="append", default=[], dest="companions",
+    parser.add_argument(pc.STARTUP_COMPANION_OPTION, type=Path, action="append", default=[], dest="companions",
                         help="a package the same Triton serves beside the main one (repeatable): e.g. the LLM a "
                              "Python-backend model calls through BLS, an ensemble's step models (default: "
                              f"${pc.ENV_COMPANION_PACKAGES}, what the Deployment of such a pod sets, "
                              f"'{pc.COMPANION_SEPARATOR}'-separated)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argument_parser()
     args = parser.parse_args(argv)
     if args.package is None:
         parser.error(f"give the package path or set {pc.ENV_PACKAGE}")
@@ -547,7 +558,7 @@ def _reexec_for_embedded_triton(argv: list[str] | None) -> None:
     try:
         from serving_image.triton.embedded import reexec_with_loader_path
 
-        reexec_with_loader_path(["-m", "serving_image.startup", *(sys.argv[1:] if argv is None else argv)])
+        reexec_with_loader_path([*pc.startup_argv(sys.executable)[1:], *(sys.argv[1:] if argv is None else argv)])
     except Exception as exc:  # reported by step 4, in its order (the vLLM pin first)
         print(f"llm_serving.startup: not re-executing for the embedded Triton: {exc}", file=sys.stderr)
 

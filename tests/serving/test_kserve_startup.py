@@ -25,6 +25,7 @@ import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from llm_serving import pod_contract as pc
 from llm_serving.kserve_stream import is_final, until_final, until_final_async
 from llm_serving.package import PackageSpec, build_package
 from llm_serving.tensor_contract import VLLM_INPUTS, VLLM_OUTPUTS
@@ -508,10 +509,9 @@ def test_a_vllm_other_than_the_pin_stops_startup(demo_model_dir, tmp_path):
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "serving_image.startup", str(package), "--workdir", str(tmp_path / "run"),
-             "--host", "127.0.0.1", "--openai-port", str(ports[0]), "--metrics-port", str(ports[1]),
-             "--triton-metrics-port", str(ports[2]), "--kserve-http-port", str(ports[3]),
-             "--kserve-grpc-port", str(ports[4])],
+            pc.startup_argv(sys.executable, package, workdir=tmp_path / "run", host="127.0.0.1",
+                            openai_port=ports[0], metrics_port=ports[1], triton_metrics_port=ports[2],
+                            kserve_http_port=ports[3], kserve_grpc_port=ports[4]),
             stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1",
                                                            LLM_SERVING_RUNTIME="triton"),
             start_new_session=True)

@@ -259,3 +259,19 @@ def test_the_build_stage_probe_imports_nothing_the_base_image_lacks(tmp_path):
     check = subprocess.run([sys.executable, "-c", _BLOCKER.replace("serving_image.triton.probe", "tomli_w"),
                             json.dumps(sorted(allowed))], capture_output=True, text=True, env=env, timeout=60)
     assert check.returncode != 0 and "blocked: not in the base image" in check.stderr
+
+
+def test_the_startup_command_line_is_what_the_procedure_parses(tmp_path):
+    """pc.startup_argv (the image's ENTRYPOINT, the local server, the re-execution, the tests) writes every option the
+    procedure's parser reads, each into the StartupConfig field of its name."""
+    values = {"workdir": tmp_path / "run", "host": "127.0.0.1", "openai_port": 1, "kserve_http_port": 2,
+              "kserve_grpc_port": 3, "metrics_port": 4, "triton_metrics_port": 5}
+    argv = pc.startup_argv("python", tmp_path / "pkg", companions=[tmp_path / "a", tmp_path / "b"], **values)
+    assert argv[:4] == ["python", "-m", pc.STARTUP_MODULE, str(tmp_path / "pkg")]
+    args = startup.argument_parser().parse_args(argv[3:])
+    assert {name: getattr(args, name) for name in values} == values
+    assert args.package == tmp_path / "pkg" and args.companions == [tmp_path / "a", tmp_path / "b"]
+    assert set(pc.STARTUP_OPTIONS) <= set(startup.StartupConfig.__dataclass_fields__)
+    assert pc.startup_argv("python3", workdir=pc.WORK_DIR, host=None) == list(pc.ENTRYPOINT[1:])
+    with pytest.raises(TypeError, match="frontend_metrics_port"):
+        pc.startup_argv(frontend_metrics_port=8004)

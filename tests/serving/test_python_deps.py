@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from llm_serving import pod_contract as pc
 from llm_serving.compat import COMPAT_PATH
 from llm_serving.manifest import Backend, ServingMode, parse_manifest
 from llm_serving.package import PackageError, PackageSpec, build_package, check_python_dependencies, open_package
@@ -207,8 +208,8 @@ def test_startup_refuses_a_package_its_stub_cannot_serve(tmp_path):
     """numpy >= 2 is in the image's stub (compat.toml [triton.stub]) but not in the local one (numpy 1.26.4): the
     package builds, and the local startup refuses it in step 1, naming numpy, before any engine or Triton starts."""
     package = build_package(_ranker_spec(tmp_path, dependencies=("numpy>=2",)), tmp_path / "ranker")
-    done = subprocess.run([sys.executable, "-m", "serving_image.startup", str(package), "--workdir",
-                           str(tmp_path / "run")], capture_output=True, text=True, timeout=240)
+    done = subprocess.run(pc.startup_argv(sys.executable, package, workdir=tmp_path / "run"), capture_output=True,
+                          text=True, timeout=240)
     assert done.returncode == 11, done.stderr[-2000:]
     assert "startup failed at step 1 'unpack-and-verify'" in done.stderr
     assert re.search(r"python package ranker 1.0.0: numpy>=2 needs numpy >=2; the local Triton's Python backend "

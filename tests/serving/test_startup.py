@@ -21,6 +21,7 @@ import jsonschema
 import openai
 import pytest
 
+from llm_serving import pod_contract as pc
 from llm_serving.package import PackageSpec, build_package
 from llm_serving.store import LocalStore
 from serving_image.local_server import ENGINE_ARGS, Server, accepts, free_port
@@ -189,10 +190,9 @@ def test_metrics_proxy_serves_vllm_and_triton_metrics(server: Server, client: op
 def _run_to_failure(package: Path, workdir: Path) -> tuple[int, str]:
     port = free_port()
     result = subprocess.run(
-        [sys.executable, "-m", "serving_image.startup", str(package), "--workdir", str(workdir),
-         "--host", "127.0.0.1", "--openai-port", str(port), "--metrics-port", str(free_port()),
-         "--triton-metrics-port", str(free_port()), "--kserve-http-port", str(free_port()),
-         "--kserve-grpc-port", str(free_port())],
+        pc.startup_argv(sys.executable, package, workdir=workdir, host="127.0.0.1", openai_port=port,
+                        metrics_port=free_port(), triton_metrics_port=free_port(), kserve_http_port=free_port(),
+                        kserve_grpc_port=free_port()),
         capture_output=True, text=True, timeout=240, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert not accepts(port)
     return result.returncode, result.stderr

@@ -23,7 +23,7 @@ import tritonclient.http as httpclient
 
 from llm_serving.manifest import Backend, ServingMode
 from llm_serving.package import PackageSpec, build_package
-from serving_image.local_server import Server, accepts, free_port
+from serving_image.local_server import PORT_NAMES, Server, accepts, free_port, local_startup_argv
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,6 @@ def held(tmp_path_factory):
     """The startup procedure on the package, its model held in `initialize` until the test creates `release`."""
     import os
     import subprocess
-    import sys
 
     root = tmp_path_factory.mktemp("python-package")
     source = root / "src"
@@ -82,14 +81,11 @@ def held(tmp_path_factory):
     hold.mkdir()
     work = root / "work"
     work.mkdir()
-    ports = {name: free_port() for name in ("openai", "metrics", "triton_metrics", "kserve_http", "kserve_grpc")}
+    ports = {name: free_port() for name in PORT_NAMES}
     log_path = work / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "serving_image.startup", str(package), "--workdir", str(work / "run"),
-             "--host", "127.0.0.1", "--openai-port", str(ports["openai"]), "--metrics-port", str(ports["metrics"]),
-             "--triton-metrics-port", str(ports["triton_metrics"]), "--kserve-http-port", str(ports["kserve_http"]),
-             "--kserve-grpc-port", str(ports["kserve_grpc"])],
+            local_startup_argv(package, work / "run", ports),
             stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, TEST_HOLD_DIR=str(hold),
                                                            LLM_SERVING_DRAIN_DELAY_S="0"),
             start_new_session=True)
