@@ -32,7 +32,7 @@ from serving_image.engine.base import (
     ModelInfo,
     context_window_error,
 )
-from serving_image.kserve.translate import backend_logprobs
+from serving_image.triton.translate import backend_logprobs
 
 log = logging.getLogger("llm_serving.triton.engine_host")
 

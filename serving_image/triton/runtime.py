@@ -148,7 +148,7 @@ async def start_triton_engine(package: VerifiedPackage, workdir: Path, max_model
     process through the C API (serving_image/triton/embedded.py) and return the engine adapter over the main
     package's LLM."""
     from llm_serving.manifest import Backend
-    from serving_image.engine.triton_adapter import EmbeddedTritonEngine
+    from serving_image.triton.adapter import EmbeddedTritonEngine
     from serving_image.triton.embedded import start_embedded
     from serving_image.triton.models import package_models
 

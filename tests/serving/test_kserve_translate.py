@@ -1,4 +1,4 @@
-"""The adapters' KServe translation (serving_image/kserve/translate.py): no engine, no sockets.
+"""The adapters' KServe translation (serving_image/triton/translate.py): no engine, no sockets.
 
 An EngineRequest becomes the tensors Triton's vLLM backend takes, and the backend's response tensors become engine
 deltas. The round trip goes through the server side that really runs: the stand-in backend's parser of
@@ -21,7 +21,7 @@ from serving_image.engine.base import (
     TopLogprob,
     merge_outputs,
 )
-from serving_image.kserve.translate import (
+from serving_image.triton.translate import (
     RETURN_FLAGS,
     ClientTranslationError,
     OutputReader,
@@ -136,7 +136,7 @@ def test_output_reader_raises_on_a_choice_the_engine_cut_short(reason):
 
 
 def test_triton_prompt_decodes_ids_and_avoids_a_second_bos():
-    from serving_image.kserve.translate import triton_prompt
+    from serving_image.triton.translate import triton_prompt
 
     vocab = {1: "<s>", 5: "Hi", 6: " there"}
 

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from policies.compat import load_pins as policy_pins
-from serving_image.kserve.translate import OutputReader, request_tensors
 from serving_image.local_server import free_port
 from serving_image.triton import probe
 from serving_image.triton.pins import PinError, check_vllm, load_pins, public_version
+from serving_image.triton.translate import OutputReader, request_tensors
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "serving_image" / "Dockerfile"
@@ -123,12 +123,12 @@ def test_bad_compat_file_is_named(tmp_path):
         load_pins(broken)
 
 
-# -- the Triton adapter's pure pieces (engine/triton_adapter.py; the embedded path runs in test_openai_embedded.py) ---
+# -- the Triton adapter's pure pieces (triton/adapter.py; the embedded path runs in test_openai_embedded.py) ---
 
 
 def test_triton_adapter_tensors_and_outputs():
     from serving_image.engine.base import EngineRequest, SamplingSpec
-    from serving_image.engine.triton_adapter import flat_outputs, tensor_arrays
+    from serving_image.triton.adapter import flat_outputs, tensor_arrays
     from serving_image.triton.capi.inference import Input
 
     arrays = tensor_arrays(request_tensors(EngineRequest("r", "Hello", SamplingSpec(max_tokens=4)),
@@ -166,7 +166,7 @@ def test_triton_adapter_tensors_and_outputs():
 def test_triton_errors_map_to_engine_errors(code, message, kind, param):
     """invalid argument -> 400 naming the field; unavailable, internal, a model gone -> 503 (docs/kserve.md)."""
     from serving_image.engine.base import EngineInputError, EngineUnavailableError
-    from serving_image.engine.triton_adapter import engine_error
+    from serving_image.triton.adapter import engine_error
 
     error = engine_error(code, message)
     assert isinstance(error, EngineInputError if kind == "input" else EngineUnavailableError)

@@ -88,8 +88,8 @@ async def remote(triton_standalone, tmp_path_factory):
     # triton_standalone is a synchronous session fixture (the server is a child process): any event loop may use it.
     from transformers import AutoTokenizer
 
-    from serving_image.engine.triton_adapter import RemoteTritonEngine, model_vocab_size
     from serving_image.openai_api.app import create_app
+    from serving_image.triton.adapter import RemoteTritonEngine, model_vocab_size
 
     package = _served_package(triton_standalone, tmp_path_factory.mktemp("remote-package"))
     manifest = package.manifest
@@ -302,8 +302,8 @@ async def test_logprobs_are_served_through_triton(remote):
 
 
 async def test_refusals_keep_their_meaning_through_kserve(remote):
-    from serving_image.engine.triton_adapter import RemoteTritonEngine
     from serving_image.openai_api.app import create_app
+    from serving_image.triton.adapter import RemoteTritonEngine
 
     with pytest.raises(openai.BadRequestError) as refused:
         await remote.openai.completions.create(model=remote.model, prompt="hi", max_tokens=100000)

@@ -1,5 +1,5 @@
 """The engine interface -> KServe v2 tensors and back, for the clients of Triton's vLLM model: the engine adapters
-(serving_image/engine/triton_adapter.py: the embedded Triton and a remote one). Nothing here does I/O.
+(serving_image/triton/adapter.py: the embedded Triton and a remote one). Nothing here does I/O.
 
 - An `EngineRequest` becomes the streaming request Triton's vLLM backend takes (`text_input`, `stream`,
   `exclude_input_in_output`, `sampling_parameters` as SamplingParams fields, the `return_*` flags);

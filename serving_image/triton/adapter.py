@@ -7,7 +7,7 @@
 
 What both share is here once: the tokenizer (the front-ends render chat templates and count prompt tokens
 themselves; Triton's vLLM model takes text), the request's tensors (the shared pure translation in
-`serving_image.kserve.translate`: text prompt, streaming on, prompt excluded, every extra output on), reading the
+`serving_image.triton.translate`: text prompt, streaming on, prompt excluded, every extra output on), reading the
 streamed responses back into engine deltas, and mapping Triton's errors onto the engine's:
 
 | Triton                                    | engine error                        | OpenAI / KServe front-end     |
@@ -47,7 +47,7 @@ from serving_image.engine.base import (
     ModelInfo,
     merge_outputs,
 )
-from serving_image.kserve.translate import (
+from serving_image.triton.translate import (
     ClientTranslationError,
     OutputReader,
     Tensor,
