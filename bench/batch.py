@@ -33,8 +33,8 @@ import time
 
 import httpx
 
+from bench.local_server import publish_demo, start_server
 from bench.report import demo_model, main, percentile, ratio_plot, result
-from serving_image.local_server import publish_demo, start_server
 
 QUICK = os.environ.get("LLM_SERVING_BENCH_QUICK") == "1"
 N = 48 if QUICK else 240

@@ -62,7 +62,7 @@ def _timed(call, rows: np.ndarray) -> list[float]:
 
 async def _start(package: pathlib.Path, workdir: pathlib.Path):
     from llm_serving.package import open_package
-    from serving_image.local_server import free_port
+    from llm_serving.ports import free_port
     from serving_image.triton.runtime import start_standalone_triton
 
     ports = {name: free_port() for name in ("http", "grpc", "metrics")}

@@ -19,7 +19,7 @@ import time
 
 from bench.report import demo_model, main, percentile, ratio_plot, ratio_table, ratios, result
 from llm_serving.kserve_stream import until_final_async
-from serving_image.local_server import free_port
+from llm_serving.ports import free_port
 
 N_REQUESTS = 128
 CONCURRENCY = 16

@@ -119,7 +119,7 @@ def _triton_text(model: str, version: str, durations_s: list[float]) -> bytes:
 
 def run(out_dir: pathlib.Path) -> dict:
     from bench.vllm_server import start_vllm_server, stop_vllm_server
-    from serving_image.local_server import free_port
+    from llm_serving.ports import free_port
     from serving_image.metrics.frontend import serve_exposition
     from serving_image.metrics.multiproc import clear_multiproc_dir
     from serving_image.metrics.proxy import ProxyConfig, spawn_proxy

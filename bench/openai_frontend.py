@@ -27,9 +27,9 @@ import statistics
 import tempfile
 from dataclasses import dataclass
 
+from bench.local_server import publish_demo, start_server
 from bench.report import demo_model, main, pyplot, ratio_plot, ratio_table, ratios, result, save_figure
 from bench.vllm_server import start_vllm_server, stop_vllm_server
-from serving_image.local_server import publish_demo, start_server
 
 INPUT_LEN = OUTPUT_LEN = 64
 ROUNDS = 3

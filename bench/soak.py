@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
+from bench.local_server import Server, publish_demo, start_server
 from bench.report import demo_model, main, percentile, pyplot, result, save_figure
-from serving_image.local_server import Server, publish_demo, start_server
 
 CONCURRENCY = 32
 DEFAULT_SECONDS = 600

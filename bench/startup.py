@@ -9,9 +9,9 @@ import statistics
 import tempfile
 import time
 
+from bench.local_server import publish_demo, start_server
 from bench.report import demo_model, main, pyplot, result, save_figure
 from bench.vllm_server import start_vllm_server, stop_vllm_server
-from serving_image.local_server import publish_demo, start_server
 
 ROUNDS = 2
 

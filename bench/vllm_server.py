@@ -11,7 +11,8 @@ import time
 
 import httpx
 
-from serving_image.local_server import ENGINE_ARGS, free_port
+from bench.local_server import ENGINE_ARGS
+from llm_serving.ports import free_port
 
 
 def start_vllm_server(model_dir: pathlib.Path, workdir: pathlib.Path) -> tuple[subprocess.Popen, str]:

@@ -153,7 +153,7 @@ NVIDIA_ENTRYPOINT = "/opt/nvidia/nvidia_entrypoint.sh"  # driver check, CUDA for
 STARTUP_MODULE = "serving_image.startup"
 # The startup procedure's command line (serving_image/startup.py parses it): its options by the StartupConfig field
 # each sets, and the repeatable option naming a companion package. `startup_argv` is the one place that writes it: the
-# image's ENTRYPOINT below, the local server (serving_image/local_server.py), the procedure's own re-execution for the
+# image's ENTRYPOINT below, the local server (bench/local_server.py), the procedure's own re-execution for the
 # embedded Triton and the tests.
 STARTUP_OPTIONS: dict[str, str] = {
     "workdir": "--workdir", "host": "--host", "openai_port": "--openai-port",

@@ -26,7 +26,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ import numpy as np
 
 from llm_serving import pod_contract as pc
 from llm_serving.kserve_stream import until_final
+from llm_serving.ports import accepts
 
 DEMO_LLM = "demo-tiny"
 RANKER, PIPELINE = "ranker", "ranker-pipeline"
@@ -69,12 +69,6 @@ class RunResult:
     republished: list[str] = field(default_factory=list)
     checks: list[str] = field(default_factory=list)
     log: str = ""
-
-
-def accepts(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.2)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _busy_ports() -> list[str]:

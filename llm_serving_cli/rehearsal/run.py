@@ -36,6 +36,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from llm_serving.ports import free_port  # below the ephemeral range: see its docstring
 from llm_serving.stack_outputs import StackOutputsError, parse_stack_outputs
 from llm_serving_cli.rehearsal import (
     experiment,
@@ -56,7 +57,6 @@ from llm_serving_cli.rehearsal.node import Node
 from llm_serving_cli.rehearsal.services import Endpoint, ServiceProxy
 from llm_serving_cli.rehearsal.substitutions import REPO_ROOT
 from llm_serving_client import Client, GatewayEndpoints
-from serving_image.local_server import free_port  # below the ephemeral range: see its docstring
 
 DEFAULT_STACK = "dev-us-east-1"
 CRASH_LOOP_RESTARTS = 3  # a pod restarted this often without getting Ready fails the rehearsal

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -19,6 +18,7 @@ import pytest
 import yaml
 
 from infra.rollout.gate import GateThresholds, PrometheusClient, PrometheusError, analyze, request_count
+from llm_serving.ports import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -52,12 +52,6 @@ class Exporter:
             return "\n".join(lines) + "\n"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory):
     binary = shutil.which("prometheus")
@@ -85,7 +79,7 @@ def prometheus(tmp_path_factory):
          "static_configs": [{"targets": [target], "labels": {**labels, "app_kubernetes_io_version": v}}]}
         for v in ("1.0", "2.0")]}
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = _free_port()
+    port = free_port()
     log = open(work / "log", "wb")
     proc = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}",
                              f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
@@ -158,7 +152,7 @@ def test_prometheus_errors_are_named(prometheus):
     with pytest.raises(PrometheusError, match="returned 2 series, expected one"):
         prometheus.scalar('up{job=~"v.*"}')
     with pytest.raises(PrometheusError, match="query .* failed"):
-        PrometheusClient(f"http://127.0.0.1:{_free_port()}", timeout_s=2).query("up")
+        PrometheusClient(f"http://127.0.0.1:{free_port()}", timeout_s=2).query("up")
 
 
 def test_api_shape_is_what_the_client_reads(prometheus):

@@ -79,9 +79,9 @@ def ranker_misfit_package(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def triton_standalone(demo_model_dir, tmp_path_factory, ranker_packages, ranker_rank_package, ranker_misfit_package):
+    from bench.local_server import start_standalone_server
     from llm_serving.manifest import ServingMode
     from llm_serving.package import PackageSpec, build_package
-    from serving_image.local_server import start_standalone_server
 
     root = tmp_path_factory.mktemp("triton-standalone")
     llm = build_package(PackageSpec(demo_model_dir, "demo-tiny", "1.0.0", engine_args=TRITON_ENGINE_ARGS,
@@ -132,10 +132,10 @@ def openai_server(demo_model_dir, tmp_path_factory):
     them go (its running count back to 0, the request's 499 record) before they end; a setting that needs another
     server (a drain delay, a stop) gets a server of its own (test_server_lifecycle.py). Tests read counters and logs
     as differences from what they saw before their own requests (another module may have run first)."""
+    from bench.local_server import publish_demo, start_server
     from llm_serving import pod_contract as pc
     from llm_serving.manifest import ServingMode
     from llm_serving_cli.demo_packages import build_ranker_packages
-    from serving_image.local_server import publish_demo, start_server
     from tests.serving.engine_args import EAGER_ENGINE_ARGS
     from tests.serving.wheels import make_wheel, wheel_filename
 

@@ -62,7 +62,7 @@ def record(model_dir: Path) -> dict:
 
     from vllm import LLM, SamplingParams
 
-    from serving_image.local_server import ENGINE_ARGS
+    from bench.local_server import ENGINE_ARGS
 
     args = {**ENGINE_ARGS, "enforce_eager": True}
     pooling = LLM(model=str(model_dir), runner="pooling", convert="embed", **args)

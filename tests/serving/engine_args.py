@@ -9,6 +9,6 @@ bf16 AMX attention kernel).
 
 from __future__ import annotations
 
-from serving_image.local_server import ENGINE_ARGS
+from bench.local_server import ENGINE_ARGS
 
 EAGER_ENGINE_ARGS = {**ENGINE_ARGS, "enforce_eager": True}

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.local_server import publish_demo, start_server
 from bench.seeded_preemption import run_seeded
-from serving_image.local_server import publish_demo, start_server
 from serving_image.triton.backends.vllm.engine_in_stub import ENGINE_NICE_ENV
 from tests.serving.engine_args import EAGER_ENGINE_ARGS
 from tests.serving.engine_hold import EngineProcesses

@@ -28,8 +28,8 @@ from tritonclient.utils import InferenceServerException
 from llm_serving import pod_contract as pc
 from llm_serving.kserve_stream import is_final, until_final, until_final_async
 from llm_serving.package import PackageSpec, build_package
+from llm_serving.ports import accepts
 from llm_serving.tensor_contract import VLLM_INPUTS, VLLM_OUTPUTS
-from serving_image.local_server import accepts
 from serving_image.triton.pins import load_pins
 from tests.serving.engine_hold import EngineProcesses
 
@@ -501,7 +501,7 @@ def test_a_vllm_other_than_the_pin_stops_startup(demo_model_dir, tmp_path):
     import subprocess
     import sys
 
-    from serving_image.local_server import free_port
+    from llm_serving.ports import free_port
 
     package = build_package(PackageSpec(demo_model_dir, "demo-tiny", "1.0.0", engine_args={"max_model_len": 512}),
                             tmp_path / "pkg")

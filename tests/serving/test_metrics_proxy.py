@@ -386,7 +386,7 @@ def test_bad_config_names_the_field(tmp_path, kwargs, message):
 
 def test_spawned_child_process_serves_the_merge(mpdir, writers, triton):
     """The startup procedure's other way to run it: `python -m serving_image.metrics.proxy` as a child."""
-    from serving_image.local_server import free_port
+    from llm_serving.ports import free_port
 
     _, server = triton
     port = free_port()

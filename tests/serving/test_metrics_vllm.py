@@ -33,7 +33,7 @@ import openai
 import pytest
 import yaml
 
-from serving_image.local_server import free_port
+from llm_serving.ports import free_port
 from serving_image.metrics import observability
 from serving_image.metrics.exposition import parse_text
 from serving_image.metrics.multiproc import clear_multiproc_dir

@@ -23,7 +23,7 @@ import pytest
 from pydantic import BaseModel, Field
 from transformers import AutoTokenizer
 
-from serving_image.local_server import Server
+from bench.local_server import Server
 from tests.serving.conftest import OPENAI_BODY_CAP, OPENAI_KEY, OPENAI_MAX_CONCURRENT
 from tests.serving.engine_hold import EngineProcesses
 

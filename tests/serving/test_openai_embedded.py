@@ -26,10 +26,10 @@ import tritonclient.http as httpclient
 from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
+from bench.local_server import Server
 from examples import kserve_client
 from llm_serving.kserve_stream import is_final, until_final
 from llm_serving_cli.demo_packages import FEATURES_ID, PIPELINE_ID, RANKER_ID, RELEVANCE_ID
-from serving_image.local_server import Server
 from tests.serving import embed_score_reference as reference
 from tests.serving.conftest import OPENAI_AUTH
 from tests.serving.engine_hold import EngineProcesses

@@ -17,6 +17,7 @@ import pytest
 
 from llm_serving import dockerfile
 from llm_serving import pod_contract as pc
+from llm_serving.ports import free_port
 from llm_serving_cli.rehearsal import (
     gateway_retry,
     gateway_routes,
@@ -35,7 +36,6 @@ from llm_serving_cli.rehearsal.launcher import _hidden_ancestor, mount_order
 from llm_serving_cli.rehearsal.podspec import PodPlan, Probe
 from llm_serving_cli.rehearsal.services import Endpoint, ServiceProxy
 from llm_serving_cli.rehearsal.tls import CertificateAuthority
-from serving_image.local_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = dockerfile.read(REPO / "serving_image" / "Dockerfile")

@@ -20,12 +20,12 @@ import pytest_asyncio
 
 from infra.rollout.engine import LiveResource, Node, UpdateError
 from infra.rollout.remote import RemoteCluster
+from llm_serving.ports import free_port
 from llm_serving_cli.rehearsal import haproxy_config, haproxy_process, render
 from llm_serving_cli.rehearsal.cluster import RehearsalCluster
 from llm_serving_cli.rehearsal.kubelet import PodRunner
 from llm_serving_cli.rehearsal.podspec import PodPlan, Probe
 from llm_serving_cli.rehearsal.tls import CertificateAuthority
-from serving_image.local_server import free_port
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="function")]
 

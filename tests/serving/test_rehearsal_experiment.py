@@ -25,6 +25,7 @@ import prometheus_client
 import pytest
 import uvicorn
 
+from llm_serving.ports import free_port
 from llm_serving.stack_outputs import parse_stack_outputs
 from llm_serving_cli.rehearsal import (
     experiment,
@@ -41,7 +42,6 @@ from llm_serving_cli.rehearsal.tls import CertificateAuthority
 from llm_serving_client import Client, GatewayEndpoints, GatewayError, LocalEndpoints, assign
 from llm_serving_client.experiments import ArmStats
 from serving_image.engine.base import ChoiceDelta, Engine, EngineOutput, EngineRequest, ModelInfo
-from serving_image.local_server import free_port
 from serving_image.openai_api.app import create_app
 
 pytestmark = pytest.mark.timeout(180)

@@ -33,12 +33,12 @@ import httpx
 import pytest
 from cryptography import x509
 
+from llm_serving.ports import free_port
 from llm_serving_cli.rehearsal import gateway_retry, gateway_routes, haproxy_config, haproxy_process
 from llm_serving_cli.rehearsal.gateway_routes import BackendRef, Endpoint, PathMatch, ProxyConfigError
 from llm_serving_cli.rehearsal.haproxy_config import Settings, server_weights
 from llm_serving_cli.rehearsal.haproxy_process import HAProxy
 from llm_serving_cli.rehearsal.tls import CertificateAuthority
-from serving_image.local_server import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,8 @@ import httpx
 import psutil
 import pytest
 
-from serving_image.local_server import Server, accepts, publish_demo, start_server
+from bench.local_server import Server, publish_demo, start_server
+from llm_serving.ports import accepts
 from tests.serving.engine_args import EAGER_ENGINE_ARGS
 
 pytestmark = pytest.mark.slow

@@ -21,10 +21,11 @@ import jsonschema
 import openai
 import pytest
 
+from bench.local_server import ENGINE_ARGS, Server
 from llm_serving import pod_contract as pc
 from llm_serving.package import PackageSpec, build_package
+from llm_serving.ports import accepts, free_port
 from llm_serving.store import LocalStore
-from serving_image.local_server import ENGINE_ARGS, Server, accepts, free_port
 
 pytestmark = pytest.mark.slow
 

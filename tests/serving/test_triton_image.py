@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from llm_serving.ports import free_port
 from policies.compat import load_pins as policy_pins
-from serving_image.local_server import free_port
 from serving_image.triton import probe
 from serving_image.triton.pins import PinError, check_vllm, load_pins, public_version
 from serving_image.triton.translate import OutputReader, request_tensors

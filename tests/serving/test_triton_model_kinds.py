@@ -294,7 +294,7 @@ def test_startup_refuses_an_ensemble_whose_step_is_not_served(tmp_path, ranker_p
 
 
 def test_startup_fails_at_step_4_naming_the_missing_step(tmp_path, ranker_packages):
-    from serving_image.local_server import start_standalone_server
+    from bench.local_server import start_standalone_server
 
     pipeline = open_package(ranker_packages[-1])
     assert pipeline.manifest.model.id == PIPELINE_ID

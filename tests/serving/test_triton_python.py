@@ -21,9 +21,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
+from bench.local_server import PORT_NAMES, Server, local_startup_argv
 from llm_serving.manifest import Backend, ServingMode
 from llm_serving.package import PackageSpec, build_package
-from serving_image.local_server import PORT_NAMES, Server, accepts, free_port, local_startup_argv
+from llm_serving.ports import accepts, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -159,7 +160,7 @@ def test_a_dead_engine_is_unavailable_not_a_client_error_and_startup_exits(demo_
     import httpx
     import tritonclient.grpc.aio as grpcaio
 
-    from serving_image.local_server import start_standalone_server
+    from bench.local_server import start_standalone_server
     from tests.serving.engine_hold import EngineProcesses
 
     package = build_package(PackageSpec(demo_model_dir, "demo-tiny", "1.0.0",

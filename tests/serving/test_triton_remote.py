@@ -53,7 +53,7 @@ class Remote:
     vocab_size: int
     tokenizer_path: Path
     tokenizer: object  # the package's tokenizer, loaded here (for the chat template and token ids)
-    server: object  # the session's standalone server (serving_image.local_server.Server)
+    server: object  # the session's standalone server (bench.local_server.Server)
 
 
 @dataclass
@@ -75,7 +75,7 @@ def _client(app) -> openai.AsyncOpenAI:
 
 def _served_package(server, workdir: Path):
     """The package the standalone server was started on: the entrypoint's first argument
-    (`python -m serving_image.startup PACKAGE ...`, serving_image.local_server._launch)."""
+    (`python -m serving_image.startup PACKAGE ...`, bench.local_server._launch)."""
     from llm_serving.package import open_package
 
     package = Path(server.proc.args[3])

@@ -141,7 +141,7 @@ def _events(span: dict) -> list[str]:
 
 @pytest.fixture(scope="module")
 def receiver():
-    from serving_image.local_server import free_port
+    from llm_serving.ports import free_port
 
     otlp = OtlpReceiver(free_port())
     yield otlp
@@ -151,7 +151,7 @@ def receiver():
 @pytest.fixture(scope="module")
 def traced_server(receiver, ranker_packages, tmp_path_factory):
     """tritonserver (the startup procedure, `standalone`) serving the demo ranker, exporting to `receiver`."""
-    from serving_image.local_server import start_standalone_server
+    from bench.local_server import start_standalone_server
 
     server = start_standalone_server(ranker_packages[0], tmp_path_factory.mktemp("traced") / "work",
                                      extra_env={pc.ENV_TRACE_OTLP_URL: receiver.url})
@@ -224,7 +224,7 @@ def test_a_kserve_http_call_with_a_traceparent_is_traced_under_its_trace_id(trac
 
 @pytest.mark.slow
 def test_a_wrong_tracing_variable_stops_startup_naming_it(ranker_packages, tmp_path):
-    from serving_image.local_server import start_standalone_server
+    from bench.local_server import start_standalone_server
 
     with pytest.raises(AssertionError, match="exited with 14") as failed:
         start_standalone_server(ranker_packages[0], tmp_path / "work",

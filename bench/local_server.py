@@ -1,12 +1,12 @@
 """Run the real serving entrypoint (`python -m serving_image.startup`) as a child process: for the tests and the
-benchmarks, which must exercise exactly what the image runs."""
+benchmarks, which must exercise exactly what the image runs. Test and benchmark support, so it lives in bench/ (which
+the tests may import too), not in the serving image: the image never imports it. It only starts the entrypoint as a
+command; it imports nothing of serving_image."""
 
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,45 +17,13 @@ import httpx
 
 from llm_serving import pod_contract as pc
 from llm_serving.package import PackageSpec, build_package
+from llm_serving.ports import accepts, free_port
 from llm_serving.store import LocalStore
 
 START_TIMEOUT_S = 600  # generous: CI machines are small and shared
 # float32: vLLM's bf16 CPU attention dies with SIGILL now and then on the VMs seen here (AMX reported but not
 # usable), which would make tests flaky; the demo model's weights are float32 anyway.
 ENGINE_ARGS = {"max_model_len": 2048, "kv_cache_memory_bytes": 128 * 1024 * 1024, "dtype": "float32"}
-
-
-def _ephemeral_range_start() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def free_port() -> int:
-    """A port free now, for a server another process binds later (often tens of seconds later, after the engine).
-
-    Not from the kernel's ephemeral range (a bind to port 0): until the server binds it, such a port can be handed to
-    any outgoing connection on the machine as its local port, and the server then fails with "Address already in
-    use" (seen on a loaded CI machine). Ports below that range are never handed out that way. Drawn with the
-    system's randomness, so that processes with the same seed do not draw the same ports."""
-    high = min(_ephemeral_range_start(), 32768)
-    draw = random.SystemRandom()
-    for _ in range(1000):
-        port = draw.randrange(high - 12000, high)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port below {high}")
-
-
-def accepts(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.2)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 @dataclass
