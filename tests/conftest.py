@@ -38,3 +38,52 @@ def demo_model_dir() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         return ensure_demo_model(target)
+
+
+# -- running on several workers (pytest-xdist) ----------------------------------------------------------------------
+#
+# `make test` runs the serving suite on two pytest-xdist workers with `--dist loadgroup` (a server boot leaves a core
+# idle most of the time: measured, the serving suite alone kept the 2-core machine 40-60 % busy). What must stay on
+# one worker goes to it as one unit:
+# - a module's tests, because module-scoped fixtures (a module's own server or engine) are set up once per worker;
+# - every module that uses one of the shared servers of a topology (SHARED_SERVERS), because a session fixture is
+#   per worker too: one group per server, so the suite still boots each of them once.
+# The units start in the order this hook leaves them (the Makefile passes --no-loadscope-reorder): those that boot
+# servers first, so that the long ones do not end up alone at the tail. Without xdist the marks change nothing.
+SHARED_SERVERS = ("openai_server", "triton_standalone")
+
+
+def _module_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    parent: dict[str, str] = {}
+
+    def find(node: str) -> str:
+        while parent.setdefault(node, node) != node:
+            node = parent[node]
+        return node
+
+    for item in items:
+        module = find(_module_of(item))
+        for server in SHARED_SERVERS:
+            if server in getattr(item, "fixturenames", ()):
+                root = find(server)
+                if root != module:
+                    parent[module] = root
+                module = find(root)
+    groups = {item.nodeid: find(_module_of(item)) for item in items}
+
+    def boots(group: str) -> int:
+        """2: a shared server's group; 1: a group with a test marked slow (it starts an engine or a server)."""
+        if group in SHARED_SERVERS:
+            return 2
+        return int(any(groups[i.nodeid] == group and i.get_closest_marker("slow") for i in items))
+
+    rank = {group: boots(group) for group in set(groups.values())}
+    first_seen = {group: n for n, group in reversed(list(enumerate(groups[i.nodeid] for i in items)))}
+    items.sort(key=lambda i: (-rank[groups[i.nodeid]], first_seen[groups[i.nodeid]]))
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
