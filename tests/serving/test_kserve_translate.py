@@ -2,7 +2,7 @@
 
 An EngineRequest becomes the tensors Triton's vLLM backend takes, and the backend's response tensors become engine
 deltas. The round trip goes through the server side that really runs: the stand-in backend's parser of
-`sampling_parameters` into vLLM's SamplingParams (serving_image/triton/engine_host.py, as NVIDIA's backend does it).
+`sampling_parameters` into vLLM's SamplingParams (serving_image/triton/stub_vllm.py, as NVIDIA's backend does it).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ KEY = "structured_outputs"
 
 def backend_params(tensors):
     """What the backend makes of the adapter's tensors: vLLM SamplingParams (the stand-in's parser)."""
-    from serving_image.triton.engine_host import sampling_params_from_json
+    from serving_image.triton.stub_vllm import sampling_params_from_json
 
     by_name = {t.name: t for t in tensors}
     return sampling_params_from_json(by_name["sampling_parameters"].values[0].decode(), "sampling_parameters", INFO)

@@ -294,7 +294,8 @@ def test_kserve_http_is_triton_itself(server):
 
 
 def _vllm_processes(server: Server) -> EngineProcesses:
-    """The LLM's engine under the stand-in's engine host (a grandchild of the server, through the backend stub)."""
+    """The LLM's vLLM engine processes, children of the backend stub that runs its in-stub engine (grandchildren of
+    the server)."""
     return EngineProcesses.of(server.proc.pid, MODEL)
 
 

@@ -1,4 +1,4 @@
-"""The engine's error messages (serving_image/triton/engine_host.py `error_message`) as the Python-backend models
+"""The engine's error messages (serving_image/triton/stub_vllm.py `error_message`) as the Python-backend models
 answer them: one mapping (engine_in_stub.error_answer) for the stand-in vllm backend's generation and embeddings and
 for the scoring model, so an input error names its field whichever model answers. Fast: the models are loaded
 with a stand-in for triton_python_backend_utils (which exists only inside Triton's stub) and answer one message."""

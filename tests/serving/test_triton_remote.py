@@ -208,9 +208,9 @@ async def test_chat_and_streaming_match_a_raw_kserve_call(remote):
 
 async def test_a_client_that_leaves_aborts_its_request_in_the_engine(remote):
     """Closing the adapter's stream cancels the request in Triton, whose backend aborts it in the engine. Forced: the
-    engine's vLLM processes are held (SIGSTOP; the engine host runs) before the request is sent, so the request is
-    still in the engine when its client leaves, whatever the machine's speed (held after a first output instead, a
-    fast engine may have finished every token before the hold: a race, not a test)."""
+    engine's vLLM processes are held (SIGSTOP; the stub and its in-stub engine's thread run) before the request is
+    sent, so the request is still in the engine when its client leaves, whatever the machine's speed (held after a
+    first output instead, a fast engine may have finished every token before the hold: a race, not a test)."""
     from serving_image.engine.base import EngineRequest, SamplingSpec
 
     server = remote.server

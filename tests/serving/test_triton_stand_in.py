@@ -11,7 +11,7 @@ import pytest
 
 from llm_serving.tensor_contract import VLLM_INPUTS, VLLM_OUTPUTS
 from serving_image.engine.base import ModelInfo
-from serving_image.triton.engine_host import ParameterError, sampling_params_from_json
+from serving_image.triton.stub_vllm import ParameterError, sampling_params_from_json
 
 MODEL_PY = Path(__file__).resolve().parents[2] / "serving_image" / "triton" / "backends" / "vllm" / "model.py"
 INFO = ModelInfo(name="m", version="1", max_model_len=512, vocab_size=1000, eos_token_id=2)

@@ -23,7 +23,7 @@ response sender (Triton's python backend allows that in the default mode: exactl
 so requests run concurrently in the engine, whose prefix cache serves the shared prompt once.
 
 The engine runs in this stub's process, from model.json, with the packages of the interpreter $LLM_SERVING_ENGINE_PYTHON
-names after the stub's own (engine_in_stub.py; serving_image/triton/engine_host.py, the engine the stand-in vllm
+names after the stub's own (engine_in_stub.py; serving_image/triton/stub_vllm.py, the engine the stand-in vllm
 backend runs): its scores are computed as the `openai` mode's engine computes them (VllmLocalEngine.score). In the
 image the variable names the image's python3 (the startup procedure sets it everywhere).
 Loading the model is starting its engine; an engine that dies fails every request with UNAVAILABLE and unloads the

@@ -12,7 +12,7 @@ forces) run *that* interpreter with *its own* `sys.path` (and `$PYTHONPATH`'s en
 embedded interpreter's `sys.executable` is not a Python and the stub's standard library is not theirs.
 
 `InStubEngine` runs the engine on an asyncio loop in a thread of its own (the stub's main thread keeps answering
-Triton: `execute`, health checks) and speaks in plain dicts, the messages of serving_image/triton/engine_host.py:
+Triton: `execute`, health checks) and speaks in plain dicts, the messages of serving_image/triton/stub_vllm.py:
 
     model -> engine   {"op": "generate", "id": ID, "prompt": TEXT, "params": JSON-TEXT | null, "root": FIELD-NAME}
                       {"op": "embed", "id": ID, "input": TEXT | [TOKEN-ID, ...]}          a pooling engine
@@ -132,11 +132,11 @@ def lower_priority(value: str | None) -> None:
     os.setpriority(os.PRIO_PROCESS, 0, int(value))  # 0: the calling thread (Linux)
 
 
-ERROR_CODES = ("INVALID_ARG", "UNAVAILABLE")  # the host's codes a model answers as they are; anything else INTERNAL
+ERROR_CODES = ("INVALID_ARG", "UNAVAILABLE")  # the engine's codes a model answers as they are; anything else INTERNAL
 
 
 def error_answer(message: dict) -> tuple[str, str]:
-    """An error message of the engine (serving_image/triton/engine_host.py `error_message`) as every model of this
+    """An error message of the engine (serving_image/triton/stub_vllm.py `error_message`) as every model of this
     project answers it: (text, the name of its pb_utils.TritonError code). INVALID_ARG and UNAVAILABLE as sent,
     anything else INTERNAL; the text leads with the field an input error names (`field: ...`) unless it already
     does, so the field reaches the client whichever model answers (generation, embeddings, scores)."""
@@ -165,7 +165,7 @@ class InStubEngine:
 
         self._loop = uvloop.new_event_loop()
         self._started = threading.Event()
-        self._host = None
+        self._dispatcher = None
         self._on_message: Callable[[dict], None] | None = None
         self._on_dead: Callable[[str], None] | None = None
         self._dead = False
@@ -195,27 +195,27 @@ class InStubEngine:
     async def _main(self) -> None:
         from pathlib import Path
 
-        from serving_image.triton import engine_host
+        from serving_image.triton import stub_vllm
 
         self._stop, self._reading = asyncio.Event(), asyncio.Event()
         try:
-            engine, tasks = await engine_host.start_engine(Path(self._model_json), self._model_name,
-                                                           self._model_version)
+            engine, tasks = await stub_vllm.start_engine(Path(self._model_json), self._model_name,
+                                                         self._model_version)
         except Exception as exc:
             log.exception("engine start failed")
             self.first = {"op": "failed", "error": f"{type(exc).__name__}: {exc}"}
             self._started.set()
             return
-        self.first = {"op": "ready", "info": engine_host.ready_info(engine, tasks)}
-        self._host = engine_host.EngineHost(engine, self._deliver)
+        self.first = {"op": "ready", "info": stub_vllm.ready_info(engine, tasks)}
+        self._dispatcher = stub_vllm.MessageDispatcher(engine, self._deliver)
         self._started.set()
         await self._reading.wait()
-        watcher = asyncio.create_task(self._host.watch())
+        watcher = asyncio.create_task(self._dispatcher.watch())
         try:
             await self._stop.wait()
         finally:
             watcher.cancel()
-            await self._host.stop()
+            await self._dispatcher.stop()
             await engine.shutdown()
 
     def _deliver(self, message: dict) -> None:
@@ -254,7 +254,7 @@ class InStubEngine:
         if self._dead or self._closing:
             raise OSError("the engine has stopped")
         try:
-            self._loop.call_soon_threadsafe(self._host.dispatch, message)
+            self._loop.call_soon_threadsafe(self._dispatcher.dispatch, message)
         except RuntimeError as exc:  # the loop is closed
             raise OSError(f"the engine has stopped: {exc}") from exc
 

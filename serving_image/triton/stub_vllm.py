@@ -1,11 +1,12 @@
-"""The engine behind the stand-in `vllm` backend (serving_image/triton/backends/vllm/model.py) and the platform's
-scoring model, in the Python backend stub's own process (serving_image/triton/backends/vllm/engine_in_stub.py runs
-it on a thread of its own, with .venv-serving's packages after the stub's).
+"""vLLM's side of the in-stub engine: the engine behind the stand-in `vllm` backend
+(serving_image/triton/backends/vllm/model.py) and the platform's scoring model, in the Python backend stub's own
+process (serving_image/triton/backends/vllm/engine_in_stub.py runs it on a thread of its own, with .venv-serving's
+packages after the stub's).
 
 It starts vLLM's AsyncLLM from model.json through the project's adapter (serving_image/engine/vllm_local.py: the
 same engine arguments, KV-cache sizing, structured-output settings and metrics as everywhere; vLLM's metrics go to
 $PROMETHEUS_MULTIPROC_DIR, and plugins such as the constraint processor load through their entry points), then
-serves the model's requests (`EngineHost`) until the model is unloaded.
+serves the model's requests (`MessageDispatcher`) until the model is unloaded.
 
 `sampling_parameters` is parsed here, as NVIDIA's backend does (`TritonSamplingParams.from_dict`): a JSON object;
 `None` values dropped; `structured_outputs` a JSON string for StructuredOutputsParams; `guided_decoding` a string or an
@@ -34,7 +35,7 @@ from serving_image.engine.base import (
 )
 from serving_image.triton.translate import backend_logprobs
 
-log = logging.getLogger("llm_serving.triton.engine_host")
+log = logging.getLogger("llm_serving.triton.stub_vllm")
 
 # SamplingParams fields a request may not set: the backend owns how outputs come back.
 _BACKEND_OWNED = {"output_kind", "skip_clone", "output_text_buffer_length", "detokenize"}
@@ -231,7 +232,7 @@ def error_message(request_id: str, exc: Exception) -> dict:
     return {"id": request_id, "error": f"{type(exc).__name__}: {exc}", "code": "INTERNAL"}
 
 
-class EngineHost:
+class MessageDispatcher:
     """Serves one engine's messages (serving_image/triton/backends/vllm/engine_in_stub.py lists them): each request
     runs as a task on the engine's loop, and every answer, delta or error goes to `sink`, on that loop."""
 
