@@ -22,13 +22,13 @@ import json
 import logging
 import os
 from collections import OrderedDict
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from serving_image.constraints.engine import ConstraintBatch, compile_spec
+from serving_image.constraints.metrics import ProcessorMetrics
 from serving_image.constraints.spec import AllowedTokensSpec, ConstraintError, validate_constraint
 
 if TYPE_CHECKING:
@@ -41,9 +41,6 @@ CONSTRAINT_KEY = "constraint"
 # Threads of the core's pool; 0 = every hardware thread. The engine's own intra-op threads are idle while
 # the processor runs (it sits between the forward pass and the sampler), so sharing the cores is fine.
 THREADS_ENV = "LLM_SERVING_CONSTRAINT_THREADS"
-# When set, a directory where each processor keeps `<pid>.json` up to date with its counters (tests, diagnosis):
-# the processor lives in vLLM's engine-core process, out of the caller's reach.
-STATS_ENV = "LLM_SERVING_CONSTRAINT_STATS_DIR"
 
 
 def constraint_of(params: SamplingParams, *, strict: bool = False) -> object | None:
@@ -110,6 +107,9 @@ class ConstraintLogitsProcessorV1(LogitsProcessor):
         capacity = vllm_config.scheduler_config.max_num_seqs
         self.batch = ConstraintBatch(self.vocab_size, capacity, int(os.environ.get(THREADS_ENV, "0")))
         self.device = device
+        # Counted here and exported as the llm_serving_constraint_* metrics (constraints/metrics.py); the batch's
+        # core counts stalls, rebuilds and rescued rows, the batch the steps masked on a device.
+        self._metrics = ProcessorMetrics(self.batch)
         self.readded = 0  # rows added with a non-empty output list (preempted requests coming back)
         self.constrained_added = 0
         self.steps = 0
@@ -118,27 +118,6 @@ class ConstraintLogitsProcessorV1(LogitsProcessor):
         # again. The entry holds the params object, so its id cannot be reused while cached.
         self._machines: OrderedDict[int, tuple[SamplingParams, object]] = OrderedDict()
         self._cache_size = 4 * capacity
-        stats_dir = os.environ.get(STATS_ENV)
-        self._stats_path = Path(stats_dir) / f"{os.getpid()}.json" if stats_dir else None
-
-    def stats(self) -> dict[str, int]:
-        return {
-            "constrained_added": self.constrained_added,
-            "readded": self.readded,
-            "steps": self.steps,
-            "max_rows": self.max_rows,
-            "stalls": self.batch.core.stalls,  # masked, then no new token: a sample the engine discarded
-            "rebuilds": self.batch.core.rebuilds,  # histories that shrank or changed, replayed
-            "rescued": self.batch.core.rescued,  # rows whose allowed tokens another processor had all masked (CPU)
-            "kernel_steps": self.batch.kernel_steps,  # steps masked by the GPU kernel
-            "torch_steps": self.batch.torch_steps,  # steps masked by torch operations (GPU without the kernel)
-        }
-
-    def _write_stats(self) -> None:
-        assert self._stats_path is not None
-        tmp = self._stats_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.stats()))
-        tmp.replace(self._stats_path)
 
     def is_argmax_invariant(self) -> bool:
         return False  # it masks tokens, greedy decoding included
@@ -167,14 +146,13 @@ class ConstraintLogitsProcessorV1(LogitsProcessor):
                 self.constrained_added += 1
                 if output_ids:
                     self.readded += 1
+                self._metrics.added(readded=bool(output_ids))
             for src, dst, direction in batch_update.moved:
                 if direction == MoveDirectionality.SWAP:
                     self.batch.swap_rows(src, dst)
                 else:
                     self.batch.move_row(src, dst)
         self.batch.sync()
-        if self._stats_path is not None and batch_update is not None:
-            self._write_stats()
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if self.batch.num_constrained() == 0:
@@ -182,4 +160,5 @@ class ConstraintLogitsProcessorV1(LogitsProcessor):
         rows = self.batch.fill_apply(logits)
         self.steps += 1
         self.max_rows = max(self.max_rows, rows)
+        self._metrics.stepped(rows)
         return logits

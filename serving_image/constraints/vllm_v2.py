@@ -26,6 +26,7 @@ import torch
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcessor, LogitsProcRequestState
 
 from serving_image.constraints.engine import ConstraintBatch
+from serving_image.constraints.metrics import ProcessorMetrics
 from serving_image.constraints.spec import validate_constraint
 from serving_image.constraints.vllm_v1 import THREADS_ENV, compile_for_request, constraint_of, model_eos
 
@@ -56,6 +57,7 @@ class ConstraintLogitsProcessorV2(LogitsProcessor):
         # Per slot: the output tokens consumed so far (the core reads this list at every sync).
         self.history: dict[int, list[int]] = {}
         self.constrained = np.zeros(req_states.max_num_reqs, dtype=bool)  # per slot, for a vectorised row filter
+        self._metrics = ProcessorMetrics(self.batch)  # the llm_serving_constraint_* metrics (constraints/metrics.py)
 
     def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
         spec = constraint_of(sampling_params)
@@ -69,6 +71,7 @@ class ConstraintLogitsProcessorV2(LogitsProcessor):
         self.batch.set_row(req_idx, machine, hist)
         self.history[req_idx] = hist  # filled from the device at the next apply (a re-added request replays)
         self.constrained[req_idx] = True
+        self._metrics.added(readded=False)  # a re-added request's history is on the device: not told apart here
         return True
 
     def _gather(self, spans: list[tuple[int, int, int]]) -> list[list[int]]:
@@ -126,4 +129,5 @@ class ConstraintLogitsProcessorV2(LogitsProcessor):
         self._catch_up(slots, out_lens)
         self.batch.sync()
         self.batch.fill_apply_rows(logits, positions.astype(np.int32).tolist(), slots.astype(np.int32).tolist())
+        self._metrics.stepped(len(positions))
         return logits

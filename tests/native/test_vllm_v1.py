@@ -98,6 +98,32 @@ def test_rows_follow_their_output_lists_through_every_batch_change(proc, vllm_co
     assert proc.impl.batch.core.rebuilds >= 1
 
 
+def test_counts_are_exported_as_metrics(proc, vllm_config):
+    """The processor's counts reach prometheus_client as the llm_serving_constraint_* families (in a model pod they
+    go to the multiprocess files the metrics proxy merges: tests/serving/test_constraints_e2e.py reads them so)."""
+    from prometheus_client import REGISTRY
+
+    def value(name: str) -> float:
+        return REGISTRY.get_sample_value(f"llm_serving_constraint_{name}") or 0.0
+
+    names = ("requests_added_total", "requests_readded_total", "steps_total", "stalls_total", "rebuilds_total")
+    before = {name: value(name) for name in names}
+    vocab = vllm_config.model_config.get_vocab_size()
+    a, c = [], [5]
+    proc.update_state(update(3, added=[(0, params(DFA), [1], a), (1, params(), [1], []), (2, params(CHOICES), [1], c)]))
+    finite(proc, 3, vocab)  # two constrained rows masked
+    proc.update_state(None)  # and no token came for either: the engine threw both samples away
+    finite(proc, 3, vocab)
+    del c[:]  # a history that shrank: replayed
+    proc.update_state(None)
+    finite(proc, 3, vocab)
+    delta = {name: value(name) - before[name] for name in names}
+    assert delta["requests_added_total"] == 2 and delta["requests_readded_total"] == 1  # c came with a token
+    assert delta["steps_total"] == 3
+    assert delta["stalls_total"] >= 2 and delta["rebuilds_total"] >= 1
+    assert value("max_rows") >= 2
+
+
 def test_a_row_reused_by_an_unconstrained_request_is_released(proc, vllm_config):
     vocab = vllm_config.model_config.get_vocab_size()
     proc.update_state(update(1, added=[(0, params(ALLOWED), [1], [])]))

@@ -79,6 +79,12 @@ def ref(spec, out):
 
 
 def test_v2_rows_follow_committed_tokens_through_prefill_reorder_and_preemption(vllm_config):
+    from prometheus_client import REGISTRY
+
+    def metric(name: str) -> float:  # the llm_serving_constraint_* families (serving_image/constraints/metrics.py)
+        return REGISTRY.get_sample_value(f"llm_serving_constraint_{name}") or 0.0
+
+    added, steps = metric("requests_added_total"), metric("steps_total")
     vocab = vllm_config.model_config.get_vocab_size()
     runner = Runner(vocab)
     proc = ConstraintLogitsProcessor(vllm_config, runner.state)
@@ -123,6 +129,8 @@ def test_v2_rows_follow_committed_tokens_through_prefill_reorder_and_preemption(
     assert allowed_rows(proc, runner, [5], [23], vocab) == [ref(DFA, [17, 17, 42])]  # no new token: no read
     runner.commit(5, 3)
     assert allowed_rows(proc, runner, [5], [24], vocab) == [ref(DFA, [17, 17, 99, 3])]
+    assert metric("requests_added_total") - added == 3  # A, C, and A again after its preemption
+    assert metric("steps_total") - steps == 9
 
 
 def test_v2_refuses_speculative_decoding(vllm_config):

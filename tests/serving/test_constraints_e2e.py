@@ -5,12 +5,13 @@
 tokens, up to 80 output tokens). vLLM loads the processor by itself from the `vllm.logits_processors` entry point. Every
 output must satisfy its constraint (checked with the pure-Python reference), and the test observes from the inside
 that requests were preempted and re-added with their history, and that samples of partially prefilled rows were
-thrown away without advancing a row.
+thrown away without advancing a row: through the processor's own `llm_serving_constraint_*` metrics, which the engine
+core writes to PROMETHEUS_MULTIPROC_DIR as in a model pod (constraints/metrics.py).
 """
 
 from __future__ import annotations
 
-import json
+import os
 import random
 
 import pytest
@@ -25,6 +26,7 @@ MAX_TOKENS = 80
 # Plus a few requests whose constraint must end after one item while min_tokens forbids eos: the processor lets
 # the constraint win (eos stays sampleable) instead of leaving a row with every logit at -inf.
 N_CONFLICTING = 3
+PREFIX = "llm_serving_constraint_"  # the processor's metrics (serving_image/constraints/metrics.py)
 
 
 def make_specs(rng: random.Random, vocab: int, eos: int) -> list[dict]:
@@ -56,27 +58,53 @@ def make_specs(rng: random.Random, vocab: int, eos: int) -> list[dict]:
     return specs
 
 
+# The engine core's environment: a metrics directory of its own, and a spawned (not forked) process, which imports
+# prometheus_client afresh with the directory set (prometheus_client picks its storage at import, and this process
+# may have imported it already). Set for the engine's start only, then restored.
+def _engine_env(multiproc_dir) -> dict[str, str]:
+    return {"PROMETHEUS_MULTIPROC_DIR": str(multiproc_dir), "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+
+
+def constraint_metrics(multiproc_dir) -> dict[str, float]:
+    """The processor's metrics as the pod's metrics proxy reads them: prometheus_client's multiprocess collector,
+    merged across the directory's processes; by sample name (`llm_serving_constraint_steps_total`, ...)."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(multiproc_dir))
+    return {sample.name: sample.value for family in registry.collect() if family.name.startswith(PREFIX)
+            for sample in family.samples}
+
+
 @pytest.fixture(scope="module")
 def engine_run(demo_model_dir, tmp_path_factory):
     """One engine for the module: generate once, check many things."""
-    import os
-
-    stats_dir = tmp_path_factory.mktemp("constraint-stats")
-    os.environ["LLM_SERVING_CONSTRAINT_STATS_DIR"] = str(stats_dir)  # inherited by the engine-core process
+    multiproc_dir = tmp_path_factory.mktemp("constraint-metrics")
+    saved = {name: os.environ.get(name) for name in _engine_env(multiproc_dir)}
+    import prometheus_client  # noqa: F401  (here first, before the variable is set: this process keeps its metrics in memory)
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(str(demo_model_dir))
-    llm = LLM(
-        model=str(demo_model_dir),
-        max_model_len=256,
-        kv_cache_memory_bytes=600_000,
-        max_num_batched_tokens=64,
-        max_num_seqs=N_REQUESTS,
-        enable_chunked_prefill=True,
-        disable_log_stats=False,
-        enforce_eager=True,
-    )
+    os.environ.update(_engine_env(multiproc_dir))
+    try:
+        llm = LLM(
+            model=str(demo_model_dir),
+            max_model_len=256,
+            kv_cache_memory_bytes=600_000,
+            max_num_batched_tokens=64,
+            max_num_seqs=N_REQUESTS,
+            enable_chunked_prefill=True,
+            disable_log_stats=False,
+            enforce_eager=True,
+        )
+    finally:  # the engine core has started with it; nothing else in this session sees it
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     try:
         vocab = llm.llm_engine.model_config.get_vocab_size()
         eos = tokenizer.eos_token_id
@@ -99,10 +127,8 @@ def engine_run(demo_model_dir, tmp_path_factory):
         metrics = {m.name: m for m in llm.get_metrics()}
     finally:
         llm.llm_engine.engine_core.shutdown()
-        os.environ.pop("LLM_SERVING_CONSTRAINT_STATS_DIR", None)
-    stats = [json.loads(p.read_text()) for p in stats_dir.glob("*.json")]
-    return {"specs": specs, "outputs": outputs, "metrics": metrics, "stats": stats, "eos": eos, "vocab": vocab,
-            "prompts": prompts}
+    return {"specs": specs, "outputs": outputs, "metrics": metrics, "constraint": constraint_metrics(multiproc_dir),
+            "eos": eos, "vocab": vocab, "prompts": prompts}
 
 
 def test_every_output_satisfies_its_constraint(engine_run):
@@ -127,22 +153,24 @@ def test_every_output_satisfies_its_constraint(engine_run):
 def test_preemptions_and_chunked_prefills_happened(engine_run):
     preemptions = engine_run["metrics"]["vllm:num_preemptions"]
     assert preemptions.value > 0, "the settings were meant to force preemption"
-    [stats] = engine_run["stats"]  # one engine-core process, one processor loaded from the entry point
-    assert stats["constrained_added"] > N_REQUESTS  # every request, plus the re-adds after preemption
-    assert stats["readded"] > 0, "no preempted request came back with its output history"
+    stats = engine_run["constraint"]  # one engine-core process, one processor loaded from the entry point
+    assert stats[f"{PREFIX}requests_added_total"] > N_REQUESTS  # every request, plus the re-adds after preemption
+    assert stats[f"{PREFIX}requests_readded_total"] > 0, "no preempted request came back with its output history"
+    assert stats[f"{PREFIX}steps_total"] > 0
     # Rows masked whose sample the engine threw away: partially prefilled rows (the prompts are up to 70 tokens
     # and a step holds at most 64), which must not advance.
-    assert stats["stalls"] > 0, "no chunked prefill observed"
+    assert stats[f"{PREFIX}stalls_total"] > 0, "no chunked prefill observed"
     # The 600 kB cache holds about eight sequences at once: several constrained rows share every step.
-    assert stats["max_rows"] >= 4, "constrained requests were never batched together"
+    assert stats[f"{PREFIX}max_rows"] >= 4, "constrained requests were never batched together"
+    # Masked on the CPU: neither device path ran.
+    assert stats[f"{PREFIX}kernel_steps_total"] == stats[f"{PREFIX}torch_steps_total"] == 0
 
 
 def test_constraint_wins_over_min_tokens(engine_run):
     """The constraint can only end (one item, then eos) while min_tokens masks eos: the row keeps eos sampleable
     (logit 0) rather than leaving nothing to sample: the output is one item, then eos (which ends it here)."""
     eos = engine_run["eos"]
-    [stats] = engine_run["stats"]
-    assert stats["rescued"] > 0
+    assert engine_run["constraint"][f"{PREFIX}rescued_total"] > 0
     for out in engine_run["outputs"][N_REQUESTS:]:
         tokens = list(out.outputs[0].token_ids)
         item = tokens[:1] if tokens[:1] == [10] else tokens[:2]
