@@ -314,9 +314,3 @@ def infer(server, model: str, inputs: Iterable[Input], *, request_id: str = "", 
     stream = InferenceStream(delivery, key, request_id)
     delivery.streams[key] = stream  # on the loop's thread: no record of it can be drained before this
     return stream
-
-
-def in_flight() -> int:
-    """Requests sent and not yet both released and finished (a leak check for the tests)."""
-    with _deliveries_lock:
-        return sum(d.queue.in_flight() for d in _deliveries.values())
