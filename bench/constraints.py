@@ -7,8 +7,8 @@ logits shapes:
   - python: the pure-Python per-request path (`reference.ReferenceState`, one torch mask per request), the way
     the first version worked;
   - torch: the same Python states, the masks built and applied in one vectorised scatter + masked_fill;
-  - native-1 / native-N: this engine (`ConstraintBatch`: sync from the output lists, fill, apply) with 1 thread
-    and with every hardware thread;
+  - native-1 / native-N: the constraint engine (`ConstraintBatch`: sync from the output lists, fill, apply) with 1
+    thread and with every hardware thread;
   - for the apply half alone: xgrammar's CPU bitmask kernel on the very same bitmask, and the physical floor:
     the time to write the bytes the apply must write (every logit of a masked row: batch x vocab x 4 bytes) and
     nothing else, measured on the same buffer in turn with the two kernels: the fastest of plain stores,
@@ -199,8 +199,8 @@ def _time_steps(impls, logits, streams) -> dict[str, float]:
 
 
 def _host_step(vocab: int, specs, rng: random.Random) -> dict[str, float]:
-    """The host-side step alone, µs (best of the steps): this engine's sync + fill of the constrained rows as the
-    GPU path runs them (`ConstraintBatch.fill_apply` on CUDA logits; 1 thread: the per-row cost, no hand-off)
+    """The host-side step alone, µs (best of the steps): the constraint engine's sync + fill of the constrained rows
+    as the GPU path runs them (`ConstraintBatch.fill_apply` on CUDA logits; 1 thread: the per-row cost, no hand-off)
     against the Python per-request path's host work, with its mask tensors (`python`) and without
     them (`python_state`: advance and allowed set only, the least any Python per-request path does)."""
     import torch

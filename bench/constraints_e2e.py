@@ -4,7 +4,7 @@ On two models made at setup (the tiny demo model, and the same model with a 32k-
 cost is visible), at concurrency 1, 8, 32 and 64 (closed loop: each of `c` clients sends its next request when
 the previous one ends), the same prompts in every configuration:
 
-  - constrained vs unconstrained: every request constrained by this engine's state machine (`token_dfa`,
+  - constrained vs unconstrained: every request constrained by the constraint engine's machines (`token_dfa`,
     `choice_sequence`, `allowed_tokens`) against the same requests unconstrained, on one engine: output tokens/s
     ratio and TPOT p50/p99 ratios;
   - peer: the same constraints for vLLM's built-in structured outputs (xgrammar): `regex` against the equivalent

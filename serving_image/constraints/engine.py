@@ -1,4 +1,5 @@
 """Thin Python layer over the native core: compile a validated spec, and apply the packed bitmask to a logits tensor.
+Together they are the constraint engine (docs/architecture.md §2.3), which runs inside a vLLM engine.
 
 The core (`serving_image.constraints._native`, C++ built by the package build) owns the per-row states, the bitmask
 (int32 words, one row per batch row, bit t%32 of word t//32, 1 = allowed: xgrammar's layout) and a thread pool.

@@ -1,8 +1,11 @@
-"""The engine interface every front-end speaks (OpenAI HTTP, KServe v2): one seam, several engines behind it.
+"""The engine interface the OpenAI front-end speaks: one seam, several engine adapters behind it (which "engine" is
+which: docs/architecture.md §2.3).
 
-Production runs Triton (in-process or standalone) with its vLLM backend; locally and in CI the engine is vLLM's CPU
-build. Front-ends translate their protocol into an `EngineRequest` and read `EngineOutput` deltas back; nothing here
-imports vLLM or Triton, so the translation code stays pure and shared.
+In the `openai` mode the adapter is Triton embedded in the process (serving_image/triton/adapter.py), with NVIDIA's
+vLLM backend in the image and the stand-in backend over vLLM's CPU build locally; `VllmLocalEngine`
+(vllm_local.py) puts a vLLM engine in the calling process behind the same interface. Front-ends translate their
+protocol into an `EngineRequest` and read `EngineOutput` deltas back; nothing here imports vLLM or Triton, so the
+translation code stays pure and shared.
 """
 
 from __future__ import annotations

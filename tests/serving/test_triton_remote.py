@@ -1,6 +1,6 @@
 """The round trip: the OpenAI front-end -> the Triton-remote engine adapter (RemoteTritonEngine) -> real
 `tritonserver` over the tritonclient gRPC wire protocol (`ModelStreamInfer`) -> the stand-in vllm backend and its
-engine process; checked against a raw KServe call to the same server.
+in-stub engine; checked against a raw KServe call to the same server.
 
 The KServe server is NVIDIA's tritonserver itself: the session's standalone one (tests/serving/conftest.py,
 `triton_standalone`; nothing here stops it), on the package it was started with (its model id, version, context

@@ -1,5 +1,6 @@
-"""vLLM in the Python backend stub's own process, as NVIDIA's backend runs it: the engine a Python-backend model of
-this project holds (the stand-in `vllm` backend's models, the platform's scoring model).
+"""vLLM in the Python backend stub's own process, as NVIDIA's backend runs it: the in-stub engine a Python-backend
+model of this project holds (the stand-in `vllm` backend's models, the platform's scoring model; docs/architecture.md
+§2.3).
 
 The stub's interpreter is the system's libpython3.11 with its own `sys.path` (the standard library, the model's
 directory, the backend's directory with the stub's numpy < 2) and ignores `PYTHONPATH`. `prepare_environment` makes
