@@ -57,8 +57,15 @@ def _module_of(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]):
+    # A wrapper, so that the marks are in place before any plugin's own hook runs: pytest-xdist's worker reads them in
+    # its pytest_collection_modifyitems (and needs pytest < 9: pyproject.toml's pin says why).
+    _group_for_workers(items)
+    return (yield)
+
+
+def _group_for_workers(items: list[pytest.Item]) -> None:
     parent: dict[str, str] = {}
 
     def find(node: str) -> str:

@@ -40,6 +40,7 @@ from serving_image.batch.records import (
     TERMINAL,
     BatchErrorItem,
     BatchErrors,
+    BatchObject,
     FileObject,
     LineResult,
     StoredBatch,
@@ -258,22 +259,26 @@ class BatchWorker:
     async def _write(self, run: _Run, result: LineResult) -> None:
         # Store writes run on a thread: a put is a network round trip to S3 (an fsync on a directory store), and on
         # the event loop every lane would wait for every other lane's writes in turn.
-        await asyncio.to_thread(self._put_result, run.record.batch.id, result)
-        metrics.LINES.labels(run.record.batch.endpoint, result.kind).inc()
+        await asyncio.to_thread(self._put_result, run.record.batch, result)
         if result.kind == "output":
             run.completed += 1
         else:
             run.failed += 1
 
-    def _put_result(self, batch_id: str, result: LineResult) -> None:
-        """One result into the store (on a worker thread). With the test hook ENV_KILL_AFTER the puts take turns
-        and the process dies inside the one that stores the last allowed result: lanes write side by side, and
-        otherwise another lane's put could land between that put and the kill."""
+    def _put_result(self, batch: BatchObject, result: LineResult) -> None:
+        """One result into the store (on a worker thread), then counted on /metrics: counted in the same thread right
+        after the put, so that a stored line is counted unless the process dies between the two statements (counted
+        later on the event loop, a killed worker lost the counts of lines whose puts had returned). With the test
+        hook ENV_KILL_AFTER the puts take turns and the process dies inside the one that stores and counts the last
+        allowed result: lanes write side by side, and otherwise another lane's put could land between that put and
+        the kill."""
         if self.config.kill_after is None:
-            self.storage.put_result(batch_id, result)
+            self.storage.put_result(batch.id, result)
+            metrics.LINES.labels(batch.endpoint, result.kind).inc()
             return
         with self._kill_lock:
-            self.storage.put_result(batch_id, result)
+            self.storage.put_result(batch.id, result)
+            metrics.LINES.labels(batch.endpoint, result.kind).inc()
             self.results_written += 1
             if self.results_written >= self.config.kill_after:
                 log.warning("%s=%d reached: killing this worker", ENV_KILL_AFTER, self.config.kill_after)
