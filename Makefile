@@ -42,32 +42,33 @@ ENVS := serving-env infra-env checkov-env triton-env crd-validate-env
 envs:
 	$(MAKE) --no-print-directory -j5 --output-sync=target $(ENVS)
 
-# The serving + native suite on two pytest-xdist workers, each server topology's modules on one worker
-# (tests/conftest.py, "several workers"); the infra suite beside it, its output shown when it is done. Measured: the
-# serving suite alone left the 2-core machine 40-60 % idle (a server's boot waits more than it computes).
+# Both suites side by side: the serving + native suite on two pytest-xdist workers, each server topology's modules
+# on one worker (tests/conftest.py, "several workers"), and the infra suite beside it, its output shown when it is
+# done (.cache/test-infra.log). Measured: the serving suite alone left the 2-core machine 40-60 % idle (a server's
+# boot waits more than it computes). Both run to the end even when one fails (a red suite must not hide the other's
+# result). $(1): the tests to select (pytest arguments), $(2): how many slowest tests each prints.
 SERVING_WORKERS ?= 2
-test: envs
+define run_suites
 	$(SERVING)/bin/ruff check .
 	$(SERVING)/bin/lint-imports
-	@# Both suites run to the end even when one fails (a red suite must not hide the other's result).
 	@mkdir -p .cache
-	@echo "== the infra suite runs beside the serving suite; its output follows (.cache/test-infra.log)"
+	@echo "== the infra suite runs beside the serving suite; its output follows the serving suite's"
 	rc=0; \
-	$(INFRA)/bin/python -m pytest tests/infra --durations=15 $(PYTEST_ARGS) > .cache/test-infra.log 2>&1 & infra=$$!; \
-	$(SERVING)/bin/python -m pytest tests/serving tests/native --durations=15 -n $(SERVING_WORKERS) \
+	$(INFRA)/bin/python -m pytest tests/infra $(1) --durations=$(2) $(PYTEST_ARGS) > .cache/test-infra.log 2>&1 & \
+	infra=$$!; \
+	$(SERVING)/bin/python -m pytest tests/serving tests/native $(1) --durations=$(2) -n $(SERVING_WORKERS) \
 	  --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS) || rc=$$?; \
 	wait $$infra || rc=$$?; \
 	echo "== the infra suite:"; cat .cache/test-infra.log; \
 	exit $$rc
+endef
+
+test: envs
+	$(call run_suites,,15)
 
 # What a developer runs while editing: every test that starts no engine, server or rehearsal (`-m 'not slow'`).
-test-fast: serving-env infra-env checkov-env triton-env crd-validate-env
-	$(SERVING)/bin/ruff check .
-	$(SERVING)/bin/lint-imports
-	rc=0; \
-	$(SERVING)/bin/python -m pytest tests/serving tests/native -m 'not slow and not soak' --durations=10 $(PYTEST_ARGS) || rc=$$?; \
-	$(INFRA)/bin/python -m pytest tests/infra -m 'not slow and not soak' --durations=10 $(PYTEST_ARGS) || rc=$$?; \
-	exit $$rc
+test-fast: envs
+	$(call run_suites,-m 'not slow and not soak',10)
 
 plan: infra-env checkov-env crd-validate-env
 	$(INFRA)/bin/python -m infra.plan
