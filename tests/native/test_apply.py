@@ -130,3 +130,15 @@ def test_a_row_left_with_nothing_to_sample_gets_its_allowed_tokens_back(dtype):
     assert torch.equal(logits[1, [3, 7]], kept)
     if dtype != torch.float16:  # counted by the core; the torch path (other devices) does the same in torch
         assert batch.core.rescued == 1
+
+
+def test_hardware_threads_is_what_a_pool_of_every_thread_gets():
+    """threads=0 means every hardware thread: the core reports the machine's count (os.cpu_count, the same
+    std::thread::hardware_concurrency reads), and at least 1 where that is unknown (the binding maps 0 to 1)."""
+    import os
+
+    from serving_image.constraints import _native
+
+    count = _native.hardware_threads()
+    assert isinstance(count, int) and count >= 1
+    assert count == max(1, os.cpu_count() or 0)

@@ -163,8 +163,35 @@ def openai_server(demo_model_dir, tmp_path_factory):
     server.batch_store = root / "batch-store"
     try:
         yield server
-    finally:
+    except BaseException:
         server.kill()
+        raise
+    assert_stops_cleanly_on_sigterm(server)
+
+
+def assert_stops_cleanly_on_sigterm(server) -> None:
+    """Stop a server as Kubernetes does (SIGTERM to the entrypoint alone) and require a clean stop: exit 0, every
+    process it started gone (the stubs and vLLM's engine processes of every model), no traceback. The shared
+    `openai_server` ends this way, so a clean stop is proved with several engines, companions and a plugin loaded;
+    test_server_lifecycle.py proves the drain's order on a server of its own."""
+    import signal
+
+    import psutil
+
+    assert server.proc.poll() is None, f"the server had exited {server.proc.returncode}:\n{server.log()[-3000:]}"
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        code = server.proc.wait(timeout=180)
+    finally:
+        server.kill()  # whatever is left of the group
+    log = server.log()
+    assert code == 0, f"the server exited {code} on SIGTERM:\n{log[-3000:]}"
+    _, alive = psutil.wait_procs(children, timeout=60)
+    for process in alive:
+        process.kill()
+    assert alive == [], f"left running after SIGTERM: {[p.pid for p in alive]}"
+    assert "Traceback" not in log, log[-3000:]
 
 
 @pytest.fixture(scope="session")

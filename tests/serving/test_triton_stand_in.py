@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,23 @@ def test_the_engine_thread_takes_the_niceness_it_is_given_and_its_processes_inhe
     for bad in ("0", "20", "-5", "high"):
         done = run(bad)
         assert "$LLM_SERVING_ENGINE_NICE" in done.stderr and "1 to 19" in done.stderr, bad
+
+
+def test_a_bad_niceness_stops_the_engine_before_vllm_starts():
+    """With a bad $LLM_SERVING_ENGINE_NICE the in-stub engine reports itself failed, naming the variable, and starts
+    no vLLM: the stand-in's initialize raises that failure as "[vllm] Failed to start engine: ...", so the model
+    does not load and the startup procedure's step 4 fails (a process of its own: the stub's environment is set up
+    once per process)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from serving_image.triton.backends.vllm import engine_in_stub as stub\n"
+            "engine = stub.InStubEngine(sys.executable, '{}', 'demo-tiny', '1')\n"
+            "print(engine.first['op'], '|', engine.start_failure(), '|', 'vllm' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "LLM_SERVING_ENGINE_NICE": "20"})
+    assert done.returncode == 0, done.stderr
+    op, failure, vllm_imported = done.stdout.strip().split(" | ")
+    assert op == "failed" and "$LLM_SERVING_ENGINE_NICE='20'" in failure and "1 to 19" in failure
+    assert vllm_imported == "False"  # stopped before the engine's loop imports vLLM
