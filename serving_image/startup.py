@@ -355,10 +355,12 @@ async def _open_ports(started: Started, config: StartupConfig) -> str:
     started.uvicorn_servers.append(kserve.http_server)
     started.tasks.append(kserve.http_task)
     kserve_detail = f"KServe HTTP :{config.kserve_http_port} gRPC :{kserve.grpc_port}"
+    from serving_image.batch.api import mounted
     from serving_image.batch.config import BatchConfig
 
     batch_config = BatchConfig.from_env()  # the Batch API (docs/batch.md): on when LLM_SERVING_BATCH_STORE is set
-    app = create_app(started.engine, is_draining=lambda: started.draining, config=api_config, batch=batch_config)
+    app = create_app(started.engine, is_draining=lambda: started.draining, config=api_config,
+                     extensions=() if batch_config is None else (mounted(batch_config),))
     openai_server = _uvicorn_server(app, config.host, config.openai_port)
     started.uvicorn_servers.append(openai_server)
     task = asyncio.create_task(openai_server.serve(), name="openai-http")

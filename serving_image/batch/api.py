@@ -13,10 +13,11 @@ for an object that does not exist (no existence leak); an admin key (config.ENV_
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -41,6 +42,18 @@ from serving_image.openai_api.errors import APIError, bad_request, from_validati
 from serving_image.openai_api.state import server_state
 
 router = APIRouter()
+
+
+def mounted(config: BatchConfig) -> Callable[[FastAPI], None]:
+    """The Files and Batches API as an extension of the OpenAI front-end's app (`create_app(extensions=...)`): the
+    service on `app.state.batch`, the routes on the app, under its keys, admission and errors. The app takes it as
+    an extension rather than importing this package, so that the Batch API (which uses the front-end's admission)
+    sits above the front-end and the two never import each other."""
+    def mount(app: FastAPI) -> None:
+        app.state.batch = BatchService.open(config)
+        app.include_router(router)
+
+    return mount
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ which counts every request itself (nv_inference_request_success, nv_inference_co
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -24,9 +24,6 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive
 
-from serving_image.batch.api import BatchService
-from serving_image.batch.api import router as batch_router
-from serving_image.batch.config import BatchConfig
 from serving_image.engine.base import Engine
 from serving_image.openai_api.admission import PRIORITY_HEADER, Admission, APIConfig, check_api_key
 from serving_image.openai_api.embeddings import embed
@@ -55,7 +52,9 @@ router = APIRouter()
 
 
 def create_app(engine: Engine, is_draining: Callable[[], bool] = lambda: False,
-               config: APIConfig | None = None, batch: BatchConfig | None = None) -> FastAPI:
+               config: APIConfig | None = None, extensions: Sequence[Callable[[FastAPI], None]] = ()) -> FastAPI:
+    """The OpenAI front-end's app over `engine`. `extensions` mount more routes on it before its OpenAPI document is
+    built: the Batch API (serving_image/batch/api.py `mounted`), which startup adds when a store is configured."""
     config = config or APIConfig()
     app = FastAPI(title="llm-serving OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.server = ServerState(engine=engine, config=config, admission=Admission(config), is_draining=is_draining)
@@ -64,9 +63,8 @@ def create_app(engine: Engine, is_draining: Callable[[], bool] = lambda: False,
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unexpected)
     app.include_router(router)
-    if batch is not None:  # the Files and Batches API (serving_image/batch/), on only with a store to keep them in
-        app.state.batch = BatchService.open(batch)
-        app.include_router(batch_router)
+    for extension in extensions:
+        extension(app)
     install_openapi(app, ENDPOINTS)
     return app
 

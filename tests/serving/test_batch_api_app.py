@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from serving_image.batch.api import mounted
 from serving_image.batch.config import BatchConfig
 from serving_image.batch.storage import BatchStorage
 from serving_image.batch.worker import BatchWorker, WorkerConfig
@@ -31,7 +32,7 @@ ADMIN = "admin-key"
 def app(tmp_path):
     batch = BatchConfig(store_uri=str(tmp_path / "store"), admin_keys=(ADMIN,), max_lines=3, max_file_bytes=4000,
                         max_files_per_key=3, max_active_batches_per_key=1)
-    return create_app(ScriptedEngine(Generation(3)), config=APIConfig(api_keys=KEYS), batch=batch)
+    return create_app(ScriptedEngine(Generation(3)), config=APIConfig(api_keys=KEYS), extensions=(mounted(batch),))
 
 
 def _client(app, key: str) -> openai.AsyncOpenAI:
@@ -163,7 +164,7 @@ class FirstBatchAttemptHangs(ScriptedEngine):
 async def test_a_real_time_request_preempts_batch_work_which_is_sent_again_and_answered_once(tmp_path):
     engine = FirstBatchAttemptHangs()
     app = create_app(engine, config=APIConfig(api_keys=KEYS),
-                     batch=BatchConfig(store_uri=str(tmp_path / "store"), admin_keys=(ADMIN,)))
+                     extensions=(mounted(BatchConfig(store_uri=str(tmp_path / "store"), admin_keys=(ADMIN,))),))
     client = _client(app, KEYS[0])
     line = {"custom_id": "only", "method": "POST", "url": "/v1/completions",
             "body": {"model": MODEL.name, "prompt": "Bline", "max_tokens": 3, "temperature": 0}}

@@ -93,11 +93,12 @@ def test_fuzzing_the_openapi_schema_in_process_finds_no_server_error(monkeypatch
     )
 
     monkeypatch.setenv("LLM_SERVING_API_KEYS", KEY)
+    from serving_image.batch.api import mounted
     from serving_image.batch.config import BatchConfig
 
     # with the Batch API on (a directory store), so that its routes are fuzzed too
     batch = BatchConfig.from_env({"LLM_SERVING_BATCH_STORE": str(tmp_path / "batch-store")})
-    app = create_app(ShapedEngine(), config=APIConfig(max_inflight_tokens=100_000), batch=batch)
+    app = create_app(ShapedEngine(), config=APIConfig(max_inflight_tokens=100_000), extensions=(mounted(batch),))
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/embeddings",
