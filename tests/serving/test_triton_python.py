@@ -10,6 +10,7 @@ in seconds.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import time
@@ -196,6 +197,10 @@ def test_a_dead_engine_is_unavailable_not_a_client_error_and_startup_exits(demo_
                     while server.log().count(") submitted to the engine") < 2:
                         assert not second.done(), second.result().text
                         await asyncio.sleep(0.05)
+                    # The startup procedure (tritonserver's supervisor) is held too until both answers are read:
+                    # once it sees the model not ready it stops tritonserver, whose gRPC front-end then ends the
+                    # stream with GOAWAY, and on a loaded machine that came before the error response (seen once).
+                    os.kill(server.proc.pid, signal.SIGSTOP)
                     engine.kill()
                 if error is not None:
                     break
@@ -204,7 +209,10 @@ def test_a_dead_engine_is_unavailable_not_a_client_error_and_startup_exits(demo_
             return seen, await second
 
         generate = f"http://127.0.0.1:{server.ports['kserve_http']}/v2/models/demo-tiny/generate"
-        seen, died = asyncio.run(asyncio.wait_for(stream_then_kill(), timeout=180))
+        try:
+            seen, died = asyncio.run(asyncio.wait_for(stream_then_kill(), timeout=180))
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)  # the supervisor goes on: it sees the model not ready, exits 1
         (first, first_error), (_, error) = seen[0], seen[-1]
         assert first_error is None and first.as_numpy("text_output")[0]
         assert len(seen) < 50, "the stream finished although its engine was killed"
