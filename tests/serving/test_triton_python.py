@@ -10,7 +10,6 @@ in seconds.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import time
@@ -158,6 +157,7 @@ def test_a_dead_engine_is_unavailable_not_a_client_error_and_startup_exits(demo_
     first response to the kill, so the stream cannot finish first, whatever the machine's speed."""
     import asyncio
 
+    import grpc
     import httpx
     import tritonclient.grpc.aio as grpcaio
 
@@ -187,39 +187,41 @@ def test_a_dead_engine_is_unavailable_not_a_client_error_and_startup_exits(demo_
 
             stream = client.stream_infer(requests())
             seen, second = [], None
-            async for result, error in stream:
-                seen.append((result, error))
-                if len(seen) == 1:  # the request is running: hold the engine, let a second request reach it, kill
-                    engine.hold()
-                    second = asyncio.ensure_future(asyncio.to_thread(
-                        httpx.post, generate, json={"text_input": "hello", "parameters": {"max_tokens": 8}},
-                        timeout=60))
-                    while server.log().count(") submitted to the engine") < 2:
-                        assert not second.done(), second.result().text
-                        await asyncio.sleep(0.05)
-                    # The startup procedure (tritonserver's supervisor) is held too until both answers are read:
-                    # once it sees the model not ready it stops tritonserver, whose gRPC front-end then ends the
-                    # stream with GOAWAY, and on a loaded machine that came before the error response (seen once).
-                    os.kill(server.proc.pid, signal.SIGSTOP)
-                    engine.kill()
-                if error is not None:
-                    break
+            try:
+                async for result, error in stream:
+                    seen.append((result, error))
+                    if len(seen) == 1:  # the request runs: hold the engine, let a second request reach it, kill
+                        engine.hold()
+                        second = asyncio.ensure_future(asyncio.to_thread(
+                            httpx.post, generate, json={"text_input": "hello", "parameters": {"max_tokens": 8}},
+                            timeout=60))
+                        while server.log().count(") submitted to the engine") < 2:
+                            assert not second.done(), second.result().text
+                            await asyncio.sleep(0.05)
+                        engine.kill()
+                    if error is not None:
+                        break
+            except grpc.aio.AioRpcError as closed:
+                # The backend answers the streamed request with the engine's error, and the startup procedure, once
+                # it sees the model not ready, stops tritonserver, whose gRPC front-end then closes the stream: on a
+                # loaded machine the close came first (seen once in a fresh clone's make test). Either way the
+                # server's failure (UNAVAILABLE), never the client's; the engine's words are checked on the second
+                # request below.
+                assert closed.code() == grpc.StatusCode.UNAVAILABLE and len(seen) >= 1, closed
+                seen.append((None, closed))
             stream.cancel()
             await client.close()
             return seen, await second
 
         generate = f"http://127.0.0.1:{server.ports['kserve_http']}/v2/models/demo-tiny/generate"
-        try:
-            seen, died = asyncio.run(asyncio.wait_for(stream_then_kill(), timeout=180))
-        finally:
-            os.kill(server.proc.pid, signal.SIGCONT)  # the supervisor goes on: it sees the model not ready, exits 1
+        seen, died = asyncio.run(asyncio.wait_for(stream_then_kill(), timeout=180))
         (first, first_error), (_, error) = seen[0], seen[-1]
         assert first_error is None and first.as_numpy("text_output")[0]
         assert len(seen) < 50, "the stream finished although its engine was killed"
         # The engine's own error for requests it held (vLLM's EngineDeadError), the backend's health verdict for the
         # rest: both the server's failure, never the client's
         engine_gone = re.compile(r"vLLM engine died|unhealthy vLLM engine")
-        assert engine_gone.search(str(error)), str(error)
+        assert isinstance(error, grpc.aio.AioRpcError) or engine_gone.search(str(error)), str(error)
         # Triton 2.51's generate endpoint answers 400 for an error response whatever its code (INTERNAL and
         # UNAVAILABLE alike: compat.toml [local.triton] differences); the message says it is the engine
         assert died.status_code == 400 and engine_gone.search(died.json()["error"]), died.text
