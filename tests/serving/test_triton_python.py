@@ -25,6 +25,7 @@ from bench.local_server import PORT_NAMES, Server, local_startup_argv
 from llm_serving.manifest import Backend, ServingMode
 from llm_serving.package import PackageSpec, build_package
 from llm_serving.ports import accepts, free_port
+from tests.serving.engine_args import EAGER_ENGINE_ARGS
 
 pytestmark = pytest.mark.slow
 
@@ -154,7 +155,8 @@ def test_a_dead_engine_is_unavailable_not_a_client_error_and_startup_exits(demo_
     streams: that request and the next get UNAVAILABLE ("Model is unavailable due to unhealthy vLLM engine", never
     a client error), the backend unloads its model as NVIDIA's health check does, and the startup procedure sees the
     model not ready and exits with status 1 so that the container restarts. The engine is held (SIGSTOP) from the
-    first response to the kill, so the stream cannot finish first, whatever the machine's speed."""
+    first response to the kill, and the stream asks for seconds of engine work (1900 tokens), so it cannot finish
+    before the hold, however loaded the machine."""
     import asyncio
 
     import grpc
@@ -164,8 +166,10 @@ def test_a_dead_engine_is_unavailable_not_a_client_error_and_startup_exits(demo_
     from bench.local_server import start_standalone_server
     from tests.serving.engine_hold import EngineProcesses
 
-    package = build_package(PackageSpec(demo_model_dir, "demo-tiny", "1.0.0",
-                                        engine_args={"max_model_len": 64, "enforce_eager": True},
+    # 1900 tokens: seconds of engine work even on a fast machine, so that the stream cannot finish between its first
+    # token leaving the server and this test reading it and holding the engine (the only window the hold leaves; with
+    # 50 tokens a loaded CI machine read the first token after the last was made).
+    package = build_package(PackageSpec(demo_model_dir, "demo-tiny", "1.0.0", engine_args=EAGER_ENGINE_ARGS,
                                         serving_mode=ServingMode.STANDALONE), tmp_path / "pkg")
     server = start_standalone_server(package, tmp_path / "work", extra_env={"LLM_SERVING_DRAIN_DELAY_S": "0"})
     try:
@@ -179,7 +183,7 @@ def test_a_dead_engine_is_unavailable_not_a_client_error_and_startup_exits(demo_
             flag = grpcaio.InferInput("stream", [1], "BOOL")
             flag.set_data_from_numpy(np.array([True]))
             params = grpcaio.InferInput("sampling_parameters", [1], "BYTES")
-            params.set_data_from_numpy(np.array([b'{"max_tokens": 50, "ignore_eos": true}'], dtype=np.object_))
+            params.set_data_from_numpy(np.array([b'{"max_tokens": 1900, "ignore_eos": true}'], dtype=np.object_))
 
             async def requests():
                 yield {"model_name": "demo-tiny", "inputs": [text, flag, params], "request_id": "in-flight"}
@@ -217,7 +221,7 @@ def test_a_dead_engine_is_unavailable_not_a_client_error_and_startup_exits(demo_
         seen, died = asyncio.run(asyncio.wait_for(stream_then_kill(), timeout=180))
         (first, first_error), (_, error) = seen[0], seen[-1]
         assert first_error is None and first.as_numpy("text_output")[0]
-        assert len(seen) < 50, "the stream finished although its engine was killed"
+        assert len(seen) < 1900, "the stream finished although its engine was killed"
         # The engine's own error for requests it held (vLLM's EngineDeadError), the backend's health verdict for the
         # rest: both the server's failure, never the client's
         engine_gone = re.compile(r"vLLM engine died|unhealthy vLLM engine")
