@@ -287,6 +287,8 @@ def test_refuses_wrong_io_fingerprint(tmp_path: Path):
         ("weights/vllm/model_executor/custom.py", b"print('patched')\n", "bundles vllm"),
         ("torch.py", b"raise SystemExit\n", "bundles torch.py"),
     ],
+    ids=["vllm-wheel", "torch-wheel", "wheel-pins-torch", "wheel-pins-tritonserver", "wheel-bundles-vllm",
+         "requirements-pin-vllm", "weights-bundle-vllm", "top-level-torch-py"],
 )
 def test_refuses_bundled_or_pinned_engine(tmp_path: Path, name: str, data: bytes, needle: str):
     files = dict(BASE_FILES, **{name: data})

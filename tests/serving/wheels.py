@@ -28,10 +28,13 @@ def make_wheel(name: str, version: str = "0.1", *, files: dict[str, str] | None 
     record = "".join(f"{path},{_record_hash(data)},{len(data)}\n" for path, data in contents.items())
     record += f"{dist}/RECORD,,\n"
     buffer = io.BytesIO()
+    # A fixed timestamp: the same wheel byte for byte whenever it is built (a test parametrized with one at
+    # collection had different ids in two pytest-xdist workers that collected it a second apart)
     with zipfile.ZipFile(buffer, "w") as archive:
-        for path, data in contents.items():
-            archive.writestr(path, data)
-        archive.writestr(f"{dist}/RECORD", record)
+        for path, data in [*contents.items(), (f"{dist}/RECORD", record.encode())]:
+            entry = zipfile.ZipInfo(path, date_time=(1980, 1, 1, 0, 0, 0))
+            entry.external_attr = 0o644 << 16  # rw-r--r--, as writestr(name, ...) would give
+            archive.writestr(entry, data)
     return buffer.getvalue()
 
 
