@@ -20,6 +20,9 @@ test_server_lifecycle.py, on servers of their own.
 
 from __future__ import annotations
 
+import importlib
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,34 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "ticket_triage"
 # float32: see docs/local-environment.md (this VM SIGILLs in vLLM's bf16 AMX attention kernel).
 TRITON_ENGINE_ARGS = {"max_model_len": 2048, "kv_cache_memory_bytes": 128 * 1024 * 1024, "dtype": "float32"}
+
+
+@pytest.fixture
+def stub_models(monkeypatch):
+    """The stand-in vllm backend's and the scoring model's modules, imported with a stand-in for
+    triton_python_backend_utils (which exists only inside Triton's stub; removed again afterwards). Its responses
+    keep what they were built with: `error`, and `outputs` (tensor name -> the numpy array)."""
+    fake = types.ModuleType("triton_python_backend_utils")
+
+    class TritonError:
+        INVALID_ARG, UNAVAILABLE, INTERNAL = "INVALID_ARG-code", "UNAVAILABLE-code", "INTERNAL-code"
+
+        def __init__(self, message, code):
+            self.message, self.code = message, code
+
+    fake.TritonError = TritonError
+    fake.Tensor = lambda name, array: (name, array)
+    fake.InferenceResponse = lambda error=None, output_tensors=None: types.SimpleNamespace(
+        error=error, outputs=dict(output_tensors or ()))
+    fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
+    names = ("serving_image.triton.backends.vllm.model", "serving_image.triton.scoring_model.model")
+    for name in names:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    loaded = [importlib.import_module(name) for name in names]
+    yield loaded
+    for name in names:
+        sys.modules.pop(name, None)
 
 
 def build_example_package(out: Path) -> Path:

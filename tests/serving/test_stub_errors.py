@@ -1,12 +1,10 @@
 """The engine's error messages (serving_image/triton/stub_vllm.py `error_message`) as the Python-backend models
 answer them: one mapping (engine_in_stub.error_answer) for the stand-in vllm backend's generation and embeddings and
 for the scoring model, so an input error names its field whichever model answers. Fast: the models are loaded
-with a stand-in for triton_python_backend_utils (which exists only inside Triton's stub) and answer one message."""
+with a stand-in for triton_python_backend_utils (tests/serving/conftest.py `stub_models`) and answer one message."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 import threading
 import types
 
@@ -37,36 +35,12 @@ class _Sender:
         self.sent.append((response.error.message, response.error.code, flags))
 
 
-@pytest.fixture
-def models(monkeypatch):
-    """The two model modules, imported with a stand-in pb_utils (and removed again afterwards)."""
-    fake = types.ModuleType("triton_python_backend_utils")
-
-    class TritonError:
-        INVALID_ARG, UNAVAILABLE, INTERNAL = "INVALID_ARG-code", "UNAVAILABLE-code", "INTERNAL-code"
-
-        def __init__(self, message, code):
-            self.message, self.code = message, code
-
-    fake.TritonError = TritonError
-    fake.InferenceResponse = lambda error=None, output_tensors=None: types.SimpleNamespace(error=error)
-    fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
-    names = ("serving_image.triton.backends.vllm.model", "serving_image.triton.scoring_model.model")
-    for name in names:
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    loaded = [importlib.import_module(name) for name in names]
-    yield loaded
-    for name in names:
-        sys.modules.pop(name, None)
-
-
 MESSAGE = {"id": "r1", "error": "must be a number, got 'x'", "code": "INVALID_ARG",
            "field": "sampling_parameters.temperature"}
 
 
-def test_every_model_names_the_field(models):
-    generation, scoring = models
+def test_every_model_names_the_field(stub_models):
+    generation, scoring = stub_models
     sender = _Sender()
     model = generation.TritonPythonModel.__new__(generation.TritonPythonModel)
     model._lock, model._requests = threading.Lock(), {"r1": types.SimpleNamespace(sender=sender)}
