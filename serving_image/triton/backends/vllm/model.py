@@ -8,9 +8,10 @@ src/utils/request.py of the release compat.toml pins):
 
 - `auto_complete_config` declares the same inputs and outputs (names, types, dims, optional flags), decoupled, no
   Triton batching;
-- one response per engine step when `stream` is true, one final response otherwise; `text_output` carries the prompt
-  in front unless `exclude_input_in_output` (default: true when streaming, false otherwise; false while streaming is
-  refused); `finish_reason`, `num_input_tokens` and `num_output_tokens` only when their `return_*` input is true;
+- at most one response per engine step when `stream` is true (fewer under load, `SendPacer`), one final response
+  otherwise; `text_output` carries the prompt in front unless `exclude_input_in_output` (default: true when
+  streaming, false otherwise; false while streaming is refused); `finish_reason`, `num_input_tokens` and
+  `num_output_tokens` only when their `return_*` input is true;
 - `sampling_parameters` (a JSON string, or the request's parameters without it) is parsed as the backend does, by
   the engine's side (serving_image/triton/stub_vllm.py: it needs vLLM's SamplingParams);
 - a cancelled request (client gone, stream cancelled) is aborted in the engine and ends with a CANCELLED error;
