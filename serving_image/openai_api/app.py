@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
 from serving_image.engine.base import Engine
@@ -38,7 +39,7 @@ from serving_image.openai_api.protocol import (
     SCORE,
     Endpoint,
 )
-from serving_image.openai_api.request_scope import RequestScope, trace_id_from
+from serving_image.openai_api.request_scope import CLIENT_CLOSED_REQUEST, RequestScope, trace_id_from
 from serving_image.openai_api.scoring import score
 from serving_image.openai_api.state import ServerState, server_state
 from serving_image.request_context import EXPERIMENT_HEADER, experiment_from
@@ -159,7 +160,13 @@ async def _serve(request: Request, endpoint: Endpoint, handler: Handler) -> Resp
         scope.trace_id = trace_id_from(request.headers.get("traceparent"))
         scope.experiment = _experiment(request)
         scope.batch = _is_batch(request)
-        scope.body = await _parse_body(request, server, endpoint)
+        try:
+            scope.body = await _parse_body(request, server, endpoint)
+        except ClientDisconnect:
+            # The client left while sending its body: nobody to answer, and not the server's error (a 500 with a
+            # traceback before): recorded as a client that left
+            scope.outcome.canceled()
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         return await handler(server, scope, scope.body, request.receive)
 
 

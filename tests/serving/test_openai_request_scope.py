@@ -244,10 +244,11 @@ def http_scope(path: str = "/v1/completions", body: bytes = b"", spec_version: s
 
 class Client:
     """The client side of one ASGI request: sends `body`, then disconnects at once, after the first response body
-    chunk, or never; `slow` makes every body chunk take a while to send (a slow socket)."""
+    chunk, or never (or sends 5 bytes of the body and disconnects); `slow` makes every body chunk take a while to
+    send (a slow socket)."""
 
     def __init__(self, body: bytes = b"", *, leave: str = "never", slow: bool = False):
-        assert leave in ("never", "at once", "after first chunk")
+        assert leave in ("never", "at once", "after first chunk", "while sending the body")
         self.body, self.leave, self.slow = body, leave, slow
         self.messages: list[dict] = []
         self._body_sent = False
@@ -256,6 +257,8 @@ class Client:
     async def receive(self) -> dict:
         if not self._body_sent:
             self._body_sent = True
+            if self.leave == "while sending the body":
+                return {"type": "http.request", "body": self.body[:5], "more_body": True}
             return {"type": "http.request", "body": self.body, "more_body": False}
         if self.leave == "never":
             await asyncio.Event().wait()
@@ -490,6 +493,14 @@ def test_app_a_client_leaving_a_non_streaming_request_gets_it_aborted(books, tok
     assert client.status == 499
     record = books.assert_released_once(499)
     assert engine.aborted == [record["request_id"]]
+
+
+def test_app_a_client_leaving_while_sending_its_body_is_a_499_not_an_error(books, caplog):
+    engine = ScriptedEngine(Generation(3))
+    client = call_app(books, engine, {"max_tokens": 3}, client_leaves="while sending the body")
+    assert client.status == 499
+    books.assert_released_once(499)
+    assert not [r for r in caplog.records if r.exc_info], "a client that left is not the server's error"
 
 
 @pytest.mark.parametrize("stream", [False, True])
