@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -119,6 +120,21 @@ class EngineProcesses:
 
     def release(self) -> None:
         self._signal_and_wait(signal.SIGCONT, stopped=False)
+
+    def advance_until(self, reached: threading.Event, slice_s: float = 0.02, wait_s: float = 0.5,
+                      slices: int = 240) -> None:
+        """From held: let the engine run `slice_s` at a time, each slice followed by `wait_s` held, until `reached`
+        is set; return with the engine held. For a test that must act after an output has reached its client but
+        long before the engine could finish: the engine only ever runs in short slices while everything downstream
+        (the stub, Triton, the front-end, the client) gets the machine to itself to catch up, so how far the engine
+        got is bounded by the slices it was given, not by how slowly a loaded machine delivered that output."""
+        for _ in range(slices):
+            self.release()
+            time.sleep(slice_s)
+            self.hold()
+            if reached.wait(wait_s):
+                return
+        raise AssertionError(f"not reached after {slices} slices of {slice_s} s of engine time")
 
     def kill(self) -> None:
         for pid in self.pids:

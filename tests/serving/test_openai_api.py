@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import json
 import re
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -423,22 +425,38 @@ def test_client_disconnect_aborts_the_request_in_the_engine(server, eos):
     """16 choices of 1900 tokens (about 30,000 tokens, many seconds of work); the client leaves after the first event:
     the engine's running count drops to 0 at once and it stops generating far short of the full request.
 
-    The race is forced: the engine is held (SIGSTOP) at the first event, before the client leaves, so what the
-    engine generates after the departure is measured from a known point, however fast or loaded the machine."""
+    The race is forced: the engine is held (SIGSTOP) from before the request, and runs only in slices of 20 ms, each
+    followed by half a second held, until the first event has reached the client; the client then leaves with the
+    engine held. So the engine has done a few slices' work when the client leaves, however slowly a loaded machine
+    brings that event out. (Held once the client had read the first event instead, the engine ran on meanwhile
+    and, with the front-end short of CPU beside it, had finished all 30,400 tokens first: seen in a fresh clone.)"""
     engine = EngineProcesses.of(server.proc.pid, MODEL)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story"}], "max_tokens": 1900, "n": 16,
             "temperature": 1.0, "stream": True, "logit_bias": {eos: -100}}
-    try:
-        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60,
-                          headers={"Authorization": f"Bearer {KEY}"}) as response:
-            # Hold at the first event: it comes with the response's headers, so the engine is at most a few steps
-            # ahead of it. (Reading further events let the engine, which runs ahead of the front-end's writes, finish
-            # the whole request on a loaded machine before the client left.)
-            next(response.iter_lines())
-            engine.hold()
-        tokens_at_hold = _metric(server, "vllm:generation_tokens_total")
-    finally:
-        engine.release()
+    first_event, leave = threading.Event(), threading.Event()
+
+    def client() -> str:
+        try:
+            with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {KEY}"}) as response:
+                line = next(response.iter_lines())
+                first_event.set()
+                assert leave.wait(60), "the test never let the client leave"
+            return line
+        finally:
+            first_event.set()  # a client that failed stops the slicing too; its error is raised below
+
+    engine.hold()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            reading = pool.submit(client)
+            engine.advance_until(first_event)
+            leave.set()
+            assert reading.result(timeout=60).startswith("data: {")
+            tokens_at_hold = _metric(server, "vllm:generation_tokens_total")
+        finally:
+            leave.set()
+            engine.release()
     _assert_abandoned_request_stopped(server, tokens_at_hold)
 
 
