@@ -21,13 +21,24 @@ test_server_lifecycle.py, on servers of their own.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import types
 from pathlib import Path
 
 import pytest
 
+from serving_image.triton.backends.vllm.engine_in_stub import ENGINE_NICE_ENV
+
 REPO = Path(__file__).resolve().parents[2]
+
+# The engines of every server this suite starts run at niceness 10, as the rehearsal's pods' engines do and for the
+# same reason (docs/rehearsal.md, "A new pod's model load and Triton's stub handshake"): the two xdist workers' servers
+# share two cores, and vLLM's busy-polling engine core and worker, at the stubs' priority, starved a Python backend
+# stub until it missed Triton's one-second health check. Triton then called the stub unhealthy and aborted (boost
+# `lock_exception`, exit -6), taking the shared openai_server with it: seen in a fresh clone's make test, the demo
+# ranker's stub, while the other worker ran the seeded-preemption test. A production pod's cores are its own.
+os.environ.setdefault(ENGINE_NICE_ENV, "10")
 EXAMPLE = REPO / "examples" / "ticket_triage"
 # float32: see docs/local-environment.md (this VM SIGILLs in vLLM's bf16 AMX attention kernel).
 TRITON_ENGINE_ARGS = {"max_model_len": 2048, "kv_cache_memory_bytes": 128 * 1024 * 1024, "dtype": "float32"}
