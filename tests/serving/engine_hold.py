@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -127,11 +128,17 @@ class EngineProcesses:
         is set; return with the engine held. For a test that must act after an output has reached its client but
         long before the engine could finish: the engine only ever runs in short slices while everything downstream
         (the stub, Triton, the front-end, the client) gets the machine to itself to catch up, so how far the engine
-        got is bounded by the slices it was given, not by how slowly a loaded machine delivered that output."""
+        got is bounded by the slices it was given, not by how slowly a loaded machine delivered that output.
+
+        Each slice is one shell's `kill -CONT; sleep; kill -STOP`: its length must not depend on this process. A
+        thread of the test's process that slept between the two signals itself waited seconds for the GIL while
+        the test's event loop read a fast stream (seen in a fresh clone's make test: the engine ran free and
+        finished the whole request)."""
+        pids = " ".join(str(pid) for pid in self.pids)
         for _ in range(slices):
-            self.release()
-            time.sleep(slice_s)
-            self.hold()
+            subprocess.run(["/bin/sh", "-c", f"kill -CONT {pids}; sleep {slice_s}; kill -STOP {pids}"], check=True,
+                           timeout=60)
+            self.hold()  # until the kernel reports every process stopped
             if reached.wait(wait_s):
                 return
         raise AssertionError(f"not reached after {slices} slices of {slice_s} s of engine time")
