@@ -1,22 +1,28 @@
-"""KServe gRPC streaming against the vLLM engine called directly, in one run (issues #6 and #13).
+"""KServe gRPC streaming against vLLM's AsyncLLM called directly, in one run (issues #6, #13 and #28).
 
 128 requests of 64 greedy output tokens (ignore_eos, so every request makes the same work), 32 prompt tokens, 16 at a
-time, on the demo model. Baseline: `engine.generate` in this process. Subjects, with NVIDIA's asyncio tritonclient
-streaming every token over gRPC:
-- `triton`: the `standalone` serving mode, real tritonserver 2.51 with the stand-in vllm backend, whose engine (vLLM's
-  AsyncLLM) runs in the Python backend stub's process (the hops: client -> Triton -> stub, and back).
-Both measured in turn over several rounds (medians), with the CPU seconds each process spent per 1000 tokens.
-Reported as ratios (subject / direct); the target for Triton is 0.8 of direct throughput (issue #13).
+time, on the demo model. Baseline: vLLM's `AsyncLLM.generate` in this process, streaming deltas. Subjects, with
+NVIDIA's asyncio tritonclient streaming every token over gRPC (`ModelStreamInfer`):
+- `standalone`: the `standalone` serving mode (`make up MODE=standalone`), real tritonserver 2.51 with the stand-in
+  vllm backend, whose engine (vLLM's AsyncLLM) runs in the Python backend stub's process (client -> Triton -> stub);
+- `embedded`: the `openai` serving mode (`make up`), the real entrypoint, whose KServe gRPC port (8001 in the image)
+  is Triton embedded in the OpenAI front-end's process through the C API, with the same backend and stub.
+All three up at once (each idle while another is measured), measured in turn over several rounds with identical
+engine arguments (medians), with the CPU seconds each process spent per 1000 tokens. Reported as ratios (subject /
+direct); the target is 0.8 of direct throughput (issues #13 and #28).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import pathlib
 import statistics
 import time
+import uuid
 
+from bench.local_server import publish_demo, start_server
 from bench.report import demo_model, main, percentile, ratio_plot, ratio_table, ratios, result
 from llm_serving.kserve_stream import until_final_async
 from llm_serving.ports import free_port
@@ -34,21 +40,25 @@ def _summary(ttfts: list[float], elapsed: float, tokens: int) -> dict:
             "median_ttft_ms": statistics.median(ttfts) * 1000, "p99_ttft_ms": percentile(ttfts, 0.99) * 1000}
 
 
-async def _direct(engine) -> dict:
-    from serving_image.engine.base import EngineRequest, SamplingSpec
+async def _direct(llm) -> dict:
+    """The same requests through vLLM's AsyncLLM in this process, streamed as deltas."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
-    spec = SamplingSpec(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
     gate = asyncio.Semaphore(CONCURRENCY)
     ttfts, tokens = [], 0
+    run_id = uuid.uuid4().hex[:8]
 
     async def one(i: int) -> None:
         nonlocal tokens
         async with gate:
             started, first = time.perf_counter(), None
-            async for output in engine.generate(EngineRequest(f"direct-{i}", PROMPT, spec)):
+            async for output in llm.generate(PROMPT, params, request_id=f"direct-{run_id}-{i}"):
                 if first is None:
                     first = time.perf_counter() - started
-                tokens += sum(len(c.token_ids) for c in output.choices)
+                tokens += sum(len(c.token_ids) for c in output.outputs)
             ttfts.append(first)
 
     started = time.perf_counter()
@@ -113,38 +123,64 @@ async def _start_triton(model_dir: pathlib.Path, workdir: pathlib.Path):
     return triton, f"127.0.0.1:{ports['grpc']}"
 
 
-_ROLES = (("tritonserver", "tritonserver"), ("triton_python_backend_stub", "Python backend stub (vLLM's AsyncLLM)"),
-          ("VLLM::", "vLLM engine core + worker"))
+SUBJECTS = ("standalone", "embedded")
+SIDES = ("direct", *SUBJECTS)
+CLIENT = "this process (client; direct: AsyncLLM's front)"
 
 
-def _cpu_seconds() -> dict[str, float]:
-    """CPU seconds so far of this process (the client, and the direct engine's front) and its descendants, by role."""
+def _kind(cmdline: str, name: str) -> str:
+    if "triton_python_backend_stub" in cmdline or "triton_python_backend_stub" in name:
+        return "Python backend stub (vLLM's AsyncLLM)"
+    if cmdline.startswith("VLLM::"):
+        return "vLLM engine core + worker"
+    if name == "tritonserver":
+        return "tritonserver"
+    if "serving_image.startup" in cmdline:
+        return "server process (front-end + embedded Triton)"
+    return "other"
+
+
+def _cpu_seconds() -> dict[tuple[str, str], float]:
+    """CPU seconds so far of this process and its descendants, by (side, kind of process): each child of this
+    process is one side's (tritonserver the standalone one, the entrypoint the embedded one, vLLM's engine processes
+    the direct AsyncLLM's), and its descendants with it."""
     import psutil
 
     me = psutil.Process()
-    totals: dict[str, float] = {}
-    under_triton = {p.pid for t in me.children() if t.name() == "tritonserver" for p in t.children(recursive=True)}
-    for proc in (me, *me.children(recursive=True)):
+    totals: dict[tuple[str, str], float] = {}
+
+    def add(side: str, proc) -> None:
         try:
-            cmdline, times = " ".join(proc.cmdline()), proc.cpu_times()
+            cmdline, name, times = " ".join(proc.cmdline()), proc.name(), proc.cpu_times()
+        except psutil.Error:  # gone meanwhile, or a zombie
+            return
+        key = (side, _kind(cmdline, name))
+        totals[key] = totals.get(key, 0.0) + times.user + times.system
+
+    times = me.cpu_times()
+    totals[("client", CLIENT)] = times.user + times.system
+    for child in me.children():
+        try:
+            name, cmdline = child.name(), " ".join(child.cmdline())
         except psutil.Error:
             continue
-        role = "this process (client; direct: the engine's front)" if proc.pid == me.pid else next(
-            (name for needle, name in _ROLES if needle in cmdline or needle in proc.name()), "other")
-        if role == "vLLM engine core + worker":
-            role += " (Triton's)" if proc.pid in under_triton else " (direct)"
-        totals[role] = totals.get(role, 0.0) + times.user + times.system
+        side = "standalone" if name == "tritonserver" else "embedded" if "serving_image.startup" in cmdline \
+            else "direct"
+        for proc in (child, *child.children(recursive=True)):
+            add(side, proc)
     return totals
 
 
-async def _with_cpu(coro) -> tuple[dict, dict[str, float]]:
-    """Run one measurement; also return the CPU seconds per 1000 output tokens it cost, by role."""
+async def _with_cpu(side: str, coro) -> tuple[dict, dict[str, float]]:
+    """Run one measurement of `side`; also return the CPU seconds per 1000 output tokens it cost, by kind of
+    process: this process's and that side's own (the others idle meanwhile, their polling not charged to it)."""
     before = _cpu_seconds()
     summary = await coro
     after = _cpu_seconds()
     tokens = N_REQUESTS * OUTPUT_TOKENS / 1000
-    return summary, {role: (after[role] - before.get(role, 0.0)) / tokens for role in after
-                     if after[role] - before.get(role, 0.0) > 0.005}
+    return summary, {kind: (after[(owner, kind)] - before.get((owner, kind), 0.0)) / tokens
+                     for owner, kind in after if owner in (side, "client")
+                     and after[(owner, kind)] - before.get((owner, kind), 0.0) > 0.005}
 
 
 ROUNDS = 3
@@ -155,72 +191,89 @@ def _median(runs: list[dict]) -> dict:
 
 
 async def measure(model_dir: pathlib.Path) -> dict[str, dict]:
-    """Both engines up at once (each idle while the other is measured), then ROUNDS rounds of direct and Triton,
-    one after the other; medians, so that a burst of load from elsewhere on this shared machine moves one
-    round, not the result."""
+    """The three sides up at once (each idle while another is measured), then ROUNDS rounds of direct, standalone
+    and embedded, one after the other; medians, so that a burst of load from elsewhere on this shared machine moves
+    one round, not the result."""
     import tempfile
 
-    from serving_image.engine.vllm_local import VllmLocalEngine
+    from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine = await VllmLocalEngine.start(name="demo-tiny", version="bench", model_path=model_dir,
-                                         tokenizer_path=model_dir, args=dict(ENGINE_ARGS))
-    runs: dict[str, list] = {"direct": [], "triton": []}
-    cpu: dict[str, list] = {"direct": [], "triton": []}
+    from serving_image.engine.vllm_local import build_engine_args
+
+    runs: dict[str, list] = {side: [] for side in SIDES}
+    cpu: dict[str, list] = {side: [] for side in SIDES}
+    llm = AsyncLLM.from_engine_args(build_engine_args(model_dir, model_dir, dict(ENGINE_ARGS)))
     try:
-        with tempfile.TemporaryDirectory(prefix="bench-triton-") as workdir:
-            triton, url = await _start_triton(model_dir, pathlib.Path(workdir))
+        with tempfile.TemporaryDirectory(prefix="bench-kserve-") as workdir:
+            triton, standalone_url = await _start_triton(model_dir, pathlib.Path(workdir))
+            embedded = None
             try:
-                await _direct(engine)  # warm-ups, not reported
-                await _kserve(url, "demo-tiny", n_requests=CONCURRENCY)
+                embedded = await asyncio.to_thread(
+                    start_server, publish_demo(model_dir, pathlib.Path(workdir), version="bench",
+                                               engine_args=dict(ENGINE_ARGS)), pathlib.Path(workdir) / "embedded")
+                urls = {"standalone": standalone_url, "embedded": f"127.0.0.1:{embedded.ports['kserve_grpc']}"}
+                await _direct(llm)  # warm-ups, not reported
+                for subject in SUBJECTS:
+                    await _kserve(urls[subject], "demo-tiny", n_requests=CONCURRENCY)
                 for _ in range(ROUNDS):
-                    summary, used = await _with_cpu(_direct(engine))
-                    runs["direct"].append(summary)
-                    cpu["direct"].append(used)
-                    summary, used = await _with_cpu(_kserve(url, "demo-tiny"))
-                    runs["triton"].append(summary)
-                    cpu["triton"].append(used)
+                    for side in SIDES:
+                        work = _direct(llm) if side == "direct" else _kserve(urls[side], "demo-tiny")
+                        summary, used = await _with_cpu(side, work)
+                        runs[side].append(summary)
+                        cpu[side].append(used)
             finally:
+                if embedded is not None:
+                    embedded.stop()
                 await triton.shutdown()
     finally:
-        await engine.shutdown()
-    if min(r["output_tokens_per_s"] for r in runs["triton"]) <= 0:
-        raise RuntimeError("no tokens came back over KServe")
-    roles = {role for used in cpu["direct"] + cpu["triton"] for role in used}
-    return {"direct": _median(runs["direct"]), "triton": _median(runs["triton"]),
-            "runs": runs,
-            "cpu": {side: {role: statistics.median(u.get(role, 0.0) for u in cpu[side]) for role in roles}
-                    for side in cpu}}
+        llm.shutdown()
+        del llm
+        gc.collect()  # its __del__ shuts down again: now, not at interpreter exit, where it fails on torn-down modules
+    for subject in SUBJECTS:
+        if min(r["output_tokens_per_s"] for r in runs[subject]) <= 0:
+            raise RuntimeError(f"no tokens came back over KServe ({subject})")
+    kinds = {kind for side in SIDES for used in cpu[side] for kind in used}
+    return {**{side: _median(runs[side]) for side in SIDES}, "runs": runs,
+            "cpu": {side: {kind: statistics.median(u.get(kind, 0.0) for u in cpu[side]) for kind in kinds}
+                    for side in SIDES}}
+
+
+TARGET = 0.8
+LABELS = {"standalone": "make up MODE=standalone (tritonserver)", "embedded": "make up (embedded Triton's 8001)"}
 
 
 def run(out_dir: pathlib.Path) -> dict:
     results = asyncio.run(measure(demo_model()))
     base = results["direct"]
-    throughput = results["triton"]["output_tokens_per_s"] / base["output_tokens_per_s"]
     lines = [
         f"{N_REQUESTS} requests, {OUTPUT_TOKENS} greedy output tokens each, {CONCURRENCY} at a time (demo model), "
-        "NVIDIA's asyncio tritonclient streaming over gRPC, against the engine called directly in this process; "
-        f"medians of {ROUNDS} rounds (direct and Triton in turn).",
-        "",
-        "Real tritonserver 2.51, the stand-in vllm backend with vLLM in its stub (the `standalone` serving mode):",
-        "",
-        *ratio_table(results["triton"], base, ("Triton gRPC stream", "engine directly", "ratio (Triton / direct)")),
-        "",
-        f"Triton's output-token throughput is {throughput:.2f} of direct (target 0.8); per round: "
-        + ", ".join(f"{t['output_tokens_per_s'] / d['output_tokens_per_s']:.2f}"
-                    for t, d in zip(results["runs"]["triton"], results["runs"]["direct"], strict=True)) + ".",
-        "",
+        "NVIDIA's asyncio tritonclient streaming over gRPC, against vLLM's AsyncLLM called directly in this process; "
+        f"medians of {ROUNDS} rounds (direct, standalone and embedded in turn), identical engine arguments.",
+    ]
+    verdicts = []
+    for subject in SUBJECTS:
+        throughput = results[subject]["output_tokens_per_s"] / base["output_tokens_per_s"]
+        per_round = ", ".join(f"{t['output_tokens_per_s'] / d['output_tokens_per_s']:.2f}"
+                              for t, d in zip(results["runs"][subject], results["runs"]["direct"], strict=True))
+        lines += ["", f"**{LABELS[subject]}**, the stand-in vllm backend with vLLM in its stub:", "",
+                  *ratio_table(results[subject], base, (subject, "AsyncLLM directly", f"ratio ({subject} / direct)")),
+                  "", f"Output-token throughput {throughput:.2f} of direct (target {TARGET}); per round: {per_round}."]
+        verdicts.append(f"{subject} {throughput:.2f}: **{'met' if throughput >= TARGET else 'missed'}**")
+    lines += [
+        "", "Targets (>= 0.8 of direct): " + "; ".join(verdicts) + ".", "",
         "CPU seconds per 1000 output tokens, by process (this machine's cores are what the hops compete for; on a "
         "GPU node the engine's work leaves them to the front-ends):",
         "",
-        "| process | direct | through Triton |",
-        "| --- | ---: | ---: |",
-        *(f"| {role} | {results['cpu']['direct'].get(role, 0.0):.3f} | {results['cpu']['triton'].get(role, 0.0):.3f} |"
-          for role in sorted(set(results["cpu"]["direct"]) | set(results["cpu"]["triton"]))),
-        f"| total | {sum(results['cpu']['direct'].values()):.3f} | {sum(results['cpu']['triton'].values()):.3f} |",
+        "| process | " + " | ".join(SIDES) + " |",
+        "| --- |" + " ---: |" * len(SIDES),
+        *(f"| {kind} | " + " | ".join(f"{results['cpu'][side].get(kind, 0.0):.3f}" for side in SIDES) + " |"
+          for kind in sorted({k for side in SIDES for k in results["cpu"][side]})),
+        "| total | " + " | ".join(f"{sum(results['cpu'][side].values()):.3f}" for side in SIDES) + " |",
     ]
-    plot = ratio_plot(ratios(results["triton"], base), out_dir, "kserve.png", color="tab:green",
-                      xlabel="Triton gRPC stream / direct engine (same run)", title="KServe through real Triton")
-    return result("KServe gRPC through Triton vs the engine directly", lines, [plot])
+    plot = ratio_plot({f"{subject} {m}": v for subject in SUBJECTS for m, v in ratios(results[subject], base).items()},
+                      out_dir, "kserve.png", color="tab:green", height=4,
+                      xlabel="KServe gRPC stream / AsyncLLM directly (same run)", title="KServe through real Triton")
+    return result("KServe gRPC through Triton (standalone and embedded) vs AsyncLLM directly", lines, [plot])
 
 
 if __name__ == "__main__":

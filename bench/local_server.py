@@ -5,6 +5,7 @@ command; it imports nothing of serving_image."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -56,9 +57,12 @@ class Server:
         return self.proc.returncode
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
+        """SIGKILL to the server's whole process group, also when the entrypoint itself is already gone: a server
+        that died (Triton aborting) leaves its stubs' vLLM engine processes in the group, and they would run on,
+        a gigabyte each, under init."""
+        with contextlib.suppress(ProcessLookupError):  # nothing left of the group
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+        self.proc.wait(timeout=30)
 
 
 def publish_demo(demo_model_dir: Path, root: Path, *, version: str = "1.0.0", tasks=("generate",),

@@ -52,7 +52,8 @@ class Load:
 LOADS = (Load(1, 40), Load(32, 300), Load(128, 384))
 
 
-def _bench(base_url: str, model_dir: pathlib.Path, label: str, load: Load) -> dict:
+def _bench(base_url: str, model_dir: pathlib.Path, label: str, load: Load, extra: tuple[str, ...] = ()) -> dict:
+    """vLLM's serving benchmark against `base_url` (`extra`: more of its arguments, e.g. `--extra-body`)."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -63,7 +64,7 @@ def _bench(base_url: str, model_dir: pathlib.Path, label: str, load: Load) -> di
         "--tokenizer", str(model_dir), "--dataset-name", "random", "--random-input-len", str(INPUT_LEN),
         "--random-output-len", str(OUTPUT_LEN), "--num-prompts", str(load.num_prompts), "--max-concurrency",
         str(load.concurrency), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-        "--seed", "0", "--label", label, "--disable-tqdm",
+        "--seed", "0", "--label", label, "--disable-tqdm", *extra,
     ])
     outcome = main(args)
     if outcome.get("completed", 0) != load.num_prompts:
@@ -102,11 +103,12 @@ def cpu_by_kind(pid: int) -> dict[str, float]:
     return seconds
 
 
-def _measured(pid: int, base_url: str, model_dir: pathlib.Path, label: str, load: Load) -> dict:
+def _measured(pid: int, base_url: str, model_dir: pathlib.Path, label: str, load: Load,
+              extra: tuple[str, ...] = ()) -> dict:
     """One measured benchmark run, plus the CPU time each kind of process spent per output token. Unlike
     throughput, CPU time per token hardly moves with the machine's other load."""
     before = cpu_by_kind(pid)
-    outcome = _bench(base_url, model_dir, label, load)
+    outcome = _bench(base_url, model_dir, label, load, extra)
     after = cpu_by_kind(pid)
     tokens = outcome["total_output_tokens"]
     for kind in KINDS:

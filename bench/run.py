@@ -33,6 +33,7 @@ MODULES = [
     "bench.client_in_process",
     "bench.startup",
     "bench.constraints_e2e",
+    "bench.constraints_served",
     "bench.batch",
     "bench.seeded_preemption",
     "bench.soak",

@@ -2,7 +2,7 @@
 child process vLLM spawns; names: docs/architecture.md §2.3).
 
 The in-stub engine runs it (serving_image/triton/stub_vllm.py: the stand-in `vllm` backend's models and the scoring
-model), and bench/kserve.py measures it; the front-ends themselves sit on Triton (serving_image/triton/adapter.py).
+model); the front-ends themselves sit on Triton (serving_image/triton/adapter.py).
 vLLM is imported only when an engine is built, so that `PROMETHEUS_MULTIPROC_DIR` is already set and emptied
 (startup step 3) by then.
 """

@@ -205,10 +205,9 @@ def openai_server(demo_model_dir, tmp_path_factory):
     server.batch_store = root / "batch-store"
     try:
         yield server
-    except BaseException:
-        server.kill()
-        raise
-    assert_stops_cleanly_on_sigterm(server)
+        assert_stops_cleanly_on_sigterm(server)
+    finally:
+        server.kill()  # whatever is left of its group, however it ended (a server that died leaves its engines)
 
 
 def assert_stops_cleanly_on_sigterm(server) -> None:
@@ -223,10 +222,13 @@ def assert_stops_cleanly_on_sigterm(server) -> None:
     assert server.proc.poll() is None, f"the server had exited {server.proc.returncode}:\n{server.log()[-3000:]}"
     children = psutil.Process(server.proc.pid).children(recursive=True)
     server.proc.send_signal(signal.SIGTERM)
+    import subprocess
+
     try:
         code = server.proc.wait(timeout=180)
-    finally:
-        server.kill()  # whatever is left of the group
+    except subprocess.TimeoutExpired:
+        server.kill()
+        raise
     log = server.log()
     assert code == 0, f"the server exited {code} on SIGTERM:\n{log[-3000:]}"
     _, alive = psutil.wait_procs(children, timeout=60)
