@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from pathlib import Path
 
 import httpx
@@ -13,6 +12,7 @@ import pytest
 
 from bench.local_server import publish_demo, start_server
 from bench.seeded_preemption import run_seeded
+from serving_image.triton.backends.vllm.engine_in_stub import ENGINE_NICE_ENV
 from tests.serving.engine_args import EAGER_ENGINE_ARGS
 from tests.serving.engine_hold import EngineProcesses
 
@@ -31,7 +31,11 @@ def test_seeded_requests_under_preemption_no_longer_kill_the_engine(demo_model_d
 
 @pytest.fixture()
 def server(demo_model_dir: Path, tmp_path: Path):
-    srv = start_server(publish_demo(demo_model_dir, tmp_path, engine_args=EAGER_ENGINE_ARGS), tmp_path / "server")
+    # The engine at the lowest priority (the rehearsal's knob, ENGINE_NICE_ENV): while the front-end or the callers
+    # can run, the engine cannot run ahead of them. vLLM runs in the stub's process with no hop between the engine
+    # and Triton, and on a loaded machine it generated a whole stream before its first token reached its caller.
+    srv = start_server(publish_demo(demo_model_dir, tmp_path, engine_args=EAGER_ENGINE_ARGS), tmp_path / "server",
+                       extra_env={ENGINE_NICE_ENV: "19"})
     yield srv
     srv.kill()
 
@@ -41,13 +45,11 @@ def test_engine_killed_mid_stream(server, demo_model_dir: Path):
     and the server exits non-zero so Kubernetes restarts it. Nothing hangs, and no stream ends as if it had finished
     (a truncated answer passed off as whole is the failure this guards against).
 
-    The race is forced, not hoped for: the engine is held (SIGSTOP) before the streams are sent and runs only in
-    slices of 20 ms, each followed by half a second held, until the first token of any stream has reached its
-    caller; it stays held until the kill. So no stream can get further than a few slices of engine time before the
-    kill, however slow or loaded the machine. (Held only once a first token was read, a stream whose first token
-    came late left the others generating for seconds, and on a loaded CI machine one of them finished before the
-    kill.) The callers are asyncio tasks on one thread: with a thread per caller, a thread reading a fast stream
-    starved the others of the GIL."""
+    The race is forced, not hoped for: the engine is held (SIGSTOP) as soon as the first token of any stream reaches
+    its caller, so no stream can advance, let alone finish, before the kill, however slow or loaded the machine.
+    (Without the hold, a stream whose first token came late left the others generating for seconds, and on a
+    loaded CI machine one of them finished before the kill.) The callers are asyncio tasks on one thread: with a
+    thread per caller, a thread reading a fast stream starved the others of the GIL."""
     # 8 choices of 1900 tokens per stream: seconds of engine work per stream even on a fast machine, so that no
     # stream can finish between its first token leaving the server and its caller reading it (the only window left).
     body = {"model": "demo-tiny", "prompt": "a long story", "max_tokens": 1900, "n": 8, "temperature": 1.0,
@@ -58,7 +60,7 @@ def test_engine_killed_mid_stream(server, demo_model_dir: Path):
         outcomes: dict[int, str] = {}
         tokens_seen: dict[int, int] = {}
         readiness: list[int] = []
-        first_token = threading.Event()
+        first_token = asyncio.Event()
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
             # Warm-up: a fresh engine's first batch of a size can stall on shape-specialized compilation.
             await asyncio.gather(*(client.post("/v1/completions", json={"model": "demo-tiny", "prompt": "warm",
@@ -73,7 +75,12 @@ def test_engine_killed_mid_stream(server, demo_model_dir: Path):
                             return
                         async for line in response.aiter_lines():
                             if line.startswith("data: {"):
-                                first_token.set()
+                                if not first_token.is_set():
+                                    # Held here, by the first caller to see a token, before this loop can run on:
+                                    # a caller reading a fast stream does not yield to the others while data is
+                                    # buffered, and one held from another task had read its whole stream first.
+                                    engine.hold()
+                                    first_token.set()
                                 events.append(json.loads(line[6:]))
                 except httpx.HTTPError as exc:
                     outcomes[i] = f"error: {type(exc).__name__}"
@@ -90,10 +97,8 @@ def test_engine_killed_mid_stream(server, demo_model_dir: Path):
                         return
                     await asyncio.sleep(0.05)
 
-            engine.hold()
             callers = [asyncio.create_task(stream(i)) for i in range(8)]
-            # The engine runs in 20 ms slices until a first token has reached its caller, and stays held from then on.
-            await asyncio.to_thread(engine.advance_until, first_token)
+            await asyncio.wait_for(first_token.wait(), timeout=120)
             await asyncio.sleep(0.5)  # what the front-end already had reaches the callers (not needed for the verdict)
             engine.kill()
             watcher = asyncio.create_task(watch_readiness())
