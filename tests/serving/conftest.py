@@ -164,7 +164,8 @@ def openai_server(demo_model_dir, tmp_path_factory):
     It holds every model kind on one embedded Triton: the demo LLM with every task (generation, its `-embed` pooling
     model, its `-score` scoring model), and as companions the demo ranker (XGBoost, Python backend), its pipeline's
     steps and the pipeline (an ensemble), named as a Deployment names them (pod_contract.ENV_COMPANION_PACKAGES). Its
-    package carries a plugin wheel (PLUGIN_SOURCE; traces in `server.plugin_dir`), its metrics directory held a stale
+    package carries a plugin wheel (PLUGIN_SOURCE; traces in `server.plugin_dir`) and the engine step gate's
+    (tests/serving/step_gate.py, under `server.step_gate_root`), its metrics directory held a stale
     file before the start (`server.multiproc_dir`, emptied by step 3). Engines eager (tests/serving/engine_args.py).
 
     Limits, the same for every test: API keys OPENAI_KEYS (clients send OPENAI_KEY: `openai_client`, OPENAI_AUTH),
@@ -179,16 +180,18 @@ def openai_server(demo_model_dir, tmp_path_factory):
     from llm_serving.manifest import ServingMode
     from llm_serving_cli.demo_packages import build_ranker_packages
     from tests.serving.engine_args import EAGER_ENGINE_ARGS
+    from tests.serving.step_gate import GATE_ENV, write_step_gate_wheel
     from tests.serving.wheels import make_wheel, wheel_filename
 
     root = tmp_path_factory.mktemp("openai-server")
     plugin = root / wheel_filename("demo-plugin")
     plugin.write_bytes(make_wheel("demo-plugin", files={"demo_plugin.py": PLUGIN_SOURCE},
                                   entry_points={"vllm.general_plugins": {"demo_plugin": "demo_plugin:register"}}))
-    package = publish_demo(demo_model_dir, root, tasks=("generate", "embed", "score"), plugins=(plugin,),
-                           engine_args=EAGER_ENGINE_ARGS)
+    package = publish_demo(demo_model_dir, root, tasks=("generate", "embed", "score"),
+                           plugins=(plugin, write_step_gate_wheel(root)), engine_args=EAGER_ENGINE_ARGS)
     companions = build_ranker_packages(root / "ranker", version="1.0.0", serving_mode=ServingMode.OPENAI)
     (root / "plugin-trace").mkdir()
+    (root / "step-gate").mkdir()
     (root / "prom").mkdir()
     (root / "prom" / "counter_999999.db").write_bytes(b"stale")  # must be emptied by step 3
     server = start_server(package, root / "server", extra_env={
@@ -197,9 +200,11 @@ def openai_server(demo_model_dir, tmp_path_factory):
         "LLM_SERVING_MAX_CONCURRENT_REQUESTS": str(OPENAI_MAX_CONCURRENT),
         "PROMETHEUS_MULTIPROC_DIR": str(root / "prom"),
         "LLM_SERVING_TEST_PLUGIN_DIR": str(root / "plugin-trace"),
+        GATE_ENV: str(root / "step-gate"),  # engines step only when a test grants it, while it holds their gate
         "LLM_SERVING_BATCH_STORE": str(root / "batch-store"),  # the Batch API (test_batch_api.py)
         pc.ENV_COMPANION_PACKAGES: pc.COMPANION_SEPARATOR.join(str(p) for p in companions)})
     server.plugin_dir = root / "plugin-trace"
+    server.step_gate_root = root / "step-gate"
     server.multiproc_dir = root / "prom"
     server.companions = companions  # the ranker's packages it serves (llm_serving_client's in-process tests)
     server.batch_store = root / "batch-store"

@@ -4,14 +4,14 @@ vLLM runs its engine core (and, on CPU, its worker) in child processes of the se
 step runs, no token is produced, and what the front-end already received still flows to the clients. Whatever a
 test does while the engine is held (disconnect, kill, scrape) therefore happens at a known point of the
 generation, whatever the machine's speed. SIGCONT lets the engine go on; SIGKILL works on a held process too.
+A test that must let the engine run a little and then act counts its steps instead (step_gate.py): a slice of time
+between SIGCONT and SIGSTOP is only as short as a loaded machine's scheduler makes it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -121,27 +121,6 @@ class EngineProcesses:
 
     def release(self) -> None:
         self._signal_and_wait(signal.SIGCONT, stopped=False)
-
-    def advance_until(self, reached: threading.Event, slice_s: float = 0.02, wait_s: float = 0.5,
-                      slices: int = 240) -> None:
-        """From held: let the engine run `slice_s` at a time, each slice followed by `wait_s` held, until `reached`
-        is set; return with the engine held. For a test that must act after an output has reached its client but
-        long before the engine could finish: the engine only ever runs in short slices while everything downstream
-        (the stub, Triton, the front-end, the client) gets the machine to itself to catch up, so how far the engine
-        got is bounded by the slices it was given, not by how slowly a loaded machine delivered that output.
-
-        Each slice is one shell's `kill -CONT; sleep; kill -STOP`: its length must not depend on this process. A
-        thread of the test's process that slept between the two signals itself waited seconds for the GIL while
-        the test's event loop read a fast stream (seen in a fresh clone's make test: the engine ran free and
-        finished the whole request)."""
-        pids = " ".join(str(pid) for pid in self.pids)
-        for _ in range(slices):
-            subprocess.run(["/bin/sh", "-c", f"kill -CONT {pids}; sleep {slice_s}; kill -STOP {pids}"], check=True,
-                           timeout=60)
-            self.hold()  # until the kernel reports every process stopped
-            if reached.wait(wait_s):
-                return
-        raise AssertionError(f"not reached after {slices} slices of {slice_s} s of engine time")
 
     def kill(self) -> None:
         for pid in self.pids:

@@ -12,9 +12,9 @@ import pytest
 
 from bench.local_server import publish_demo, start_server
 from bench.seeded_preemption import run_seeded
-from serving_image.triton.backends.vllm.engine_in_stub import ENGINE_NICE_ENV
 from tests.serving.engine_args import EAGER_ENGINE_ARGS
-from tests.serving.engine_hold import EngineProcesses
+from tests.serving.engine_hold import EngineProcesses, engine_stub
+from tests.serving.step_gate import GATE_ENV, StepGate, write_step_gate_wheel
 
 pytestmark = pytest.mark.slow
 
@@ -31,11 +31,13 @@ def test_seeded_requests_under_preemption_no_longer_kill_the_engine(demo_model_d
 
 @pytest.fixture()
 def server(demo_model_dir: Path, tmp_path: Path):
-    # The engine at the lowest priority (the rehearsal's knob, ENGINE_NICE_ENV): while the front-end or the callers
-    # can run, the engine cannot run ahead of them. vLLM runs in the stub's process with no hop between the engine
-    # and Triton, and on a loaded machine it generated a whole stream before its first token reached its caller.
-    srv = start_server(publish_demo(demo_model_dir, tmp_path, engine_args=EAGER_ENGINE_ARGS), tmp_path / "server",
-                       extra_env={ENGINE_NICE_ENV: "19"})
+    """A server of its own (the test kills its engine), whose engine steps only when the test grants it
+    (tests/serving/step_gate.py, under `server.step_gate_root`)."""
+    package = publish_demo(demo_model_dir, tmp_path, plugins=(write_step_gate_wheel(tmp_path),),
+                           engine_args=EAGER_ENGINE_ARGS)
+    (tmp_path / "step-gate").mkdir()
+    srv = start_server(package, tmp_path / "server", extra_env={GATE_ENV: str(tmp_path / "step-gate")})
+    srv.step_gate_root = tmp_path / "step-gate"
     yield srv
     srv.kill()
 
@@ -45,18 +47,18 @@ def test_engine_killed_mid_stream(server, demo_model_dir: Path):
     and the server exits non-zero so Kubernetes restarts it. Nothing hangs, and no stream ends as if it had finished
     (a truncated answer passed off as whole is the failure this guards against).
 
-    The race is forced, not hoped for: the engine is held (SIGSTOP) as soon as the first token of any stream reaches
-    its caller, so no stream can advance, let alone finish, before the kill, however slow or loaded the machine.
-    (Without the hold, a stream whose first token came late left the others generating for seconds, and on a
-    loaded CI machine one of them finished before the kill.) The callers are asyncio tasks on one thread: with a
-    thread per caller, a thread reading a fast stream starved the others of the GIL."""
-    # 8 choices of 1900 tokens per stream: seconds of engine work per stream even on a fast machine, so that no
-    # stream can finish between its first token leaving the server and its caller reading it (the only window left).
+    The race is forced by counting engine steps, not by timing: the engine's step gate is closed before the
+    streams start, and the test grants steps one at a time until the first token of any stream has reached its
+    caller, then kills the engine. Each step makes at most one token per choice, so no stream can be near its end
+    at the kill, however slow or loaded the machine. (Holding the engine with SIGSTOP at the first token read, or
+    running it in 20-ms slices, still let streams finish in loaded fresh clones.)"""
+    # 8 choices of 1900 tokens per stream: 1900 steps would be needed to finish one
     body = {"model": "demo-tiny", "prompt": "a long story", "max_tokens": 1900, "n": 8, "temperature": 1.0,
             "stream": True, "logit_bias": {"1": -100}}
     engine = EngineProcesses.of(server.proc.pid)
+    stub = engine_stub(server.proc.pid)
 
-    async def scenario() -> tuple[dict[int, str], dict[int, int], list[int]]:
+    async def scenario() -> tuple[dict[int, str], dict[int, int], list[int], int]:
         outcomes: dict[int, str] = {}
         tokens_seen: dict[int, int] = {}
         readiness: list[int] = []
@@ -75,12 +77,7 @@ def test_engine_killed_mid_stream(server, demo_model_dir: Path):
                             return
                         async for line in response.aiter_lines():
                             if line.startswith("data: {"):
-                                if not first_token.is_set():
-                                    # Held here, by the first caller to see a token, before this loop can run on:
-                                    # a caller reading a fast stream does not yield to the others while data is
-                                    # buffered, and one held from another task had read its whole stream first.
-                                    engine.hold()
-                                    first_token.set()
+                                first_token.set()
                                 events.append(json.loads(line[6:]))
                 except httpx.HTTPError as exc:
                     outcomes[i] = f"error: {type(exc).__name__}"
@@ -97,21 +94,22 @@ def test_engine_killed_mid_stream(server, demo_model_dir: Path):
                         return
                     await asyncio.sleep(0.05)
 
-            callers = [asyncio.create_task(stream(i)) for i in range(8)]
-            await asyncio.wait_for(first_token.wait(), timeout=120)
-            await asyncio.sleep(0.5)  # what the front-end already had reaches the callers (not needed for the verdict)
-            engine.kill()
+            with StepGate.closed(server.step_gate_root, stub.pid) as gate:
+                callers = [asyncio.create_task(stream(i)) for i in range(8)]
+                # from a thread: this loop reads the streams meanwhile
+                steps = await asyncio.to_thread(gate.step_until, first_token.is_set)
+                engine.kill()
             watcher = asyncio.create_task(watch_readiness())
             done, pending = await asyncio.wait(callers, timeout=30)
             assert not pending, "a caller hung after the engine died"
             await asyncio.wait_for(watcher, timeout=90)
-        return outcomes, tokens_seen, readiness
+        return outcomes, tokens_seen, readiness, steps
 
-    outcomes, tokens_seen, readiness = asyncio.run(scenario())
+    outcomes, tokens_seen, readiness, steps = asyncio.run(scenario())
     assert sorted(outcomes) == list(range(8))
     assert all(o.startswith("error") for o in outcomes.values()), (outcomes, tokens_seen)
     assert max(tokens_seen.values()) >= 1, "at least one stream was cut mid-stream"
-    assert all(n < 8 * 1900 for n in tokens_seen.values()), tokens_seen
+    assert all(n <= 8 * steps for n in tokens_seen.values()), (steps, tokens_seen)  # one token a choice a step
     code = server.proc.wait(timeout=60)
     assert code != 0
     assert "engine died" in server.log()

@@ -27,7 +27,8 @@ from transformers import AutoTokenizer
 
 from bench.local_server import Server
 from tests.serving.conftest import OPENAI_BODY_CAP, OPENAI_KEY, OPENAI_MAX_CONCURRENT
-from tests.serving.engine_hold import EngineProcesses
+from tests.serving.engine_hold import EngineProcesses, engine_stub
+from tests.serving.step_gate import StepGate
 
 pytestmark = pytest.mark.slow
 
@@ -404,8 +405,8 @@ def _request_records(server: Server) -> list[dict]:
 
 
 def _assert_abandoned_request_stopped(server: Server, tokens_at_hold: float) -> None:
-    """After a client left a 16 x 1900-token request while the engine was held: once released, the engine's running
-    count drops to 0 and it generates far short of the rest of the request; the request log records a 499; its
+    """After a client left a 16 x 1900-token request while the engine was held or gated: once let go, the engine's
+    running count drops to 0 and it generates far short of the rest of the request; the request log records a 499; its
     admission was released."""
     deadline = time.monotonic() + 60
     while _metric(server, "vllm:num_requests_running") > 0:
@@ -423,14 +424,15 @@ def _assert_abandoned_request_stopped(server: Server, tokens_at_hold: float) -> 
 
 def test_client_disconnect_aborts_the_request_in_the_engine(server, eos):
     """16 choices of 1900 tokens (about 30,000 tokens, many seconds of work); the client leaves after the first event:
-    the engine's running count drops to 0 at once and it stops generating far short of the full request.
+    the abort reaches the engine, its running count drops to 0 and it stops far short of the full request.
 
-    The race is forced: the engine is held (SIGSTOP) from before the request, and runs only in slices of 20 ms, each
-    followed by half a second held, until the first event has reached the client; the client then leaves with the
-    engine held. So the engine has done a few slices' work when the client leaves, however slowly a loaded machine
-    brings that event out. (Held once the client had read the first event instead, the engine ran on meanwhile
-    and, with the front-end short of CPU beside it, had finished all 30,400 tokens first: seen in a fresh clone.)"""
-    engine = EngineProcesses.of(server.proc.pid, MODEL)
+    The race is forced by counting engine steps, not by timing: the engine's step gate (tests/serving/step_gate.py)
+    is closed before the request, and the test grants steps one at a time until the first event has reached the
+    client, and then, with the client gone, until the engine has handled the abort. Each step makes at most one
+    token per choice, so the engine has made a bounded number of tokens when it stops, however slowly a loaded
+    machine brings the event out or the abort in. (Holding the engine with SIGSTOP and running it in 20-ms slices
+    was not enough: in a fresh clone's make test a slice lasted seconds and the engine finished all 30,400 tokens.)"""
+    stub = engine_stub(server.proc.pid, MODEL)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story"}], "max_tokens": 1900, "n": 16,
             "temperature": 1.0, "stream": True, "logit_bias": {eos: -100}}
     first_event, leave = threading.Event(), threading.Event()
@@ -444,20 +446,22 @@ def test_client_disconnect_aborts_the_request_in_the_engine(server, eos):
                 assert leave.wait(60), "the test never let the client leave"
             return line
         finally:
-            first_event.set()  # a client that failed stops the slicing too; its error is raised below
+            first_event.set()  # a client that failed stops the stepping too; its error is raised below
 
-    engine.hold()
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        try:
-            reading = pool.submit(client)
-            engine.advance_until(first_event)
-            leave.set()
+    tokens_before = _metric(server, "vllm:generation_tokens_total")
+    with StepGate.closed(server.step_gate_root, stub.pid) as gate:
+        aborts_before = len(gate.aborted_request_ids())
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            try:
+                reading = pool.submit(client)
+                steps_to_first_event = gate.step_until(first_event.is_set)
+            finally:
+                leave.set()
             assert reading.result(timeout=60).startswith("data: {")
-            tokens_at_hold = _metric(server, "vllm:generation_tokens_total")
-        finally:
-            leave.set()
-            engine.release()
-    _assert_abandoned_request_stopped(server, tokens_at_hold)
+        steps_to_abort = gate.step_until(lambda: len(gate.aborted_request_ids()) > aborts_before, limit=400)
+    # at most 16 tokens a step (one per choice): far short of the request's 30,400 whatever the machine's speed
+    assert 16 * (steps_to_first_event + steps_to_abort) < 16 * 1900 / 2, (steps_to_first_event, steps_to_abort)
+    _assert_abandoned_request_stopped(server, tokens_before)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "stream-before-first-token"])
