@@ -208,9 +208,12 @@ async def measure(model_dir: pathlib.Path) -> dict[str, dict]:
             triton, standalone_url = await _start_triton(model_dir, pathlib.Path(workdir))
             embedded = None
             try:
+                # In this process's session, as the standalone tritonserver (started here) and the direct engine are:
+                # the three sides under the same scheduling (local_server.start_server's `own_session`).
                 embedded = await asyncio.to_thread(
                     start_server, publish_demo(model_dir, pathlib.Path(workdir), version="bench",
-                                               engine_args=dict(ENGINE_ARGS)), pathlib.Path(workdir) / "embedded")
+                                               engine_args=dict(ENGINE_ARGS)), pathlib.Path(workdir) / "embedded",
+                    own_session=False)
                 urls = {"standalone": standalone_url, "embedded": f"127.0.0.1:{embedded.ports['kserve_grpc']}"}
                 await _direct(llm)  # warm-ups, not reported
                 for subject in SUBJECTS:

@@ -83,8 +83,10 @@ def local_startup_argv(package: Path, workdir: Path, ports: dict[str, int]) -> l
                            kserve_http_port=ports["kserve_http"], kserve_grpc_port=ports["kserve_grpc"])
 
 
-def _launch(package: Path, workdir: Path, extra_env: dict | None, extra_args: list[str]) -> Server:
-    """The entrypoint (`python -m serving_image.startup`) on free ports, in a session of its own, logging to a file."""
+def _launch(package: Path, workdir: Path, extra_env: dict | None, extra_args: list[str],
+            own_session: bool = True) -> Server:
+    """The entrypoint (`python -m serving_image.startup`) on free ports, logging to a file, in a process group of
+    its own (`Server.stop`/`kill` signal the whole group) and, with `own_session`, in a session of its own."""
     workdir.mkdir(parents=True, exist_ok=True)
     ports = {name: free_port() for name in PORT_NAMES}
     log_path = workdir / "server.log"
@@ -92,16 +94,23 @@ def _launch(package: Path, workdir: Path, extra_env: dict | None, extra_args: li
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [*local_startup_argv(package, workdir / "run", ports), *extra_args],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+            **({"start_new_session": True} if own_session else {"process_group": 0}),
         )
     return Server(proc, log_path, ports, workdir)
 
 
 def start_server(package: Path, workdir: Path, *, extra_env: dict | None = None,
-                 extra_args: list[str] | None = None) -> Server:
+                 extra_args: list[str] | None = None, own_session: bool = True) -> Server:
     """Start the entrypoint on free ports and wait until /health/ready answers 200. Records whether the OpenAI
-    port accepted a connection before the engine step had finished (it must not)."""
-    server = _launch(package, workdir, extra_env, list(extra_args or []))
+    port accepted a connection before the engine step had finished (it must not).
+
+    `own_session=False` keeps the server in the caller's session, for a benchmark whose other sides run in the
+    caller's session too: with the kernel's autogroup scheduling (on by default, as on this machine) each session
+    is one scheduling group, so a server in a session of its own shares its group's CPU with its own engine
+    processes (vLLM's CPU worker pinned to one core and spinning), and on two cores its front-end's threads waited
+    100-500 ms to run (bench/kserve.py, measured there)."""
+    server = _launch(package, workdir, extra_env, list(extra_args or []), own_session)
     proc, log_path, ports = server.proc, server.log_path, server.ports
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
