@@ -200,7 +200,10 @@ def _ttft_rounds(url: str, metrics_url: str, store: pathlib.Path, concurrency: i
 def measure(workdir: pathlib.Path) -> dict:
     store = workdir / "batch-store"
     package = publish_demo(demo_model(), workdir, version="bench")
-    server = start_server(package, workdir / "server", extra_env={"LLM_SERVING_BATCH_STORE": str(store)})
+    # In this process's session, with the worker and the probes: one scheduling group for every side, not the server's
+    # front-end sharing a group of its own with its pinned, spinning CPU engine (local_server.start_server)
+    server = start_server(package, workdir / "server", extra_env={"LLM_SERVING_BATCH_STORE": str(store)},
+                          own_session=False)
     try:
         url = server.url
         asyncio.run(_realtime(url, [_body(i, "warm") for i in range(CONCURRENCY)], CONCURRENCY))  # warm-up
