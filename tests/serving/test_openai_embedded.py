@@ -94,7 +94,7 @@ def test_completion_and_streamed_chat(client, server):
 def test_response_format_reaches_the_backend_as_structured_outputs(client):
     """Never silently dropped: even the random demo model produces schema-valid JSON."""
     response = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "json please"}], max_tokens=60, temperature=1.0,
+        model=MODEL, messages=[{"role": "user", "content": "json please"}], max_tokens=60, temperature=1.0, seed=1,
         response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}})
     jsonschema.validate(json.loads(response.choices[0].message.content), SCHEMA)
     choice = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "pick"}],
