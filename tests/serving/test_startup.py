@@ -90,7 +90,7 @@ SCHEMA = {
 def test_json_schema_response_format_gives_schema_valid_json(client: openai.OpenAI, strict: bool):
     # Seeded: the same three samples every run. Unseeded, about one sample in 80 failed here (one fresh clone's run):
     # the model emitted a 3-byte sequence that is not valid UTF-8, xgrammar counted it as one character of the 12
-    # maxLength allows, and the detokenizer turned it into three U+FFFD (docs/openai-fields.md, "Known gap").
+    # maxLength allows, and the detokenizer turned it into three U+FFFD (docs/clients.md, "Known gap").
     for attempt in range(3):
         response = client.chat.completions.create(
             model="demo-tiny",
