@@ -21,7 +21,8 @@ def measure(model_dir: pathlib.Path, workdir: pathlib.Path) -> dict:
     ours, theirs, steps = [], [], []
     for i in range(ROUNDS):
         t0 = time.perf_counter()
-        server = start_server(package, workdir / f"ours-{i}")
+        # in this process's session, as start_vllm_server starts vLLM's: both sides scheduled alike
+        server = start_server(package, workdir / f"ours-{i}", own_session=False)
         ours.append(time.perf_counter() - t0)
         log = server.log()
         server.stop()
