@@ -7,8 +7,10 @@ span per model (named after it, with `triton.model_name`: request start, queue s
 (compute start, input end, output start, compute end). It exports over OTLP/HTTP as JSON.
 
 Configured from the pod's environment (llm_serving/pod_contract.py): off unless ENV_TRACE_OTLP_URL is set. A request
-that carries a trace context is always traced (Triton: "regardless of rate and count"); ENV_TRACE_RATE adds every
-N-th request without one, 0 (the default) adds none, so the callers' sampling decides what is traced.
+that carries a trace context is traced (Triton: "regardless of rate and count"); ENV_TRACE_RATE adds every N-th
+request without one, 0 (the default) adds none, so the callers' sampling decides what is traced. Except that Triton
+2.51's gRPC endpoint ignores a call's context about once in 20 (docs/clients.md, "Known gap: Triton's gRPC endpoint
+loses a call's trace context about once in 20").
 
 Measured on the wheel's tritonserver 2.51 (tests/serving/test_triton_tracing.py); the image's release has the same
 `--trace-config` settings.

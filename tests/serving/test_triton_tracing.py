@@ -72,6 +72,7 @@ def test_a_wrong_value_is_named(env, named):
 
 # -- against the real tritonserver --------------------------------------------------------------------------------
 
+GRPC_CALLS = 6  # traced gRPC calls in the join test (see there why more than one)
 EXPORT_TIMEOUT_S = 90  # Triton's batch span processor exports every 5 s; generous for a loaded machine
 
 
@@ -82,6 +83,7 @@ class OtlpReceiver:
     def __init__(self, port: int):
         self.spans: list[dict] = []
         self.problems: list[str] = []
+        self.posts = 0
         self._lock = threading.Lock()
         receiver = self
 
@@ -105,6 +107,7 @@ class OtlpReceiver:
 
     def _receive(self, path: str, content_type: str, body: bytes) -> None:
         with self._lock:
+            self.posts += 1
             if path != "/v1/traces" or not content_type.startswith("application/json"):
                 self.problems.append(f"POST {path} ({content_type}, {len(body)} bytes)")
                 return
@@ -115,15 +118,24 @@ class OtlpReceiver:
 
     def wait_for(self, trace_id: str, names: set[str]) -> dict[str, dict]:
         """The spans of `trace_id` by name, once every one of `names` has arrived (bounded)."""
+        return self.wait_for_any([trace_id], names)[1]
+
+    def wait_for_any(self, trace_ids: list[str], names: set[str]) -> tuple[str, dict[str, dict]]:
+        """The first of `trace_ids` all of whose `names` have arrived, and its spans by name (bounded)."""
         deadline = time.monotonic() + EXPORT_TIMEOUT_S
         while True:
             with self._lock:
                 assert not self.problems, f"the OTLP receiver got what it cannot read: {self.problems}"
-                found = {s["name"]: s for s in self.spans if s.get("traceId") == trace_id}
-            if names <= set(found):
-                return found
-            assert time.monotonic() < deadline, (f"Triton exported no span {sorted(names - set(found))} of trace "
-                                                 f"{trace_id} in {EXPORT_TIMEOUT_S}s (got {sorted(found)})")
+                found = {t: {s["name"]: s for s in self.spans if s.get("traceId") == t} for t in trace_ids}
+                others = sorted({(s.get("traceId"), s["name"]) for s in self.spans
+                                 if s.get("traceId") not in trace_ids})
+            for trace_id, spans in found.items():
+                if names <= set(spans):
+                    return trace_id, spans
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"Triton exported no trace of {trace_ids} with all of {sorted(names)} in "
+                                     f"{EXPORT_TIMEOUT_S}s (got {({t: sorted(f) for t, f in found.items()})}; "
+                                     f"spans of other traces: {others}; {self.posts} POSTs)")
             time.sleep(0.2)
 
     def close(self) -> None:
@@ -174,19 +186,29 @@ def test_one_trace_id_joins_a_callers_kserve_call_and_tritons_spans(traced_serve
     caller_spans = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(caller_spans))
-    # No OpenAI port in this mode: the call below is KServe gRPC only, the OpenAI address is never used.
+    # No OpenAI port in this mode: the calls below are KServe gRPC only, the OpenAI address is never used.
     local = LocalEndpoints("http://127.0.0.1:9/v1", f"127.0.0.1:{traced_server.ports['kserve_grpc']}")
     client = Client(parse_stack_outputs(document()), local=local, timeout_s=60, tracer_provider=provider)
     try:
-        scores = client.infer(RANKER, {"features": kserve_client.feature_rows(3)}, version="1.0.0")
+        # Several calls, each its own trace: tritonserver 2.51's gRPC endpoint ignores a call's `traceparent` now and
+        # then (measured: 11 of 230 calls, none of 30 over
+        # HTTP; docs/clients.md), and with rate 0 such a call is not
+        # traced at all. One call would make this test fail about once in 20 runs, for Triton's defect.
+        for _ in range(GRPC_CALLS):
+            scores = client.infer(RANKER, {"features": kserve_client.feature_rows(3)}, version="1.0.0")
+            assert len(scores["score"]) == 3
     finally:
         client.close()
-    assert len(scores["score"]) == 3
 
-    mine = {s.name: s for s in caller_spans.get_finished_spans()}
-    network = mine["network"]  # the stage whose span sent the request: its id is the server's parent
-    trace_id = format(network.context.trace_id, "032x")
-    spans = receiver.wait_for(trace_id, {"InferRequest", RANKER, "compute"})
+    # The stage whose span sent each request: its id is the server's parent.
+    networks = {format(s.context.trace_id, "032x"): s for s in caller_spans.get_finished_spans()
+                if s.name == "network"}
+    assert len(networks) == GRPC_CALLS  # one trace per call
+    trace_id, spans = receiver.wait_for_any(list(networks), {"InferRequest", RANKER, "compute"})
+    network = networks[trace_id]
+    with receiver._lock:  # every call of ours Triton did trace hangs under that call's network stage
+        requests = [r for r in receiver.spans if r["name"] == "InferRequest" and r["traceId"] in networks]
+    assert all(r["parentSpanId"] == format(networks[r["traceId"]].context.span_id, "016x") for r in requests)
     request, model, compute = spans["InferRequest"], spans[RANKER], spans["compute"]
     # One trace: Triton's request span is a child of the caller's network stage, the model's of the request's.
     assert request["parentSpanId"] == format(network.context.span_id, "016x")
