@@ -272,6 +272,8 @@ class MessageDispatcher:
                                                    info, json_control_bias=self.engine.json_control_bias)
             except ParameterError as exc:
                 raise EngineInputError(str(exc), exc.field) from None
+            if interval := message.get("interval"):  # the model's pacing (model.py SendPacer); a caller's own larger
+                params.stream_interval = max(interval, params.stream_interval or 1)  # one is kept, as vLLM clamps
             prompt_ids = self.engine.encode_prompt(message["prompt"], add_special_tokens=True)
             root = message.get("root", "sampling_parameters")
             if error := context_window_error(len(prompt_ids), params.max_tokens, info.max_model_len,

@@ -80,3 +80,36 @@ def test_with_little_in_flight_every_step_is_a_response(stub_models, monkeypatch
     sender, words = _stream(generation, monkeypatch, 1, 20, step_s=1.5 * interval)
     assert [text.decode() for text in _outputs(sender, "text_output")] == words
     assert [int(n) for n in _outputs(sender, "num_output_tokens")] == [1] * 20
+
+
+def test_vllm_merges_a_share_of_the_interval_for_a_streamed_request_admitted_under_load(stub_models, monkeypatch):
+    generation, _ = stub_models
+    pacer = generation.SendPacer()
+    assert pacer.stream_interval(32) == 1  # nothing measured yet: every step
+    pacer.sent(0.0002)
+    for _ in range(3):
+        pacer.streamed(20, 0.1)  # 200 tokens a second per request
+    # 32 in flight with this one: a response every 32 x 0.2 ms / 0.1 = 64 ms, 12.8 tokens; vLLM merges half of them
+    assert pacer.stream_interval(32) == 6
+    assert pacer.stream_interval(1) == 1  # alone: every step
+    pacer.streamed(0, 0.1)  # a response without tokens (text held back by the detokenizer) says nothing of the pace
+    assert pacer.stream_interval(32) == 6
+
+
+def test_the_interval_travels_with_the_request_and_a_non_streamed_one_gets_first_and_last(stub_models, monkeypatch):
+    generation, _ = stub_models
+    model = generation.TritonPythonModel.__new__(generation.TritonPythonModel)
+    model._lock, model._pacer, model._requests, model._dead = threading.Lock(), generation.SendPacer(), {}, None
+    model.tasks, model.model_name = ("generate",), "m"
+    model._pacer.sent(0.0002)
+    model._pacer.streamed(20, 0.1)  # 200 tokens a second per request
+    sent = []
+    model._send = sent.append
+    monkeypatch.setattr(generation.pb_utils, "get_input_tensor_by_name", lambda request, name: None, raising=False)
+    for stream in (True, False):
+        parsed = {"stream": stream, "prepend": not stream, "prompt": "p", "params": None, "root": "sampling_parameters",
+                  "flags": dict.fromkeys(generation.RETURN_FLAGS, False)}
+        monkeypatch.setattr(generation, "read_request", lambda request, name, parsed=parsed: parsed)
+        model._requests.update({f"other-{i}": object() for i in range(31 - len(model._requests))})
+        model.execute([types.SimpleNamespace(get_response_sender=lambda: None, request_id=lambda: "c")])
+    assert [m["interval"] for m in sent] == [6, generation.NOT_STREAMED_INTERVAL]  # 32 in flight, as above

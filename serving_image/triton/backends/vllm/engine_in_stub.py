@@ -15,7 +15,8 @@ embedded interpreter's `sys.executable` is not a Python and the stub's standard 
 `InStubEngine` runs the engine on an asyncio loop in a thread of its own (the stub's main thread keeps answering
 Triton: `execute`, health checks) and speaks in plain dicts, the messages of serving_image/triton/stub_vllm.py:
 
-    model -> engine   {"op": "generate", "id": ID, "prompt": TEXT, "params": JSON-TEXT | null, "root": FIELD-NAME}
+    model -> engine   {"op": "generate", "id": ID, "prompt": TEXT, "params": JSON-TEXT | null, "root": FIELD-NAME,
+                       "interval": TOKENS?}   vLLM's stream_interval for it: how many tokens vLLM merges per delta
                       {"op": "embed", "id": ID, "input": TEXT | [TOKEN-ID, ...]}          a pooling engine
                       {"op": "score", "id": ID, "prompt": TEXT, "candidates": [TEXT, ...]} a generation engine
                       {"op": "abort", "id": ID}

@@ -77,6 +77,8 @@ ERROR_PREFIX = "Error generating stream: "  # NVIDIA's backend's prefix for a fa
 # process: asked on the response path (NVIDIA's backend asks after every response) it was a quarter of the stub's
 # CPU under load. A cancelled request therefore runs on in the engine for at most this long.
 CANCEL_WATCH_S = 0.25
+# A request that is not streamed gets one response: vLLM needs to hand the stub only its first and its last delta
+NOT_STREAMED_INTERVAL = 1 << 30
 
 
 class RequestError(ValueError):
@@ -269,16 +271,38 @@ class SendPacer:
     # 0.25 98, 0.1 86-124, 0.05 101-113, vLLM's own server 89-126 in the same runs; 0.1 keeps streams smoother
     # than 0.05 (at a 0.2 ms send, a chunk every 64 ms at concurrency 32) at no measurable cost.
     SEND_SHARE = 0.1
-    SMOOTHING = 0.05  # weight of the newest send in the moving average
+    SMOOTHING = 0.05  # weight of the newest send (and the newest rate) in the moving averages
+    # What share of the tokens a request is expected to make in one pacing interval vLLM merges before the stub
+    # sees them (stream_interval): below 1, so the time-based check above still decides when a response goes out.
+    ENGINE_MERGE_SHARE = 0.5
 
     def __init__(self) -> None:
         self.cost_s = 0.0
+        self.tokens_per_s = 0.0  # one streamed request's tokens per second, between two of its responses
+
+    def interval_s(self, in_flight: int) -> float:
+        return in_flight * self.cost_s / self.SEND_SHARE
 
     def due(self, last_sent: float, now: float, in_flight: int) -> bool:
-        return now - last_sent >= in_flight * self.cost_s / self.SEND_SHARE
+        return now - last_sent >= self.interval_s(in_flight)
 
     def sent(self, seconds: float) -> None:
         self.cost_s = seconds if not self.cost_s else self.cost_s + (seconds - self.cost_s) * self.SMOOTHING
+
+    def streamed(self, tokens: int, seconds: float) -> None:
+        """A streamed request's response carried `tokens` made in the `seconds` since its previous response."""
+        if tokens > 0 and seconds > 0:
+            rate = tokens / seconds
+            self.tokens_per_s = rate if not self.tokens_per_s else \
+                self.tokens_per_s + (rate - self.tokens_per_s) * self.SMOOTHING
+
+    def stream_interval(self, in_flight: int) -> int:
+        """vLLM's `stream_interval` for a streamed request admitted with `in_flight` in flight (itself too): how many
+        tokens vLLM's output processor merges before the request's task sees a delta. A delta the pacing would hold
+        costs the stub a wake-up, vLLM's RequestOutput and the delta's Python objects on the engine's thread, every
+        step; merged in vLLM it costs nothing. The first token and the final one are never merged (vLLM's rule too), and
+        1 (every step) while the pacing holds nothing."""
+        return max(1, int(self.ENGINE_MERGE_SHARE * self.tokens_per_s * self.interval_s(in_flight)))
 
 
 class _EmbedRequest:
@@ -408,7 +432,10 @@ class TritonPythonModel:
                 self._requests[request_id] = _Request(sender, parsed)
             try:
                 self._send({"op": "generate", "id": request_id, "client_id": request.request_id(),
-                            "prompt": parsed["prompt"], "params": parsed["params"], "root": parsed["root"]})
+                            "prompt": parsed["prompt"], "params": parsed["params"], "root": parsed["root"],
+                            # the tokens vLLM merges per delta: not streamed, only the first and the last matter
+                            "interval": (self._pacer.stream_interval(len(self._requests)) if parsed["stream"]
+                                         else NOT_STREAMED_INTERVAL)})
             except OSError as exc:
                 with self._lock:
                     self._requests.pop(request_id, None)
@@ -462,8 +489,10 @@ class TritonPythonModel:
             now = time.monotonic()
             if not done and state.shown and not self._pacer.due(state.last_sent, now, len(self._requests)):
                 return  # held back: merged into this request's next response
-            state.last_sent = now
             texts, tokens, logprobs = state.take_pending()
+            if state.shown and not done:  # a response between two others: the engine's pace for this request
+                self._pacer.streamed(sum(tokens), now - state.last_sent)
+            state.last_sent = now
             state.shown = state.shown or any(texts)
             response = state.response(texts, tokens, logprobs)
             state.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if done else 0)
