@@ -21,12 +21,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import functools
 import json
 import logging
 import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -213,15 +215,16 @@ class BatchWorker:
             parsed = pending.popleft()
             run.in_flight.add(parsed.index)
             try:
-                result = await self._run_line(run, parsed)
+                answered = await self._run_line(run, parsed)
             finally:
                 run.in_flight.discard(parsed.index)
-            if result is not None:
-                await self._write(run, result)
+            if answered is not None:
+                await self._write(run, *answered)
 
-    async def _run_line(self, run: _Run, parsed: RequestLine | BadLine) -> LineResult | None:
+    async def _run_line(self, run: _Run, parsed: RequestLine | BadLine) -> tuple[LineResult, Callable | None] | None:
+        """The line's result, and the cache write that goes with it (written with the result, `_write`)."""
         if isinstance(parsed, BadLine):
-            return self._bad_result(run, parsed)
+            return self._bad_result(run, parsed), None
         batch = run.record.batch
         started = time.perf_counter()
         while run.stop is None:
@@ -244,22 +247,30 @@ class BatchWorker:
             ok = response.status_code == 200
             if ok and run.model_version is None:
                 run.model_version = await self._served_version()
+            cache = None
             if ok and run.model_version is not None:
-                await asyncio.to_thread(self.cache.put, batch.model or body.get("model", ""), run.model_version,
-                                        batch.endpoint, parsed.body, body,
-                                        source=CacheSource(batch_id=batch.id, custom_id=parsed.custom_id))
+                cache = functools.partial(self.cache.put, batch.model or body.get("model", ""), run.model_version,
+                                          batch.endpoint, parsed.body, body,
+                                          source=CacheSource(batch_id=batch.id, custom_id=parsed.custom_id))
             return LineResult(index=parsed.index, custom_id=parsed.custom_id, kind="output" if ok else "error",
-                              line=line)
+                              line=line), cache
         return None  # stopped (cancelled or expired) before an answer: not a result
 
     def _bad_result(self, run: _Run, bad: BadLine) -> LineResult:
         return LineResult(index=bad.index, custom_id=bad.custom_id, kind="error",
                           line=error_line(run.record.batch.id, bad))
 
-    async def _write(self, run: _Run, result: LineResult) -> None:
+    async def _write(self, run: _Run, result: LineResult, cache: Callable | None = None) -> None:
         # Store writes run on a thread: a put is a network round trip to S3 (an fsync on a directory store), and on
-        # the event loop every lane would wait for every other lane's writes in turn.
-        await asyncio.to_thread(self._put_result, run.record.batch, result)
+        # the event loop every lane would wait for every other lane's writes in turn. One thread hop a line: the
+        # cache entry first, then the result (a worker killed between the two runs the line again, and the cache
+        # key is the same).
+        def write() -> None:
+            if cache is not None:
+                cache()
+            self._put_result(run.record.batch, result)
+
+        await asyncio.to_thread(write)
         if result.kind == "output":
             run.completed += 1
         else:

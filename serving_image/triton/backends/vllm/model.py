@@ -255,16 +255,25 @@ class SendPacer:
     engine's own thread: while it sends, vLLM neither takes new requests nor hands out the next step. With one
     response per request per step, N streaming requests cost N round trips a step, and at concurrency 32 on two
     cores those sends were a large part of the stub's CPU and of each step's wall time. So the stub keeps its sends
-    to a share of the time (SEND_SHARE): a request is due a response once `in flight x send cost / SEND_SHARE` has
-    passed since its last one; a delta that comes sooner is held and merged into the request's next response (the
-    same text, token counts and log-probabilities, in fewer pieces), as vLLM's output collector merges a lagging
-    consumer's deltas. Ordering rules: nothing is held until a response with text went out (the first token's
-    delta may carry no text yet: vLLM's detokenizer holds back an incomplete character), and the final response is
-    never held (time to first token, and the end of the stream, go out at once); every request has its own clock,
-    so none waits on another; with few requests in flight the interval is below a step and every step is sent. The
-    send cost is a moving average of measured sends, so the pacing follows the machine: a GPU node's fast steps and
-    idle cores give short intervals. A held delta waits for the request's next one (or its end), so a request the
-    engine stops stepping (preempted) shows its last tokens when it runs again.
+    to a share of the time (SEND_SHARE): a request's pacing interval is `in flight x send cost / SEND_SHARE`.
+
+    Two mechanisms keep to it. vLLM merges about one interval's worth of a request's tokens before the stub sees a
+    delta (`stream_interval`, SamplingParams.stream_interval, fixed when the request is admitted, from the measured
+    tokens per second of a stream): a delta merged in vLLM costs the stub nothing, where a delta merged here costs
+    its wake-up, vLLM's RequestOutput and its Python objects on the engine's thread. And the stub holds a delta
+    that comes sooner than HOLD_SHARE of the interval since the request's last response (`due`), for what vLLM's
+    merging cannot know: a request admitted when fewer were in flight, or steps faster than measured. A held delta
+    is merged into the request's next response (the same text, token counts and log-probabilities, in fewer
+    pieces), as vLLM's output collector merges a lagging consumer's deltas.
+
+    Ordering rules: the first token and the final one are never merged in vLLM, and nothing is held here until a
+    response with text went out (the first token's delta may carry no text yet: vLLM's detokenizer holds back an
+    incomplete character), and the final response is never held (time to first token, and the end of the stream, go
+    out at once); every request has its own clock, so none waits on another; with few requests in flight the
+    interval is below a step or two and every step is sent. The send cost and the tokens per second are moving
+    averages of measured sends, so the pacing follows the machine: a GPU node's fast steps and idle cores give short
+    intervals. A held delta waits for the request's next one (or its end), so a request the engine stops stepping
+    (preempted) shows its last tokens when it runs again.
     """
 
     # Measured on 2 cores (vLLM's serving benchmark at concurrency 32, single runs): every step sent 65 req/s,
@@ -272,9 +281,8 @@ class SendPacer:
     # than 0.05 (at a 0.2 ms send, a chunk every 64 ms at concurrency 32) at no measurable cost.
     SEND_SHARE = 0.1
     SMOOTHING = 0.05  # weight of the newest send (and the newest rate) in the moving averages
-    # What share of the tokens a request is expected to make in one pacing interval vLLM merges before the stub
-    # sees them (stream_interval): below 1, so the time-based check above still decides when a response goes out.
-    ENGINE_MERGE_SHARE = 0.5
+    # Below 1, so that a delta vLLM merged to about one interval is sent, not held for another.
+    HOLD_SHARE = 0.5
 
     def __init__(self) -> None:
         self.cost_s = 0.0
@@ -284,7 +292,7 @@ class SendPacer:
         return in_flight * self.cost_s / self.SEND_SHARE
 
     def due(self, last_sent: float, now: float, in_flight: int) -> bool:
-        return now - last_sent >= self.interval_s(in_flight)
+        return now - last_sent >= self.HOLD_SHARE * self.interval_s(in_flight)
 
     def sent(self, seconds: float) -> None:
         self.cost_s = seconds if not self.cost_s else self.cost_s + (seconds - self.cost_s) * self.SMOOTHING
@@ -297,12 +305,9 @@ class SendPacer:
                 self.tokens_per_s + (rate - self.tokens_per_s) * self.SMOOTHING
 
     def stream_interval(self, in_flight: int) -> int:
-        """vLLM's `stream_interval` for a streamed request admitted with `in_flight` in flight (itself too): how many
-        tokens vLLM's output processor merges before the request's task sees a delta. A delta the pacing would hold
-        costs the stub a wake-up, vLLM's RequestOutput and the delta's Python objects on the engine's thread, every
-        step; merged in vLLM it costs nothing. The first token and the final one are never merged (vLLM's rule too), and
-        1 (every step) while the pacing holds nothing."""
-        return max(1, int(self.ENGINE_MERGE_SHARE * self.tokens_per_s * self.interval_s(in_flight)))
+        """vLLM's `stream_interval` for a streamed request admitted with `in_flight` in flight (itself too): the
+        tokens a stream makes in one pacing interval, at least 1 (every step)."""
+        return max(1, round(self.tokens_per_s * self.interval_s(in_flight)))
 
 
 class _EmbedRequest:
