@@ -126,8 +126,8 @@ async def test_an_expired_batch_keeps_what_it_answered_and_errors_the_rest(app):
     class OneLineThenExpire(BatchWorker):
         """Answers one line, then the window ends (the record's expires_at moves into the past)."""
 
-        async def _write(self, run, result):
-            await super()._write(run, result)
+        async def _write(self, run, result, cache=None):
+            await super()._write(run, result, cache)
             run.record.batch.expires_at = 0
 
     worker = OneLineThenExpire(storage, WorkerConfig(endpoint_url="http://test", concurrency=1,
