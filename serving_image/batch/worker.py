@@ -378,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-retention-days", type=int, default=0, help="0: keep cached answers until deleted")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # httpx logs every request at INFO: a line per batch line, which the server's own request log already has
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
     kill_after = os.environ.get(ENV_KILL_AFTER)
