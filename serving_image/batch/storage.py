@@ -9,21 +9,30 @@ Layout (docs/batch.md, "Where the data lives"):
                                              by the worker
     batches/<batch id>/cancel                the API's cancel request (a marker, so the API never rewrites the
                                              record the worker owns)
-    batches/<batch id>/results/<index>.json  one input line's result (LineResult), written when it is known
+    batches/<batch id>/results/<first index>-<id>.jsonl
+                                             a chunk of line results (LineResult per line), written as they are
+                                             known (the worker's result_writer.py: up to a few dozen lines or a
+                                             fraction of a second each)
     owners/<owner>/files/<file id>           per-key indexes: listing, per-key limits
     owners/<owner>/batches/<batch id>
     active/<batch id>                        a batch not yet in a terminal state: what the worker picks up
     cache/...                                the result cache (llm_serving/batch_cache.py)
 
-Why results per line: a killed worker loses at most the lines in flight, never a written one; a resumed worker skips
-every index that has a result, and finalize merges the results by index, so every custom_id is answered exactly once
-however often the worker was killed. The output and error files get ids derived from the batch (records.py), so a
-finalize run twice writes the same files.
+Why results in small chunks: a killed worker loses at most the lines in flight and the chunk not yet written (those
+lines are sent again), never a written one; a resumed worker skips every index that has a result, and finalize merges
+the results by index (the first one stored wins), so every custom_id is answered exactly once however often the
+worker was killed. Chunks rather than one object per line: a put is an S3 request (a file created and synced
+locally), and one a line was most of the worker's CPU (docs/batch.md, "Measured"). Results of one object per line
+(`<index>.json`, the layout before chunks) are still read, so a batch resumed across that change loses nothing.
+
+The output and error files get ids derived from the batch (records.py), so a finalize run twice writes the same
+files.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 
 from pydantic import BaseModel
 
@@ -109,21 +118,30 @@ class BatchStorage:
 
     # -- per-line results -------------------------------------------------------------------------------------------
 
-    def put_result(self, batch_id: str, result: LineResult) -> None:
-        self.store.put(f"batches/{batch_id}/results/{result.index:08d}.json", _dump(result),
-                       content_type="application/json")
+    def put_results(self, batch_id: str, results: list[LineResult]) -> None:
+        """One chunk of results, as one object (its key unique: two chunks never overwrite each other)."""
+        if not results:
+            raise ValueError("put_results: no results to store")
+        first = min(r.index for r in results)
+        self.store.put(f"batches/{batch_id}/results/{first:08d}-{uuid.uuid4().hex[:12]}.jsonl",
+                       b"".join(_dump(r) + b"\n" for r in results), content_type="application/jsonl")
 
     def done_indexes(self, batch_id: str) -> set[int]:
-        return {int(k.rsplit("/", 1)[1].removesuffix(".json")) for k in self.store.list(f"batches/{batch_id}/results/")}
+        return {r.index for r in self.results(batch_id)}
 
     def results(self, batch_id: str) -> list[LineResult]:
-        """Every stored result, by line index (the key orders them)."""
-        out = []
+        """Every stored result once, by line index: where an index was stored twice (two workers on one batch), the
+        first by key wins."""
+        by_index: dict[int, LineResult] = {}
         for key in self.store.list(f"batches/{batch_id}/results/"):
             raw = self.store.get(key)
-            if raw is not None:
-                out.append(LineResult.model_validate_json(raw))
-        return out
+            if raw is None:
+                continue
+            lines = raw.splitlines() if key.endswith(".jsonl") else [raw]  # a chunk, or one line (.json)
+            for line in lines:
+                result = LineResult.model_validate_json(line)
+                by_index.setdefault(result.index, result)
+        return [by_index[i] for i in sorted(by_index)]
 
 
 def _safe_id(value: str) -> bool:

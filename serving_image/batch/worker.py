@@ -7,10 +7,10 @@ budget (serving_image/openai_api/admission.py), at most `concurrency` at a time.
 restarting) and a refused connection are retried, never turned into a result: real-time traffic keeps its room and
 a restarting server loses nothing.
 
-Durability: each line's result is written to the store as soon as it is known (storage.py, keyed by line index);
-a worker started again (or another replica) reads the results already there and sends only the other lines, and
-finalize merges the results by index. A line in flight when the worker dies is sent again; no line is written
-twice under two indexes, so every custom_id is in the output exactly once.
+Durability: each line's result is stored within a fraction of a second of being known, in chunks
+(result_writer.py, storage.py; each result keeps its line index); a worker started again (or another replica) reads
+the results already there and sends only the other lines, and finalize merges the results by index. A line in flight
+or not yet stored when the worker dies is sent again; every custom_id is in the output exactly once.
 
 Run: `python -m serving_image.batch.worker --store URI --endpoint http://host:9000` (the API key from
 LLM_SERVING_BATCH_WORKER_API_KEY).
@@ -49,6 +49,7 @@ from serving_image.batch.records import (
     StoredFile,
     output_file_id,
 )
+from serving_image.batch.result_writer import ResultWriter
 from serving_image.batch.storage import BatchStorage
 from serving_image.openai_api.admission import PRIORITY_HEADER
 
@@ -56,7 +57,7 @@ log = logging.getLogger("llm_serving.batch")
 
 ENV_API_KEY = "LLM_SERVING_BATCH_WORKER_API_KEY"
 ENV_API_KEY_FILE = "LLM_SERVING_BATCH_WORKER_API_KEY_FILE"  # the same from a file (a Secret's volume); wins if present
-# Test hook: the worker SIGKILLs itself right after writing this many results (tests/serving/test_batch_api.py
+# Test hook: the worker SIGKILLs itself right after storing this many results (tests/serving/test_batch_api.py
 # forces a kill at an exact point this way instead of racing a timer).
 ENV_KILL_AFTER = "LLM_SERVING_BATCH_WORKER_KILL_AFTER"
 RETRY_STATUSES = (429, 502, 503, 504)
@@ -85,6 +86,15 @@ class _Run:
     written: int = 0
     model_version: str | None = None
     in_flight: set[int] = field(default_factory=set)
+    writer: ResultWriter | None = None
+
+    def count(self, stored: list[LineResult]) -> None:
+        """Results stored (ResultWriter's on_stored): into request_counts."""
+        for result in stored:
+            if result.kind == "output":
+                self.completed += 1
+            else:
+                self.failed += 1
 
 
 class BatchWorker:
@@ -131,6 +141,8 @@ class BatchWorker:
             if not self._validate(record, parsed):
                 return
         run = _Run(record)
+        run.writer = ResultWriter(self.storage, batch_id, on_stored=run.count,
+                                  put_chunk=functools.partial(self._put_chunk, record.batch))
         stored = self.storage.results(batch_id)
         run.completed = sum(1 for r in stored if r.kind == "output")
         run.failed = len(stored) - run.completed
@@ -149,9 +161,10 @@ class BatchWorker:
                 answered = self.storage.done_indexes(batch_id)
                 for p in parsed:
                     if p.index not in answered:
-                        await self._write(run, self._bad_result(run, BadLine(p.index, p.custom_id, "batch_expired",
-                                                                       "the batch expired before this line ran",
-                                                                       None)))
+                        await run.writer.add(self._bad_result(run, BadLine(p.index, p.custom_id, "batch_expired",
+                                                                           "the batch expired before this line ran",
+                                                                           None)))
+            await run.writer.close()
         self._finalize(run, run.stop or "completed")
 
     # -- validating ---------------------------------------------------------------------------------------------
@@ -201,6 +214,7 @@ class BatchWorker:
         monitor = asyncio.create_task(self._monitor(run))
         try:
             await asyncio.gather(*(self._lane(run, pending) for _ in range(self.config.concurrency)))
+            await run.writer.close()  # every answer stored before the counts and before finalize
         finally:
             monitor.cancel()
             await asyncio.gather(monitor, return_exceptions=True)
@@ -219,10 +233,10 @@ class BatchWorker:
             finally:
                 run.in_flight.discard(parsed.index)
             if answered is not None:
-                await self._write(run, *answered)
+                await run.writer.add(*answered)
 
     async def _run_line(self, run: _Run, parsed: RequestLine | BadLine) -> tuple[LineResult, Callable | None] | None:
-        """The line's result, and the cache write that goes with it (written with the result, `_write`)."""
+        """The line's result, and the cache write that goes with it (stored before the result, ResultWriter)."""
         if isinstance(parsed, BadLine):
             return self._bad_result(run, parsed), None
         batch = run.record.batch
@@ -260,40 +274,28 @@ class BatchWorker:
         return LineResult(index=bad.index, custom_id=bad.custom_id, kind="error",
                           line=error_line(run.record.batch.id, bad))
 
-    async def _write(self, run: _Run, result: LineResult, cache: Callable | None = None) -> None:
-        # Store writes run on a thread: a put is a network round trip to S3 (an fsync on a directory store), and on
-        # the event loop every lane would wait for every other lane's writes in turn. One thread hop a line: the
-        # cache entry first, then the result (a worker killed between the two runs the line again, and the cache
-        # key is the same).
-        def write() -> None:
-            if cache is not None:
-                cache()
-            self._put_result(run.record.batch, result)
-
-        await asyncio.to_thread(write)
-        if result.kind == "output":
-            run.completed += 1
-        else:
-            run.failed += 1
-
-    def _put_result(self, batch: BatchObject, result: LineResult) -> None:
-        """One result into the store (on a worker thread), then counted on /metrics: counted in the same thread right
-        after the put, so that a stored line is counted unless the process dies between the two statements (counted
-        later on the event loop, a killed worker lost the counts of lines whose puts had returned). With the test
-        hook ENV_KILL_AFTER the puts take turns and the process dies inside the one that stores and counts the last
-        allowed result: lanes write side by side, and otherwise another lane's put could land between that put and
-        the kill."""
+    def _put_chunk(self, batch: BatchObject, chunk: list[LineResult]) -> None:
+        """One chunk of results into the store (on a worker thread), then counted on /metrics: counted in the same
+        thread right after the put, so that a stored line is counted unless the process dies between the two
+        statements. With the test hook ENV_KILL_AFTER the process dies right after storing the last allowed result
+        (a chunk that would pass it is cut there)."""
         if self.config.kill_after is None:
-            self.storage.put_result(batch.id, result)
-            metrics.LINES.labels(batch.endpoint, result.kind).inc()
+            self.storage.put_results(batch.id, chunk)
+            self._count_lines(batch, chunk)
             return
         with self._kill_lock:
-            self.storage.put_result(batch.id, result)
-            metrics.LINES.labels(batch.endpoint, result.kind).inc()
-            self.results_written += 1
+            chunk = chunk[:self.config.kill_after - self.results_written]
+            self.storage.put_results(batch.id, chunk)
+            self._count_lines(batch, chunk)
+            self.results_written += len(chunk)
             if self.results_written >= self.config.kill_after:
                 log.warning("%s=%d reached: killing this worker", ENV_KILL_AFTER, self.config.kill_after)
                 os.kill(os.getpid(), signal.SIGKILL)
+
+    @staticmethod
+    def _count_lines(batch: BatchObject, chunk: list[LineResult]) -> None:
+        for result in chunk:
+            metrics.LINES.labels(batch.endpoint, result.kind).inc()
 
     async def _monitor(self, run: _Run) -> None:
         """Every `progress_every_s`: the counts into the record, and whether the batch was cancelled or expired."""

@@ -22,6 +22,7 @@ import pytest
 
 from llm_serving.batch_cache import ResultCache
 from llm_serving.object_store import DirectoryStore
+from serving_image.batch.storage import BatchStorage
 from serving_image.batch.worker import ENV_API_KEY, ENV_KILL_AFTER
 from tests.serving.conftest import OPENAI_KEY, OPENAI_KEYS
 
@@ -82,8 +83,8 @@ def test_a_batch_killed_mid_run_resumes_and_answers_every_line_once(openai_serve
     assert _run_worker(openai_server, kill_after=5) == -signal.SIGKILL  # killed right after its 5th result
     midway = openai_client.batches.retrieve(batch.id)
     assert midway.status == "in_progress"
-    stored = len(list((openai_server.batch_store / "batches" / batch.id / "results").iterdir()))
-    assert stored == 5
+    stored = BatchStorage(DirectoryStore(openai_server.batch_store)).done_indexes(batch.id)
+    assert len(stored) == 5
 
     assert _run_worker(openai_server) == 0  # a new worker resumes: only the other lines are sent
     done = openai_client.batches.retrieve(batch.id)

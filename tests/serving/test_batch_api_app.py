@@ -126,9 +126,10 @@ async def test_an_expired_batch_keeps_what_it_answered_and_errors_the_rest(app):
     class OneLineThenExpire(BatchWorker):
         """Answers one line, then the window ends (the record's expires_at moves into the past)."""
 
-        async def _write(self, run, result, cache=None):
-            await super()._write(run, result, cache)
+        async def _run_line(self, run, parsed):
+            answered = await super()._run_line(run, parsed)
             run.record.batch.expires_at = 0
+            return answered
 
     worker = OneLineThenExpire(storage, WorkerConfig(endpoint_url="http://test", concurrency=1,
                                                      progress_every_s=0.01), http=http)

@@ -150,12 +150,22 @@ def test_cancel_is_a_marker_beside_the_workers_record(tmp_path):
     assert raw["batch"]["status"] == "in_progress"  # the worker's record is untouched
 
 
-def test_results_are_keyed_by_line_index(tmp_path):
+def test_results_are_stored_in_chunks_and_read_once_per_line_index(tmp_path):
     storage = BatchStorage(DirectoryStore(tmp_path))
-    for index in (3, 1, 3):  # line 3 written twice (a worker killed after writing it, and a rerun)
-        storage.put_result("batch_abc", LineResult(index=index, custom_id=f"c{index}", kind="output", line={}))
-    assert [r.index for r in storage.results("batch_abc")] == [1, 3]
-    assert storage.done_indexes("batch_abc") == {1, 3}
+
+    def result(index: int, text: str) -> LineResult:
+        return LineResult(index=index, custom_id=f"c{index}", kind="output", line={"text": text})
+
+    storage.put_results("batch_abc", [result(3, "first"), result(0, "first")])
+    storage.put_results("batch_abc", [result(3, "again"), result(1, "first")])  # line 3 twice: two workers on a batch
+    # A result of the layout before chunks (one object per line), as a worker of the earlier image left it.
+    (tmp_path / "batches/batch_abc/results/00000002.json").write_bytes(result(2, "per line").model_dump_json().encode())
+    assert [(r.index, r.line["text"]) for r in storage.results("batch_abc")] == \
+        [(0, "first"), (1, "first"), (2, "per line"), (3, "first")]  # each index once, the first stored wins
+    assert storage.done_indexes("batch_abc") == {0, 1, 2, 3}
+    assert len(list((tmp_path / "batches/batch_abc/results").iterdir())) == 3  # one object per chunk
+    with pytest.raises(ValueError, match="no results"):
+        storage.put_results("batch_abc", [])
     assert output_file_id("batch_abc", "error") == "file-error-abc"
 
 
