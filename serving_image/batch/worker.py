@@ -32,11 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-import httpx
-
 from llm_serving.batch_cache import CacheSource, ResultCache
 from llm_serving.object_store import open_object_store
 from serving_image.batch import metrics
+from serving_image.batch.endpoint import AiohttpEndpoint, Answer, Endpoint, EndpointUnreachable
 from serving_image.batch.lines import BadLine, RequestLine, error_line, output_line, parse_line, request_lines
 from serving_image.batch.records import (
     TERMINAL,
@@ -98,15 +97,14 @@ class _Run:
 
 
 class BatchWorker:
-    def __init__(self, storage: BatchStorage, config: WorkerConfig, http: httpx.AsyncClient | None = None):
+    def __init__(self, storage: BatchStorage, config: WorkerConfig, http: Endpoint | None = None):
         self.storage = storage
         self.config = config
         self.cache = ResultCache(storage.store, retention=config.cache_retention)
         headers = {PRIORITY_HEADER: "batch"}
         if config.api_key:
             headers["Authorization"] = f"Bearer {config.api_key}"
-        self.http = http or httpx.AsyncClient(base_url=config.endpoint_url, headers=headers,
-                                              timeout=httpx.Timeout(600, connect=10))
+        self.http = http or AiohttpEndpoint(config.endpoint_url, headers)
         self.results_written = 0  # in this process, over every batch, counted for ENV_KILL_AFTER only
         self._kill_lock = threading.Lock()
 
@@ -205,9 +203,9 @@ class BatchWorker:
     async def _served_version(self) -> str | None:
         """The served model's version (its readiness answer), for the cache key; None while the server is down."""
         try:
-            response = await self.http.get("/health/ready")
-            return response.json().get("version") if response.status_code == 200 else None
-        except httpx.TransportError:
+            answer = await self.http.get("/health/ready")
+            return answer.json().get("version") if answer.status == 200 else None
+        except EndpointUnreachable:
             return None
 
     async def _execute(self, run: _Run, pending: collections.deque) -> None:
@@ -243,22 +241,22 @@ class BatchWorker:
         started = time.perf_counter()
         while run.stop is None:
             try:
-                response = await self.http.post(batch.endpoint, json=parsed.body)
-            except httpx.TransportError as exc:  # the server restarting or unreachable: the line waits
+                answer = await self.http.post(batch.endpoint, parsed.body)
+            except EndpointUnreachable as exc:  # the server restarting or unreachable: the line waits
                 log.warning("batch %s line %d: %s; retrying", batch.id, parsed.index, exc)
                 await asyncio.sleep(self.config.retry_s)
                 continue
-            if response.status_code in RETRY_STATUSES:
-                await asyncio.sleep(_retry_after(response, self.config.retry_s))
+            if answer.status in RETRY_STATUSES:
+                await asyncio.sleep(_retry_after(answer, self.config.retry_s))
                 continue
             try:
-                body = response.json()
+                body = answer.json()
             except ValueError:
-                body = {"error": {"message": response.text[:1000], "type": "server_error", "param": None,
+                body = {"error": {"message": answer.text[:1000], "type": "server_error", "param": None,
                                   "code": None}}
             metrics.LINE_DURATION.labels(batch.endpoint).observe(time.perf_counter() - started)
-            line = output_line(batch.id, parsed.index, parsed.custom_id, response.status_code, body)
-            ok = response.status_code == 200
+            line = output_line(batch.id, parsed.index, parsed.custom_id, answer.status, body)
+            ok = answer.status == 200
             if ok and run.model_version is None:
                 run.model_version = await self._served_version()
             cache = None
@@ -351,8 +349,8 @@ class BatchWorker:
                  batch.request_counts.failed, batch.request_counts.total)
 
 
-def _retry_after(response: httpx.Response, default: float) -> float:
-    value = response.headers.get("retry-after", "")
+def _retry_after(answer: Answer, default: float) -> float:
+    value = answer.retry_after or ""
     try:
         return min(max(float(value), 0.05), 30.0)
     except ValueError:
@@ -369,6 +367,13 @@ def _api_key() -> str | None:
     return os.environ.get(ENV_API_KEY) or None
 
 
+async def _run(worker: BatchWorker, exit_when_idle: bool) -> None:
+    try:
+        await worker.run_forever(exit_when_idle=exit_when_idle)
+    finally:
+        await worker.http.aclose()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serving_image.batch.worker", description=__doc__.split("\n")[0])
     parser.add_argument("--store", required=True, help="the batch store: a directory or s3://bucket/prefix")
@@ -380,8 +385,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-retention-days", type=int, default=0, help="0: keep cached answers until deleted")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # httpx logs every request at INFO: a line per batch line, which the server's own request log already has
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
     kill_after = os.environ.get(ENV_KILL_AFTER)
@@ -396,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         start_http_server(args.metrics_port)
     storage = BatchStorage(open_object_store(args.store, kms_key_id=os.environ.get("LLM_SERVING_BATCH_KMS_KEY_ID")))
     try:
-        asyncio.run(BatchWorker(storage, config).run_forever(exit_when_idle=args.exit_when_idle))
+        asyncio.run(_run(BatchWorker(storage, config), exit_when_idle=args.exit_when_idle))
     except KeyboardInterrupt:  # Ctrl-C (make up) or SIGINT: lines in flight are sent again by the next run
         log.info("stopped")
     return 0

@@ -18,6 +18,7 @@ import pytest
 
 from serving_image.batch.api import mounted
 from serving_image.batch.config import BatchConfig
+from serving_image.batch.endpoint import Answer
 from serving_image.batch.storage import BatchStorage
 from serving_image.batch.worker import BatchWorker, WorkerConfig
 from serving_image.openai_api.admission import PRIORITY_HEADER, APIConfig
@@ -33,6 +34,26 @@ def app(tmp_path):
     batch = BatchConfig(store_uri=str(tmp_path / "store"), admin_keys=(ADMIN,), max_lines=3, max_file_bytes=4000,
                         max_files_per_key=3, max_active_batches_per_key=1)
     return create_app(ScriptedEngine(Generation(3)), config=APIConfig(api_keys=KEYS), extensions=(mounted(batch),))
+
+
+
+class AsgiEndpoint:
+    """The worker's Endpoint (serving_image/batch/endpoint.py) over the app in this process (httpx's ASGI transport):
+    the production endpoint speaks HTTP to a server; here the same requests reach the same app without a socket."""
+
+    def __init__(self, app, headers: dict[str, str]):
+        self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", headers=headers)
+
+    async def post(self, path: str, body: dict) -> Answer:
+        response = await self.http.post(path, json=body)
+        return Answer(response.status_code, response.content, response.headers.get("retry-after"))
+
+    async def get(self, path: str) -> Answer:
+        response = await self.http.get(path)
+        return Answer(response.status_code, response.content, response.headers.get("retry-after"))
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
 
 
 def _client(app, key: str) -> openai.AsyncOpenAI:
@@ -95,8 +116,7 @@ async def test_the_worker_runs_a_batch_through_the_apps_own_endpoint(app, tmp_pa
                                                                       b'{"model": "fake", "prompt": "x", '
                                                                       b'"best_of": 2}}\n'), purpose="batch")
     batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
-                             headers={"Authorization": f"Bearer {KEYS[0]}", PRIORITY_HEADER: "batch"})
+    http = AsgiEndpoint(app, {"Authorization": f"Bearer {KEYS[0]}", PRIORITY_HEADER: "batch"})
     storage = BatchStorage(app.state.batch.storage.store)
     await BatchWorker(storage, WorkerConfig(endpoint_url="http://test", concurrency=2, progress_every_s=0.01),
                       http=http).run_forever(exit_when_idle=True)
@@ -120,8 +140,7 @@ async def test_an_expired_batch_keeps_what_it_answered_and_errors_the_rest(app):
     uploaded = await client.files.create(file=("f.jsonl", _lines(3)), purpose="batch")
     batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
     storage = BatchStorage(app.state.batch.storage.store)
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
-                             headers={"Authorization": f"Bearer {KEYS[0]}"})
+    http = AsgiEndpoint(app, {"Authorization": f"Bearer {KEYS[0]}"})
 
     class OneLineThenExpire(BatchWorker):
         """Answers one line, then the window ends (the record's expires_at moves into the past)."""
@@ -171,8 +190,7 @@ async def test_a_real_time_request_preempts_batch_work_which_is_sent_again_and_a
             "body": {"model": MODEL.name, "prompt": "Bline", "max_tokens": 3, "temperature": 0}}
     uploaded = await client.files.create(file=("f.jsonl", (json.dumps(line) + "\n").encode()), purpose="batch")
     batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
-                             headers={"Authorization": f"Bearer {KEYS[0]}", PRIORITY_HEADER: "batch"})
+    http = AsgiEndpoint(app, {"Authorization": f"Bearer {KEYS[0]}", PRIORITY_HEADER: "batch"})
     worker = asyncio.create_task(BatchWorker(BatchStorage(app.state.batch.storage.store),
                                              WorkerConfig(endpoint_url="http://test", concurrency=1,
                                                           progress_every_s=0.01),
