@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from llm_serving.batch_cache import ResultCache  # noqa: E402
 from llm_serving.object_store import DirectoryStore  # noqa: E402
+from serving_image.batch.storage import BatchStorage  # noqa: E402
 
 MODEL = "demo-tiny"
 CHAT = "/v1/chat/completions"
@@ -85,8 +86,8 @@ def start_up(out: Path, store: Path, index: int, command: list[str]) -> tuple[su
 
 
 def stored(store: Path, batch_id: str) -> int:
-    results = store / "batches" / batch_id / "results"
-    return sum(1 for _ in results.iterdir()) if results.is_dir() else 0
+    """Lines with a stored result (the worker stores them in chunks: serving_image/batch/result_writer.py)."""
+    return len(BatchStorage(DirectoryStore(store)).done_indexes(batch_id))
 
 
 def wait_stored(store: Path, batch_id: str, count: int, timeout: float = 3600) -> None:
