@@ -21,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import grpc
 import numpy as np
@@ -88,22 +90,30 @@ def request_inputs(request: service_pb2.ModelInferRequest) -> list[Input]:
     return inputs
 
 
-def _raw(array: np.ndarray) -> bytes:
-    if array.dtype == np.object_:
-        return b"".join(struct.pack("<I", len(v)) + v for v in (bytes(x) for x in array.reshape(-1)))
-    return np.ascontiguousarray(array).tobytes()
+# Bytes per element of each fixed-size datatype, to count a raw output's elements.
+_ITEM_BYTES = {"BOOL": 1, "UINT8": 1, "UINT16": 2, "UINT32": 4, "UINT64": 8, "INT8": 1, "INT16": 2, "INT32": 4,
+               "INT64": 8, "FP16": 2, "FP32": 4, "FP64": 8, "BF16": 2}
 
 
-_DATATYPE_NAMES = {np.dtype(v): k for k, v in NUMPY_DTYPES.items()}
-
-
-def infer_response(model: str, version: str, request_id: str, outputs: dict[str, np.ndarray],
+def infer_response(model: str, version: str, request_id: str, raw: Mapping[str, tuple[str, tuple[int, ...], Any]],
                    final: bool | None) -> service_pb2.ModelInferResponse:
+    """A KServe response from outputs as the C API binding copies them out (`Response.raw`: name -> (datatype, shape,
+    payload)). Triton's bytes go out as they came, without numpy: its BYTES layout (4-byte little-endian length,
+    then the element) is KServe's raw_output_contents layout. An output whose shape does not hold its elements goes
+    out flat, with its element count as the shape."""
     response = service_pb2.ModelInferResponse(model_name=model, model_version=version or "1", id=request_id)
-    for name, array in outputs.items():
-        datatype = "BYTES" if array.dtype == np.object_ else _DATATYPE_NAMES[array.dtype]
-        response.outputs.add(name=name, datatype=datatype, shape=list(array.shape))
-        response.raw_output_contents.append(_raw(array))
+    for name, (datatype, shape, payload) in raw.items():
+        if datatype == "BYTES":
+            content, count = b"".join(struct.pack("<I", len(v)) + v for v in payload), len(payload)
+        elif datatype in _ITEM_BYTES:
+            content = bytes(payload)
+            count = len(content) // _ITEM_BYTES[datatype]
+        else:
+            raise TritonError(ErrorCode.UNSUPPORTED, f"output '{name}': datatype {datatype} is not sent by this "
+                                                     "front-end")
+        response.outputs.add(name=name, datatype=datatype,
+                             shape=list(shape) if shape and math.prod(shape) == count else [count])
+        response.raw_output_contents.append(content)
     if final is not None:
         response.parameters[FINAL_PARAMETER].bool_param = final
     return response
@@ -212,10 +222,10 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             async for response in stream:
                 if response.error is not None:
                     await self._abort(context, response.error)
-                if response.outputs:
+                if response.raw:
                     record.response_left()
                     answer = infer_response(request.model_name, request.model_version, request.id,
-                                            response.outputs, None)
+                                            response.raw, None)
         finally:
             stream.cancel()  # no-op once finished; a client gone mid-call cancels the request
         return answer or infer_response(request.model_name, request.model_version, request.id, {}, None)
@@ -245,10 +255,10 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                             record.status = "ERROR"
                             await emit(_error(request_id, response.error.message))
                             continue
-                        if response.outputs or response.final and empty_final:
+                        if response.raw or response.final and empty_final:
                             record.response_left()
                             await emit(service_pb2.ModelStreamInferResponse(infer_response=infer_response(
-                                request.model_name, request.model_version, request_id, response.outputs,
+                                request.model_name, request.model_version, request_id, response.raw,
                                 response.final)))
                 finally:
                     stream.cancel()  # the stream went away before the request finished: Triton cancels it

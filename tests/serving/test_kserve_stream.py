@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import queue
 
+import numpy as np
 import pytest
 from tritonclient.grpc import InferResult
 
 from llm_serving.kserve_stream import is_final, until_final, until_final_async
 from serving_image.kserve.triton_grpc import infer_response
+from serving_image.triton.capi import TritonError
 
 
 def _result(request_id: str, final: bool) -> InferResult:
@@ -50,3 +52,15 @@ def test_until_final_async_stops_at_the_final_response_of_an_open_stream():
         return [r.get_response().id for r, _ in [pair async for pair in until_final_async(stream())]]
 
     assert asyncio.run(asyncio.wait_for(read(), 10)) == ["a", "a"]
+
+
+def test_a_response_carries_tritons_bytes_as_tritonclient_reads_them():
+    raw = {"text_output": ("BYTES", (1,), [b"hello \xe2\x9c\x93"]),
+           "scores": ("FP32", (2, 2), np.arange(4, dtype=np.float32).tobytes()),
+           "flat": ("INT64", (5,), np.arange(3, dtype=np.int64).tobytes())}  # a shape that does not hold 3 elements
+    result = InferResult(infer_response("m", "1", "a", raw, None))
+    assert result.as_numpy("text_output").tolist() == [b"hello \xe2\x9c\x93"]
+    assert result.as_numpy("scores").tolist() == [[0.0, 1.0], [2.0, 3.0]]
+    assert result.as_numpy("flat").tolist() == [0, 1, 2]  # sent flat, its element count as the shape
+    with pytest.raises(TritonError, match="output 'x': datatype INVALID"):
+        infer_response("m", "1", "a", {"x": ("INVALID", (1,), b"")}, None)
