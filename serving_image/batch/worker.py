@@ -82,7 +82,6 @@ class _Run:
     completed: int = 0
     failed: int = 0
     stop: str | None = None  # "cancelled" or "expired" once the run must stop taking lines
-    written: int = 0
     model_version: str | None = None
     in_flight: set[int] = field(default_factory=set)
     writer: ResultWriter | None = None
