@@ -2,12 +2,14 @@
 
 128 requests of 64 greedy output tokens (ignore_eos, so every request makes the same work), 32 prompt tokens, 16 at a
 time, on the demo model. Baseline: vLLM's `AsyncLLM.generate` in this process, streaming deltas. Subjects, with
-NVIDIA's asyncio tritonclient streaming every token over gRPC (`ModelStreamInfer`):
+NVIDIA's asyncio tritonclient streaming over gRPC (`ModelStreamInfer`; one stream per concurrent slot, which sends its
+next request once the last one ended, as NVIDIA's vllm_backend sample client sends all its prompts on one stream; a
+new stream for every request is measured beside it):
 - `standalone`: the `standalone` serving mode (`make up MODE=standalone`), real tritonserver 2.51 with the stand-in
   vllm backend, whose engine (vLLM's AsyncLLM) runs in the Python backend stub's process (client -> Triton -> stub);
 - `embedded`: the `openai` serving mode (`make up`), the real entrypoint, whose KServe gRPC port (8001 in the image)
   is Triton embedded in the OpenAI front-end's process through the C API, with the same backend and stub.
-All three up at once (each idle while another is measured), measured in turn over several rounds with identical
+The three up at once (each idle while another is measured), measured in turn over several rounds with identical
 engine arguments (medians), with the CPU seconds each process spent per 1000 tokens. Reported as ratios (subject /
 direct); the target is 0.8 of direct throughput (issues #13 and #28).
 """
@@ -24,7 +26,7 @@ import uuid
 
 from bench.local_server import publish_demo, start_server
 from bench.report import demo_model, main, percentile, ratio_plot, ratio_table, ratios, result
-from llm_serving.kserve_stream import until_final_async
+from llm_serving.kserve_stream import is_final
 from llm_serving.ports import free_port
 
 N_REQUESTS = 128
@@ -66,46 +68,85 @@ async def _direct(llm) -> dict:
     return _summary(ttfts, time.perf_counter() - started, tokens)
 
 
-async def _kserve(url: str, model: str, n_requests: int = N_REQUESTS) -> dict:
+def _infer_inputs(params: bytes) -> list:
     import numpy as np
     import tritonclient.grpc.aio as grpcaio
 
+    items = []
+    for name, dtype, value in (("text_input", "BYTES", PROMPT.encode()), ("stream", "BOOL", True),
+                               ("sampling_parameters", "BYTES", params), ("return_num_output_tokens", "BOOL", True)):
+        item = grpcaio.InferInput(name, [1], dtype)
+        item.set_data_from_numpy(np.array([value], dtype=np.object_ if dtype == "BYTES" else bool))
+        items.append(item)
+    return items
+
+
+async def _kserve(url: str, model: str, n_requests: int = N_REQUESTS, *, stream_per_request: bool = False) -> dict:
+    """`n_requests` streamed requests, CONCURRENCY at a time, through tritonclient's asyncio `stream_infer`.
+
+    As KServe clients use `ModelStreamInfer` (NVIDIA's vllm_backend sample client sends all its prompts on one
+    stream, matching responses by id): each of the CONCURRENCY slots keeps one stream open and sends its next
+    request on it once the previous one's final response came. `stream_per_request`: a new stream for every
+    request instead (a client that opens and closes a call per prompt), reported beside it."""
+    import tritonclient.grpc.aio as grpcaio
+
     params = json.dumps({"max_tokens": OUTPUT_TOKENS, "temperature": 0, "ignore_eos": True}).encode()
-    gate = asyncio.Semaphore(CONCURRENCY)
     ttfts, tokens = [], 0
+    numbers = iter(range(n_requests))
 
-    def inputs():
-        items = []
-        for name, dtype, value in (("text_input", "BYTES", PROMPT.encode()), ("stream", "BOOL", True),
-                                   ("sampling_parameters", "BYTES", params),
-                                   ("return_num_output_tokens", "BOOL", True)):
-            item = grpcaio.InferInput(name, [1], dtype)
-            item.set_data_from_numpy(np.array([value], dtype=np.object_ if dtype == "BYTES" else bool))
-            items.append(item)
-        return items
-
-    async def one(client, i: int) -> None:
+    async def one_stream(client, first_request: int) -> None:
+        """Requests on one stream, one at a time: `first_request`, then the next numbers while there are any
+        (none after it when `stream_per_request`)."""
         nonlocal tokens
-        async with gate:
-            async def requests():
-                yield {"model_name": model, "inputs": inputs(), "request_id": f"kserve-{i}"}
+        pending: asyncio.Queue = asyncio.Queue()
 
-            started, first = time.perf_counter(), None
-            async for result, error in until_final_async(client.stream_infer(requests())):
+        async def requests():
+            while (request := await pending.get()) is not None:
+                yield request
+
+        def send(number: int | None) -> float:
+            pending.put_nowait(None if number is None else
+                               {"model_name": model, "inputs": _infer_inputs(params), "request_id": f"kserve-{number}"})
+            return time.perf_counter()
+
+        current, started, first = first_request, send(first_request), None
+        responses = client.stream_infer(requests())
+        try:
+            async for result, error in responses:
                 if error is not None:
-                    raise RuntimeError(f"request {i}: {error}")
+                    raise RuntimeError(f"request {current}: {error}")
+                if result.get_response().id != f"kserve-{current}":
+                    raise RuntimeError(f"a response of {result.get_response().id!r} while kserve-{current} ran")
                 if first is None:
                     first = time.perf_counter() - started
                 tokens += int(result.as_numpy("num_output_tokens")[0])
-            ttfts.append(first)
+                if is_final(result):
+                    ttfts.append(first)
+                    # the next request, or the end of this client's side: the server then ends the stream
+                    current = None if stream_per_request else next(numbers, None)
+                    started, first = send(current), None
+        finally:
+            responses.cancel()  # a no-op once the stream has ended; on an error, closes it
 
     client = grpcaio.InferenceServerClient(url)
     try:
         started = time.perf_counter()
-        await asyncio.gather(*(one(client, i) for i in range(n_requests)))
+        if stream_per_request:
+            gate = asyncio.Semaphore(CONCURRENCY)
+
+            async def gated(number: int) -> None:
+                async with gate:
+                    await one_stream(client, number)
+
+            await asyncio.gather(*(gated(number) for number in numbers))
+        else:
+            await asyncio.gather(*(one_stream(client, number) for number in
+                                   [next(numbers) for _ in range(min(CONCURRENCY, n_requests))]))
         elapsed = time.perf_counter() - started
     finally:
         await client.close()
+    if len(ttfts) != n_requests:
+        raise RuntimeError(f"{len(ttfts)} of {n_requests} requests finished")
     return _summary(ttfts, elapsed, tokens)
 
 
@@ -124,7 +165,10 @@ async def _start_triton(model_dir: pathlib.Path, workdir: pathlib.Path):
 
 
 SUBJECTS = ("standalone", "embedded")
-SIDES = ("direct", *SUBJECTS)
+# The same two servers with a new stream for every request (the client pattern of earlier runs), beside them
+PER_REQUEST = {"standalone": "standalone, a stream per request", "embedded": "embedded, a stream per request"}
+SIDES = ("direct", *SUBJECTS, *PER_REQUEST.values())
+SERVER = {**{subject: subject for subject in SUBJECTS}, **{label: subject for subject, label in PER_REQUEST.items()}}
 CLIENT = "this process (client; direct: AsyncLLM's front)"
 
 
@@ -179,7 +223,7 @@ async def _with_cpu(side: str, coro) -> tuple[dict, dict[str, float]]:
     after = _cpu_seconds()
     tokens = N_REQUESTS * OUTPUT_TOKENS / 1000
     return summary, {kind: (after[(owner, kind)] - before.get((owner, kind), 0.0)) / tokens
-                     for owner, kind in after if owner in (side, "client")
+                     for owner, kind in after if owner in (SERVER.get(side, side), "client")
                      and after[(owner, kind)] - before.get((owner, kind), 0.0) > 0.005}
 
 
@@ -220,7 +264,8 @@ async def measure(model_dir: pathlib.Path) -> dict[str, dict]:
                     await _kserve(urls[subject], "demo-tiny", n_requests=CONCURRENCY)
                 for _ in range(ROUNDS):
                     for side in SIDES:
-                        work = _direct(llm) if side == "direct" else _kserve(urls[side], "demo-tiny")
+                        work = _direct(llm) if side == "direct" else _kserve(
+                            urls[SERVER[side]], "demo-tiny", stream_per_request=side in PER_REQUEST.values())
                         summary, used = await _with_cpu(side, work)
                         runs[side].append(summary)
                         cpu[side].append(used)
@@ -232,7 +277,7 @@ async def measure(model_dir: pathlib.Path) -> dict[str, dict]:
         llm.shutdown()
         del llm
         gc.collect()  # its __del__ shuts down again: now, not at interpreter exit, where it fails on torn-down modules
-    for subject in SUBJECTS:
+    for subject in SIDES:
         if min(r["output_tokens_per_s"] for r in runs[subject]) <= 0:
             raise RuntimeError(f"no tokens came back over KServe ({subject})")
     kinds = {kind for side in SIDES for used in cpu[side] for kind in used}
@@ -250,8 +295,10 @@ def run(out_dir: pathlib.Path) -> dict:
     base = results["direct"]
     lines = [
         f"{N_REQUESTS} requests, {OUTPUT_TOKENS} greedy output tokens each, {CONCURRENCY} at a time (demo model), "
-        "NVIDIA's asyncio tritonclient streaming over gRPC, against vLLM's AsyncLLM called directly in this process; "
-        f"medians of {ROUNDS} rounds (direct, standalone and embedded in turn), identical engine arguments.",
+        "NVIDIA's asyncio tritonclient streaming over gRPC (one stream per concurrent slot, each sending its next "
+        "request when the last one ended, as NVIDIA's vllm_backend sample client sends its prompts on one stream), "
+        "against vLLM's AsyncLLM called directly in this process; medians of "
+        f"{ROUNDS} rounds (every side in turn), identical engine arguments.",
     ]
     verdicts = []
     for subject in SUBJECTS:
@@ -262,6 +309,15 @@ def run(out_dir: pathlib.Path) -> dict:
                   *ratio_table(results[subject], base, (subject, "AsyncLLM directly", f"ratio ({subject} / direct)")),
                   "", f"Output-token throughput {throughput:.2f} of direct (target {TARGET}); per round: {per_round}."]
         verdicts.append(f"{subject} {throughput:.2f}: **{'met' if throughput >= TARGET else 'missed'}**")
+    lines += ["", "With a new stream for every request (the client pattern of the runs before 2026-12-05), beside "
+              "them:", "",
+              "| subject | output-token throughput / direct | per round | median TTFT, ms | p99 TTFT, ms |",
+              "| --- | ---: | --- | ---: | ---: |"]
+    for label in PER_REQUEST.values():
+        per_round = ", ".join(f"{t['output_tokens_per_s'] / d['output_tokens_per_s']:.2f}"
+                              for t, d in zip(results["runs"][label], results["runs"]["direct"], strict=True))
+        lines.append(f"| {label} | {results[label]['output_tokens_per_s'] / base['output_tokens_per_s']:.2f} | "
+                     f"{per_round} | {results[label]['median_ttft_ms']:.1f} | {results[label]['p99_ttft_ms']:.1f} |")
     lines += [
         "", "Targets (>= 0.8 of direct): " + "; ".join(verdicts) + ".", "",
         "CPU seconds per 1000 output tokens, by process (this machine's cores are what the hops compete for; on a "
@@ -273,8 +329,8 @@ def run(out_dir: pathlib.Path) -> dict:
           for kind in sorted({k for side in SIDES for k in results["cpu"][side]})),
         "| total | " + " | ".join(f"{sum(results['cpu'][side].values()):.3f}" for side in SIDES) + " |",
     ]
-    plot = ratio_plot({f"{subject} {m}": v for subject in SUBJECTS for m, v in ratios(results[subject], base).items()},
-                      out_dir, "kserve.png", color="tab:green", height=4,
+    plot = ratio_plot({f"{subject} {m}": v for subject in SIDES[1:] for m, v in ratios(results[subject], base).items()},
+                      out_dir, "kserve.png", color="tab:green", height=7,
                       xlabel="KServe gRPC stream / AsyncLLM directly (same run)", title="KServe through real Triton")
     return result("KServe gRPC through Triton (standalone and embedded) vs AsyncLLM directly", lines, [plot])
 
