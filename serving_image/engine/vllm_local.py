@@ -259,13 +259,17 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
         engine (serving_image/triton/stub_vllm.py) builds them from `sampling_parameters` as NVIDIA's backend does.
         Same deltas and errors as generate()."""
         from vllm.exceptions import VLLMClientError
+        from vllm.inputs.engine import tokens_input
         from vllm.v1.engine.exceptions import EngineDeadError
 
         if not self.is_ready():
             raise EngineUnavailableError(self.dead_reason or "engine not ready")
         k = params.logprobs
         try:
-            stream = self._llm.generate({"prompt_token_ids": prompt_ids}, params, request_id)
+            # Already tokenized: handed over as vLLM's rendered token input, which AsyncLLM admits on this loop. A
+            # bare {"prompt_token_ids": ...} is a raw prompt to vLLM, sent through a thread pool for preprocessing:
+            # a thread hop per request that under load delayed admission (the GIL changing hands twice).
+            stream = self._llm.generate(tokens_input(prompt_ids), params, request_id)
             finished: set[int] = set()
             async for output in stream:
                 choices = []
@@ -300,6 +304,7 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
 
     async def embed(self, inputs: list[str | list[int]], request_id: str) -> list[Embedding]:
         from vllm import PoolingParams
+        from vllm.inputs.engine import tokens_input
         from vllm.v1.engine.exceptions import EngineDeadError
 
         if self._embedder is None:
@@ -313,7 +318,7 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
 
         async def one(i: int, ids: list[int]) -> Embedding:
             final = None
-            async for output in self._embedder.encode({"prompt_token_ids": ids}, PoolingParams(task="embed"),
+            async for output in self._embedder.encode(tokens_input(ids), PoolingParams(task="embed"),
                                                       f"{request_id}-{i}"):
                 final = output
             return Embedding(tuple(float(x) for x in final.outputs.data.tolist()), len(ids))
@@ -328,6 +333,7 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
         logprobs; one generated token is the engine's minimum and is discarded. The prompt and each candidate
         are tokenized separately (no merge across the boundary), so every candidate shares the prompt's prefix
         and vLLM's prefix cache serves it once."""
+        from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import SamplingParams
         from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -341,7 +347,7 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
                 raise EngineInputError(f"prompt plus candidates[{i}] is {len(full)} tokens; the context window is "
                                        f"{self.info.max_model_len}", f"candidates[{i}]")
             final = None
-            async for output in self._llm.generate({"prompt_token_ids": full}, params, f"{request_id}-{i}"):
+            async for output in self._llm.generate(tokens_input(full), params, f"{request_id}-{i}"):
                 final = output
             positions = final.prompt_logprobs[len(prompt_ids):]
             total = sum(entry[token].logprob for entry, token in zip(positions, ids, strict=True))
