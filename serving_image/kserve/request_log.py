@@ -55,7 +55,8 @@ class KServeRecord:
 
     def close(self) -> None:
         self.duration_s = round(time.perf_counter() - self._started, 4)
-        record = {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("_")}
+        # the fields as they are (plain values): asdict's deep copy cost more than the rest of a record
+        record = {k: v for k, v in vars(self).items() if not k.startswith("_")}
         request_log.info(json.dumps(record))
         count_experiment(self.experiment, "kserve_grpc", self.status)
 
