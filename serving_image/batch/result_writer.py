@@ -12,7 +12,9 @@ Ordering rules:
 - A result counts (`on_stored`, the run's request_counts, /metrics) only once its chunk is stored.
 - `add` waits while MAX_LINES results wait already and a chunk is being written: memory stays bounded when the
   store is slow.
-- `close` stores everything still waiting; the run finalizes only after it.
+- `close` stores everything still waiting; the run finalizes only after it. A chunk the timer is writing when
+  `close` comes is finished, never abandoned (cancelled mid-write, its lines were taken from the waiting ones and
+  stored nowhere), and what it raised is raised by `close`.
 - A killed worker loses at most the results not yet stored; a resumed run sends those lines again (their indexes are
   not among the stored ones), so each line is still answered exactly once.
 """
@@ -47,6 +49,8 @@ class ResultWriter:
         self._oldest = 0.0
         self._lock = asyncio.Lock()  # one chunk written at a time
         self._timer: asyncio.Task | None = None
+        self._timer_writing = False  # the timer is in flush(): it holds a chunk taken from the waiting ones
+        self._closing = False
 
     async def add(self, result: LineResult, cache: Callable[[], object] | None = None) -> None:
         """Hand over one result (and its cache write, run before the chunk is stored). Raises what a chunk written on
@@ -76,16 +80,27 @@ class ResultWriter:
             self.on_stored(results)
 
     async def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._timer
+        self._closing = True
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            if self._timer_writing:
+                await timer  # its chunk is stored (or its failure raised) before anything else
+            elif not timer.done():
+                timer.cancel()  # only sleeping: what it waited for is stored below
+                with contextlib.suppress(asyncio.CancelledError):
+                    await timer
+            elif not timer.cancelled() and timer.exception() is not None:
+                raise timer.exception()
         await self.flush()
 
     async def _flush_when_due(self) -> None:
-        while self._waiting:
+        while self._waiting and not self._closing:
             due = self._oldest + self.max_wait_s - time.monotonic()
             if due > 0:
                 await asyncio.sleep(due)
                 continue
-            await self.flush()
+            self._timer_writing = True
+            try:
+                await self.flush()
+            finally:
+                self._timer_writing = False

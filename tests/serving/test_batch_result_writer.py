@@ -87,3 +87,45 @@ async def test_a_store_failure_on_the_timer_stops_the_next_add(tmp_path):
         await asyncio.sleep(0.01)
     with pytest.raises(OSError, match="store unreachable"):
         await writer.add(_result(1))
+
+
+async def test_close_finishes_the_chunk_the_timer_is_writing(tmp_path):
+    """The race of a resumed run (seen in a fresh clone's suite): the lanes are done and `close` comes while the
+    timer is writing its chunk. That chunk's lines are no longer waiting; abandoning its write lost them, and the
+    batch completed with fewer results than lines. Forced: the timer's cache write is held until close has begun."""
+    writing, release = threading.Event(), threading.Event()
+
+    def held_cache_write() -> None:
+        writing.set()
+        release.wait(timeout=60)
+
+    writer, storage, counted = _writer(tmp_path, max_lines=100, max_wait_s=0.0)
+    await writer.add(_result(0), held_cache_write)
+    await asyncio.to_thread(writing.wait, 60)  # the timer has taken [0] and is writing its cache entry
+    await writer.add(_result(1))  # waiting behind it
+    closing = asyncio.create_task(writer.close())
+    await asyncio.sleep(0.05)
+    assert not closing.done()  # close waits for the chunk in flight; it does not cancel it
+    release.set()
+    await closing
+    assert storage.done_indexes(BATCH) == {0, 1}
+    assert sorted(i for chunk in counted for i in chunk) == [0, 1]
+
+
+async def test_close_raises_what_the_timers_chunk_raised(tmp_path):
+    writing, release = threading.Event(), threading.Event()
+
+    def failing_put(chunk: list[LineResult]) -> None:
+        writing.set()
+        release.wait(timeout=60)
+        raise OSError("store unreachable")
+
+    writer = ResultWriter(BatchStorage(DirectoryStore(tmp_path)), BATCH, on_stored=lambda chunk: None,
+                          put_chunk=failing_put, max_lines=100, max_wait_s=0.0)
+    await writer.add(_result(0))
+    await asyncio.to_thread(writing.wait, 60)
+    closing = asyncio.create_task(writer.close())
+    await asyncio.sleep(0)
+    release.set()
+    with pytest.raises(OSError, match="store unreachable"):
+        await closing
