@@ -228,6 +228,11 @@ async def _with_cpu(side: str, coro) -> tuple[dict, dict[str, float]]:
 
 
 ROUNDS = 3
+# vLLM's CPU worker busy-polls for a second after its last message (shm_broadcast's SpinCondition, busy_loop_s = 1)
+# before it sleeps, on the core every worker here is pinned to (VLLM_CPU_OMP_THREADS_BIND=auto: core 0). Measured
+# right after another side, a side's worker shared that core with the previous side's spinning worker for the first
+# second of its ~2 s measurement: each side waits that spin out first.
+ENGINE_SPIN_S = 1.5
 
 
 def _median(runs: list[dict]) -> dict:
@@ -264,6 +269,7 @@ async def measure(model_dir: pathlib.Path) -> dict[str, dict]:
                     await _kserve(urls[subject], "demo-tiny", n_requests=CONCURRENCY)
                 for _ in range(ROUNDS):
                     for side in SIDES:
+                        await asyncio.sleep(ENGINE_SPIN_S)  # the engine measured last has stopped spinning
                         work = _direct(llm) if side == "direct" else _kserve(
                             urls[SERVER[side]], "demo-tiny", stream_per_request=side in PER_REQUEST.values())
                         summary, used = await _with_cpu(side, work)
