@@ -384,7 +384,9 @@ async def start_engine(model_json: Path, model_name: str, model_version: str) ->
     """The engine model.json describes (a generation engine, or a pooling one: `runner: pooling`) and the tasks it
     serves."""
     from serving_image.engine.vllm_local import VllmLocalEngine
+    from serving_image.metrics.multiproc import write_values_with_cached_pid
 
+    write_values_with_cached_pid()  # before vLLM creates its metrics in this process
     model, tokenizer, args = _engine_args(json.loads(model_json.read_text()))
     if args.get("runner") == "pooling":
         engine = await start_pooling_engine(name=model_name, version=model_version, model_path=model,

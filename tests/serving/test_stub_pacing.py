@@ -106,11 +106,11 @@ def test_the_interval_travels_with_the_request_and_a_non_streamed_one_gets_first
     model._pacer.streamed(20, 0.1)  # 200 tokens a second per request
     sent = []
     model._send = sent.append
-    monkeypatch.setattr(generation.pb_utils, "get_input_tensor_by_name", lambda request, name: None, raising=False)
     for stream in (True, False):
         parsed = {"stream": stream, "prepend": not stream, "prompt": "p", "params": None, "root": "sampling_parameters",
                   "flags": dict.fromkeys(generation.RETURN_FLAGS, False)}
-        monkeypatch.setattr(generation, "read_request", lambda request, name, parsed=parsed: parsed)
+        monkeypatch.setattr(generation, "read_request", lambda request, inputs, name, parsed=parsed: parsed)
         model._requests.update({f"other-{i}": object() for i in range(31 - len(model._requests))})
-        model.execute([types.SimpleNamespace(get_response_sender=lambda: None, request_id=lambda: "c")])
+        model.execute([types.SimpleNamespace(get_response_sender=lambda: None, request_id=lambda: "c",
+                                             inputs=lambda: [])])
     assert [m["interval"] for m in sent] == [13, generation.NOT_STREAMED_INTERVAL]  # 32 in flight, as above

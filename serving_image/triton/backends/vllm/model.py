@@ -85,19 +85,27 @@ class RequestError(ValueError):
     """A request the stand-in refuses before it reaches the engine (INVALID_ARG)."""
 
 
-def _flag(request, name: str) -> bool | None:
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
+def input_tensors(request) -> dict:
+    """The request's input tensors by name. One call into the stub: `pb_utils.get_input_tensor_by_name` asks the
+    stub for the list of every input (a Python object for each) at each call, and a request was read with ten of
+    them, on the stub's main thread, which admits requests one at a time."""
+    return {tensor.name(): tensor for tensor in request.inputs()}
+
+
+def _flag(inputs: dict, name: str) -> bool | None:
+    tensor = inputs.get(name)
     return None if tensor is None else bool(tensor.as_numpy().reshape(-1)[0])
 
 
-def read_request(request, model_name: str) -> dict:
-    """The request's inputs as NVIDIA's backend reads them (GenerateRequest._get_input_tensors). An
-    `embedding_request` never gets here (execute sends it to read_embed_request, or refuses it by task)."""
+def read_request(request, inputs: dict, model_name: str) -> dict:
+    """The request's inputs (`inputs`: input_tensors(request)) as NVIDIA's backend reads them
+    (GenerateRequest._get_input_tensors). An `embedding_request` never gets here (execute sends it to
+    read_embed_request, or refuses it by task)."""
     for name, reason in REFUSED_INPUTS.items():
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        tensor = inputs.get(name)
         if tensor is not None and (name == "image" or bool(tensor.as_numpy().reshape(-1)[0])):
             raise RequestError(f"input '{name}': {reason}")
-    tensor = pb_utils.get_input_tensor_by_name(request, "text_input")
+    tensor = inputs.get("text_input")
     if tensor is None:  # Triton 2.51 passes a request without a required input on to a python-based backend
         raise RequestError(f"input 'text_input' is required by model '{model_name}' and is missing")
     raw = tensor.as_numpy().reshape(-1)[0]
@@ -107,13 +115,13 @@ def read_request(request, model_name: str) -> dict:
         raise RequestError(f"input 'text_input' is not valid UTF-8: {exc}") from None
     if not prompt:
         raise RequestError("input 'text_input' is empty")
-    stream = bool(_flag(request, "stream"))
-    exclude = _flag(request, "exclude_input_in_output")
+    stream = bool(_flag(inputs, "stream"))
+    exclude = _flag(inputs, "exclude_input_in_output")
     prepend = (not exclude) if exclude is not None else not stream
     if prepend and stream:
         raise RequestError("input 'exclude_input_in_output': when streaming, `exclude_input_in_output` = False is "
                            "not allowed.")
-    tensor = pb_utils.get_input_tensor_by_name(request, "sampling_parameters")
+    tensor = inputs.get("sampling_parameters")
     if tensor is not None:
         raw_params = tensor.as_numpy().reshape(-1)[0]
         try:
@@ -124,19 +132,19 @@ def read_request(request, model_name: str) -> dict:
     else:
         params, root = request.parameters(), "parameters"
     return {"prompt": prompt, "stream": stream, "prepend": prepend, "params": params, "root": root,
-            "flags": {name: bool(_flag(request, name)) for name in RETURN_FLAGS}}
+            "flags": {name: bool(_flag(inputs, name)) for name in RETURN_FLAGS}}
 
 
 EMBED_FLAGS = ("return_num_input_tokens", "return_num_output_tokens")
 
 
-def read_embed_request(request, info: dict) -> dict:
+def read_embed_request(inputs: dict, info: dict) -> dict:
     """An `embedding_request` as NVIDIA's backend reads it (EmbedRequest._get_input_tensors): a JSON object whose
     `input` is a string or one list of token ids (one input per request), and whose `pooling_params` may hold
     `dimensions` as a one-element list `[d]` (NVIDIA's OpenAI front-end sends it so, and the backend reads
     `dimensions[0]`). `text_input` and the sampling inputs are not read, as there. Stricter than NVIDIA's: every
     refusal names the field, and keys it would ignore are refused."""
-    values = pb_utils.get_input_tensor_by_name(request, "embedding_request").as_numpy().reshape(-1)
+    values = inputs["embedding_request"].as_numpy().reshape(-1)
     if values.size != 1:
         raise RequestError(f"input 'embedding_request' holds {values.size} elements; it takes one JSON object")
     raw = values[0]
@@ -170,7 +178,7 @@ def read_embed_request(request, info: dict) -> dict:
         if dims[0] != info.get("embedding_dim"):
             raise RequestError(f"{field} {dims[0]}: this model's embeddings have {info.get('embedding_dim')} "
                                "dimensions and are not truncated")
-    return {"input": value, "flags": {name: bool(_flag(request, name)) for name in EMBED_FLAGS}}
+    return {"input": value, "flags": {name: bool(_flag(inputs, name)) for name in EMBED_FLAGS}}
 
 
 class _Request:
@@ -414,17 +422,18 @@ class TritonPythonModel:
                 self._error(sender, f"Model is unavailable due to unhealthy vLLM engine: {self._dead}",
                             pb_utils.TritonError.UNAVAILABLE)
                 continue
-            embedding = pb_utils.get_input_tensor_by_name(request, "embedding_request") is not None
+            inputs = input_tensors(request)
+            embedding = "embedding_request" in inputs
             task = "embed" if embedding else "generate"
             if task not in self.tasks:  # NVIDIA's backend's words (_validate_request_task_name)
                 self._error(sender, f"Model {self.model_name} does not support '{task}' request",
                             pb_utils.TritonError.INVALID_ARG)
                 continue
             if embedding:
-                self._submit_embed(request, sender)
+                self._submit_embed(inputs, sender)
                 continue
             try:
-                parsed = read_request(request, self.model_name)
+                parsed = read_request(request, inputs, self.model_name)
             except RequestError as exc:
                 self._error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
                 continue
@@ -447,9 +456,9 @@ class TritonPythonModel:
                 self._error(sender, f"the engine is gone: {exc}", pb_utils.TritonError.UNAVAILABLE)
         return None
 
-    def _submit_embed(self, request, sender) -> None:
+    def _submit_embed(self, inputs: dict, sender) -> None:
         try:
-            parsed = read_embed_request(request, self.info)
+            parsed = read_embed_request(inputs, self.info)
         except RequestError as exc:
             self._error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
             return
