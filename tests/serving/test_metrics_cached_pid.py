@@ -38,27 +38,29 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(env: dict[str, str]) -> dict[str, str]:
-    repo = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env={**os.environ, **env, "PYTHONPATH": str(repo)},
-                          capture_output=True, text=True, timeout=60, check=True)
+def _run(script: str, multiproc_dir: Path | None) -> dict[str, str]:
+    """Run `script` in a fresh interpreter, in multiprocess mode when `multiproc_dir` is given; its `key=value`
+    lines."""
+    env = {k: v for k, v in os.environ.items() if k.lower() != "prometheus_multiproc_dir"}
+    if multiproc_dir is not None:
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(multiproc_dir)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60,
+                          check=True)
     return dict(line.split("=", 1) for line in done.stdout.strip().splitlines())
 
 
 def test_values_write_without_asking_the_pid_and_a_forked_child_writes_its_own_file(tmp_path):
-    seen = _run({"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+    seen = _run(SCRIPT, tmp_path)
     assert seen["switched"] == "True"
     assert seen["getpid calls while writing"] == "0"
     assert float(seen["total"]) == 105.0
     assert seen["files"] == "True"
 
 
-def test_without_multiprocess_mode_nothing_changes(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k.lower() != "prometheus_multiproc_dir"}
-    repo = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, "-c", "from prometheus_client import values\n"
-         "from serving_image.metrics.multiproc import write_values_with_cached_pid\n"
-         "print(write_values_with_cached_pid(), values.ValueClass is values.MutexValue)"],
-        env={**env, "PYTHONPATH": str(repo)}, capture_output=True, text=True, timeout=60, check=True)
-    assert done.stdout.split() == ["False", "True"]
+def test_without_multiprocess_mode_nothing_changes():
+    seen = _run("from prometheus_client import values\n"
+                "from serving_image.metrics.multiproc import write_values_with_cached_pid\n"
+                "print(f'switched={write_values_with_cached_pid()}')\n"
+                "print(f'mutex={values.ValueClass is values.MutexValue}')", None)
+    assert seen == {"switched": "False", "mutex": "True"}
