@@ -476,6 +476,11 @@ async def _main_async(config: StartupConfig, on_ready: Callable[[Started], None]
     except StartupError as exc:
         log.error("%s", exc)
         return exc.exit_code
+    from serving_image.gc_heap import freeze_startup_heap
+
+    # Triton's bindings, the front-ends and what they imported stay for the process's life: out of the collector's
+    # way, as vLLM's API server does after its startup (gc_heap.py)
+    log.info("startup heap frozen out of the collector: %d objects", freeze_startup_heap())
     if on_ready is not None:
         on_ready(started)
     return await serve_until_stopped(started, config.drain_delay_s)

@@ -49,6 +49,15 @@ def test_each_step_is_logged_in_order_with_its_duration(server: Server):
     assert re.search(r"startup complete in \d+\.\d+s", log)
 
 
+def test_once_up_the_heaps_are_frozen_and_the_engine_front_reads_its_environment_once(server: Server):
+    # gc_heap.py: the front-end process once startup is complete, and each engine's front in its Python backend stub
+    log = server.log()
+    frozen = re.search(r"startup heap frozen out of the collector: (\d+) objects", log)
+    assert frozen and int(frozen.group(1)) > 0 and log.index("startup complete") < frozen.start()
+    settled = re.findall(r"engine front settled: vLLM's environment cached, (\d+) startup objects frozen", log)
+    assert settled and all(int(count) > 0 for count in settled)
+
+
 def test_ports_open_only_after_the_engine_is_ready(server: Server):
     assert server.early_connect == []
     log = server.log()
