@@ -1,6 +1,6 @@
 """KServe gRPC streaming against vLLM's AsyncLLM called directly, in one run (issues #6, #13 and #28).
 
-128 requests of 64 greedy output tokens (ignore_eos, so every request makes the same work), 32 prompt tokens, 16 at a
+384 requests of 64 greedy output tokens (ignore_eos, so every request makes the same work), 32 prompt tokens, 16 at a
 time, on the demo model. Baseline: vLLM's `AsyncLLM.generate` in this process, streaming deltas. Subjects, with
 NVIDIA's asyncio tritonclient streaming over gRPC (`ModelStreamInfer`; one stream per concurrent slot, which sends its
 next request once the last one ended, as NVIDIA's vllm_backend sample client sends all its prompts on one stream; a
@@ -29,7 +29,9 @@ from bench.report import demo_model, main, percentile, ratio_plot, ratio_table, 
 from llm_serving.kserve_stream import is_final
 from llm_serving.ports import free_port
 
-N_REQUESTS = 128
+# 384, not 128: at 128 a side's measurement lasted about a second, and one side's consecutive rounds moved 0.77-0.99
+# of direct on this shared machine (2026-12-05); three times longer, and five rounds, for a median that noise moves less
+N_REQUESTS = 384
 CONCURRENCY = 16
 OUTPUT_TOKENS = 64
 PROMPT = "The platform serves large language models next to the rest of the models " * 2
@@ -227,7 +229,7 @@ async def _with_cpu(side: str, coro) -> tuple[dict, dict[str, float]]:
                      and after[(owner, kind)] - before.get((owner, kind), 0.0) > 0.005}
 
 
-ROUNDS = 3
+ROUNDS = 5
 # vLLM's CPU worker busy-polls for a second after its last message (shm_broadcast's SpinCondition, busy_loop_s = 1)
 # before it sleeps, on the core every worker here is pinned to (VLLM_CPU_OMP_THREADS_BIND=auto: core 0). Measured
 # right after another side, a side's worker shared that core with the previous side's spinning worker for the first
