@@ -8,9 +8,9 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
 #     xgrammar==0.2.8 apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
 # Steps: build the native core and the kernel library for sm_90 with native/CMakeLists.txt (LLM_SERVING_BUILD_CUDA=ON),
-# run tests/native/test_gpu_kernel.py with nvcc required (its on-device test included), run the kernel under
-# compute-sanitizer (memcheck, synccheck, initcheck; gpu_kernel_once.py), then bench.gpu_mask. Logs go to $OUT
-# (default ./gpu-check-out).
+# run tests/native/test_gpu_kernel.py with nvcc required (its on-device test included), run that on-device test again
+# under compute-sanitizer (memcheck, synccheck, initcheck; only the bitmask kernel is checked), then bench.gpu_mask.
+# Logs go to $OUT (default ./gpu-check-out).
 set -u
 OUT=${OUT:-gpu-check-out}
 mkdir -p "$OUT"
@@ -33,7 +33,8 @@ echo "pytest rc=$?"; tail -12 "$OUT/test_gpu_kernel.log"
 for tool in memcheck synccheck initcheck; do
   echo "=== compute-sanitizer --tool $tool (the bitmask kernel only)"
   timeout 150 compute-sanitizer --tool "$tool" --kernel-name kns=mask_kernel --error-exitcode 9 \
-    python3 bench/scripts/gpu_kernel_once.py > "$OUT/sanitizer_$tool.log" 2>&1
+    python3 -m pytest -p no:cacheprovider tests/native/test_gpu_kernel.py -q -k on_the_device \
+    > "$OUT/sanitizer_$tool.log" 2>&1
   echo "$tool rc=$?"; tail -4 "$OUT/sanitizer_$tool.log"
 done
 echo "=== bench.gpu_mask"
