@@ -249,6 +249,7 @@ async def measure(model_dir: pathlib.Path) -> dict[str, dict]:
 
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from serving_image.cpu_placement import describe, keep_front_off_engine_cores
     from serving_image.engine.vllm_local import build_engine_args
 
     runs: dict[str, list] = {side: [] for side in SIDES}
@@ -266,6 +267,10 @@ async def measure(model_dir: pathlib.Path) -> dict[str, dict]:
                                                engine_args=dict(ENGINE_ARGS)), pathlib.Path(workdir) / "embedded",
                     own_session=False)
                 urls = {"standalone": standalone_url, "embedded": f"127.0.0.1:{embedded.ports['kserve_grpc']}"}
+                # Every side's front off the cores the engines' workers bound themselves to, as the startup procedure
+                # places a server's (serving_image/cpu_placement.py): the direct engine's front is this process, the
+                # standalone tritonserver and its stubs are below it, the embedded server placed itself.
+                print(describe(keep_front_off_engine_cores()), flush=True)
                 await _direct(llm)  # warm-ups, not reported
                 for subject in SUBJECTS:
                     await _kserve(urls[subject], "demo-tiny", n_requests=CONCURRENCY)

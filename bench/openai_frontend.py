@@ -8,7 +8,8 @@ tokens) at three concurrencies: 1 (per-token latency), 32 (the headline) and 128
 entrypoint in the `openai` mode: the startup procedure, the OpenAI front-end, Triton (the local 2.51) in its process
 through the C API binding and the native response path, the stand-in `vllm` backend with vLLM's `AsyncLLM` in the
 Python backend stub's process. vLLM's is `python -m vllm.entrypoints.openai.api_server`. Every figure is the median of
-the rounds.
+the rounds. Both sides run placed the same way: the serving processes off the cores vLLM's CPU worker bound itself to
+(ours by its startup procedure, vLLM's API server by this benchmark, with the same `serving_image/cpu_placement.py`).
 
 CPU is reported per output token and per process kind (the server process: HTTP, translation, metrics, and
 Triton's core in ours; the Python backend stub, where vLLM's `AsyncLLM` and its output processing run in ours; vLLM's
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from bench.local_server import publish_demo, start_server
 from bench.report import demo_model, main, pyplot, ratio_plot, ratio_table, ratios, result, save_figure
 from bench.vllm_server import start_vllm_server, stop_vllm_server
+from serving_image.cpu_placement import describe, keep_front_off_engine_cores
 
 INPUT_LEN = OUTPUT_LEN = 64
 ROUNDS = 3
@@ -139,6 +141,9 @@ def measure(model_dir: pathlib.Path, workdir: pathlib.Path, rounds: int = ROUNDS
             ours.stop()
         proc, url = start_vllm_server(model_dir, workdir)
         try:
+            # vLLM's API server off its worker's bound cores, as our startup procedure places our server's
+            # processes (serving_image/cpu_placement.py): the same placement on both sides
+            print(describe(keep_front_off_engine_cores(proc.pid)), flush=True)
             results["vllm"].append(_drive(proc.pid, url, model_dir, "vllm"))
         finally:
             stop_vllm_server(proc)

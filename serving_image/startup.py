@@ -34,6 +34,13 @@ from packaging.requirements import InvalidRequirement, Requirement
 from llm_serving import pod_contract as pc
 from llm_serving.manifest import Backend
 from llm_serving.package import VerifiedPackage, check_python_dependencies, open_package
+from serving_image.cpu_placement import (
+    ENV_FRONT_PLACEMENT,
+    describe,
+    keep_front_off_engine_cores,
+    placement_mode,
+    remember_engine_cpus,
+)
 
 log = logging.getLogger("llm_serving.startup")
 
@@ -76,6 +83,9 @@ class StartupConfig:
     # What the Deployment says the package is (docs/architecture.md §3.10b; None outside a pod): step 1 refuses a
     # package whose manifest differs, naming both values.
     expected: PodExpectation | None = None
+    # Whether the serving processes move off the cores vLLM's CPU worker bound itself to once startup is complete
+    # (cpu_placement.py): `auto` or `off`, from $LLM_SERVING_FRONT_PLACEMENT.
+    front_placement: str = field(default_factory=lambda: os.environ.get(ENV_FRONT_PLACEMENT, "auto"))
 
 
 @dataclass(frozen=True)
@@ -472,6 +482,12 @@ def configure_logging() -> None:
 
 async def _main_async(config: StartupConfig, on_ready: Callable[[Started], None] | None) -> int:
     try:
+        placement_mode({ENV_FRONT_PLACEMENT: config.front_placement})
+    except ValueError as exc:  # before anything starts: a setting the procedure cannot read
+        log.error("%s", exc)
+        return 2
+    remember_engine_cpus()  # before Triton and its stubs start: they inherit it (cpu_placement.py)
+    try:
         started = await start(config)
     except StartupError as exc:
         log.error("%s", exc)
@@ -481,6 +497,10 @@ async def _main_async(config: StartupConfig, on_ready: Callable[[Started], None]
     # Triton's bindings, the front-ends and what they imported stay for the process's life: out of the collector's
     # way, as vLLM's API server does after its startup (gc_heap.py)
     log.info("startup heap frozen out of the collector: %d objects", freeze_startup_heap())
+    if config.front_placement == "auto":  # the engine is up: its workers have bound their cores by now
+        log.info("%s", describe(keep_front_off_engine_cores()))
+    else:
+        log.info("serving processes left where the kernel puts them: %s=off", ENV_FRONT_PLACEMENT)
     if on_ready is not None:
         on_ready(started)
     return await serve_until_stopped(started, config.drain_delay_s)

@@ -383,9 +383,13 @@ async def start_pooling_engine(*, name: str, version: str, model_path: Path, tok
 async def start_engine(model_json: Path, model_name: str, model_version: str) -> tuple[object, tuple[str, ...]]:
     """The engine model.json describes (a generation engine, or a pooling one: `runner: pooling`) and the tasks it
     serves."""
+    from serving_image.cpu_placement import restore_engine_cpus
     from serving_image.engine.vllm_local import VllmLocalEngine
     from serving_image.metrics.multiproc import write_values_with_cached_pid
 
+    # vLLM's processes start from this thread: on the cores the server was given, even when this stub started after
+    # the serving processes were placed off the engine's cores (cpu_placement.py)
+    restore_engine_cpus()
     write_values_with_cached_pid()  # before vLLM creates its metrics in this process
     model, tokenizer, args = _engine_args(json.loads(model_json.read_text()))
     if args.get("runner") == "pooling":

@@ -58,6 +58,39 @@ def test_once_up_the_heaps_are_frozen_and_the_engine_front_reads_its_environment
     assert settled and all(int(count) > 0 for count in settled)
 
 
+def test_once_up_the_serving_processes_run_off_the_cores_the_engine_bound(server: Server):
+    # cpu_placement.py: what the log says is what the processes' threads show, and no engine thread shares a core
+    # with the front
+    from serving_image import cpu_placement as cp
+
+    log = server.log()
+    line = re.search(r"serving processes (kept off the engine's cores: .*|left where the kernel puts them: .*)", log)
+    assert line and log.index("startup complete") < line.start()
+    tree = cp.process_tree(server.proc.pid)
+    titles = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode() for pid in tree}
+    engine = [pid for pid in tree if titles[pid].startswith(cp.VLLM_TITLE_PREFIX)]
+    assert engine, "the server runs vLLM's processes below it"
+    stubs = [pid for pid in tree if "triton_python_backend_stub" in titles[pid]]
+    assert stubs
+    # the cores the server was given, recorded before anything started: what each stub (started by Triton after the
+    # record) got in its environment, for its engine
+    environ = dict(e.split("=", 1) for e in Path(f"/proc/{stubs[0]}/environ").read_text().split("\0") if "=" in e)
+    allowed = cp.engine_cpus(environ)
+    bound = {frozenset(os.sched_getaffinity(int(t))) for pid in engine for t in os.listdir(f"/proc/{pid}/task")}
+    bound_cpus = frozenset().union(*(a for a in bound if a < allowed))
+    placed = re.search(r"bound to cores ([\d,]+), so (\d+) threads of (\d+) processes now run on cores ([\d,]+)",
+                       line.group(0))
+    if placed is None:  # nothing was bound when the server came up (VLLM_CPU_OMP_THREADS_BIND=nobind)
+        assert not bound_cpus
+        return
+    cores = frozenset(int(c) for c in placed.group(4).split(","))
+    assert bound_cpus == {int(c) for c in placed.group(1).split(",")} and not cores & bound_cpus
+    assert cores == allowed - bound_cpus
+    assert frozenset(os.sched_getaffinity(server.proc.pid)) == cores  # the server process itself runs there
+    assert all(os.sched_getaffinity(int(t)) <= cores for pid in stubs
+                         for t in os.listdir(f"/proc/{pid}/task"))
+
+
 def test_ports_open_only_after_the_engine_is_ready(server: Server):
     assert server.early_connect == []
     log = server.log()
