@@ -11,8 +11,9 @@ core 1, where vLLM's own server measured 1.29-1.34 either way (docs/kserve.md, "
 
 So once startup is complete, the startup procedure moves the threads of the serving processes to the cores no
 engine thread is bound to. The rules, in the order they are applied:
+- The engine's cores are those a thread of vLLM's processes is bound to (a strict subset of `allowed`).
 - Only a thread whose affinity is every core the process may use (`allowed`) is moved: a thread something bound
-  on purpose keeps its binding.
+  on purpose keeps its binding (a server below this one that placed its own front already, for one).
 - vLLM's own processes are never moved (vLLM titles them `VLLM::<role>`): its engine core and workers keep the
   placement vLLM gave them. The process the placement starts from (the server process) is always a front process.
 - Nothing moves when no thread is bound (`VLLM_CPU_OMP_THREADS_BIND=nobind`, and every GPU node: vLLM's GPU
@@ -131,7 +132,9 @@ def keep_front_off_engine_cores(root: int | None = None, proc: Path = Path("/pro
     front, engine = [], []
     for pid in process_tree(root, proc):
         (engine if pid != root and _title(pid, proc).startswith(VLLM_TITLE_PREFIX) else front).append(pid)
-    bound = frozenset().union(*(a for pid in (*front, *engine) for t in _threads(pid, proc)
+    # the engine's cores: what vLLM's own threads are bound to (a front thread bound elsewhere, such as a server below
+    # this one that placed itself already, says nothing about where the engine computes)
+    bound = frozenset().union(*(a for pid in engine for t in _threads(pid, proc)
                                 if (a := _affinity(t)) is not None and a < allowed))
     cpus, reason = front_cpus(allowed, bound)
     if cpus is None:

@@ -109,15 +109,16 @@ def test_front_moves_off_the_bound_core_and_vllm_processes_keep_theirs(tmp_path,
 
 
 @needs_two_cores
-def test_a_thread_bound_on_purpose_keeps_its_binding(tmp_path, cleanup):
-    # a front process's own bound thread is not widened or moved, and its core counts as taken
-    last = max(ALL)
-    root = _tree(tmp_path, [("", str(last))])
+def test_a_thread_bound_on_purpose_keeps_its_binding_and_is_not_the_engines(tmp_path, cleanup):
+    # a front process's own bound thread (a server below that placed its front already) is neither moved nor taken
+    # for the engine's cores; the engine's are those its worker bound
+    first, last = min(ALL), max(ALL)
+    root = _tree(tmp_path, [("", str(last)), ("VLLM::Worker", str(first))])
     cleanup(root)
     stub = _children(root)[""]
     placement = cp.keep_front_off_engine_cores(root.pid)
-    assert placement.bound_cpus == {last}
-    assert _affinities(stub) == sorted([frozenset({last}), ALL - {last}], key=sorted)
+    assert placement.bound_cpus == {first} and placement.front_cpus == ALL - {first}
+    assert _affinities(stub) == sorted([frozenset({last}), ALL - {first}], key=sorted)
 
 
 def test_nothing_moves_when_no_thread_is_bound(tmp_path, cleanup):
