@@ -39,6 +39,7 @@ ENV_ENGINE_CPUS = "LLM_SERVING_ENGINE_CPUS"
 PLACEMENT_MODES = ("auto", "off")
 # vLLM titles its processes so (vllm.utils.system_utils.set_process_title)
 VLLM_TITLE_PREFIX = "VLLM::"
+PROC = Path("/proc")
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,9 @@ def _cores(cpus: frozenset[int]) -> str:
     return ",".join(str(c) for c in sorted(cpus))
 
 
-def _children_by_parent(proc: Path) -> dict[int, list[int]]:
+def _children_by_parent() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
-    for entry in proc.iterdir():
+    for entry in PROC.iterdir():
         if not entry.name.isdigit():
             continue
         try:
@@ -91,9 +92,9 @@ def _children_by_parent(proc: Path) -> dict[int, list[int]]:
     return children
 
 
-def process_tree(root: int, proc: Path = Path("/proc")) -> list[int]:
+def process_tree(root: int) -> list[int]:
     """root and every process below it."""
-    children = _children_by_parent(proc)
+    children = _children_by_parent()
     tree, todo = [], [root]
     while todo:
         pid = todo.pop()
@@ -102,16 +103,18 @@ def process_tree(root: int, proc: Path = Path("/proc")) -> list[int]:
     return tree
 
 
-def _title(pid: int, proc: Path) -> str:
+def process_title(pid: int) -> str:
+    """The process's title: its command line's first word (vLLM rewrites it to `VLLM::<role>`); "" once it is gone."""
     try:
-        return (proc / str(pid) / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        return (PROC / str(pid) / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
     except OSError:
         return ""
 
 
-def _threads(pid: int, proc: Path) -> list[int]:
+def threads(pid: int) -> list[int]:
+    """The process's thread ids ([] once it is gone)."""
     try:
-        return [int(t) for t in os.listdir(proc / str(pid) / "task")]
+        return [int(t) for t in os.listdir(PROC / str(pid) / "task")]
     except OSError:
         return []
 
@@ -123,25 +126,25 @@ def _affinity(tid: int) -> frozenset[int] | None:
         return None
 
 
-def keep_front_off_engine_cores(root: int | None = None, proc: Path = Path("/proc")) -> Placement:
+def keep_front_off_engine_cores(root: int | None = None) -> Placement:
     """Apply the rules of this module's docstring to root's process tree (default: this process)."""
     root = os.getpid() if root is None else root
     allowed = _affinity(root)
     if allowed is None:
         return Placement(frozenset(), None, f"process {root} is gone")
     front, engine = [], []
-    for pid in process_tree(root, proc):
-        (engine if pid != root and _title(pid, proc).startswith(VLLM_TITLE_PREFIX) else front).append(pid)
+    for pid in process_tree(root):
+        (engine if pid != root and process_title(pid).startswith(VLLM_TITLE_PREFIX) else front).append(pid)
     # the engine's cores: what vLLM's own threads are bound to (a front thread bound elsewhere, such as a server below
     # this one that placed itself already, says nothing about where the engine computes)
-    bound = frozenset().union(*(a for pid in engine for t in _threads(pid, proc)
+    bound = frozenset().union(*(a for pid in engine for t in threads(pid)
                                 if (a := _affinity(t)) is not None and a < allowed))
     cpus, reason = front_cpus(allowed, bound)
     if cpus is None:
         return Placement(bound, None, reason)
     moved = 0
     for pid in front:
-        for tid in _threads(pid, proc):
+        for tid in threads(pid):
             if _affinity(tid) != allowed:
                 continue
             try:
@@ -181,7 +184,11 @@ def restore_engine_cpus(environ: dict[str, str] | os._Environ = os.environ) -> f
     if ENV_ENGINE_CPUS not in environ:
         return None
     cpus = engine_cpus(environ)
-    os.sched_setaffinity(0, cpus)
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError:  # EINVAL: none of them is a core this process may use
+        raise ValueError(f"{ENV_ENGINE_CPUS}={environ[ENV_ENGINE_CPUS]!r}: none of these cores is available to this "
+                         f"process (it may use {_cores(frozenset(os.sched_getaffinity(0)))})") from None
     return cpus
 
 

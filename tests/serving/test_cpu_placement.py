@@ -58,14 +58,14 @@ def _tree(tmp_path: Path, children: list[tuple[str, str]]) -> subprocess.Popen:
 
 
 def _affinities(pid: int) -> list[frozenset[int]]:
-    return sorted((frozenset(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{pid}/task")), key=sorted)
+    return sorted((frozenset(os.sched_getaffinity(t)) for t in cp.threads(pid)), key=sorted)
 
 
 def _children(root: subprocess.Popen) -> dict[str, int]:
     """The root's children by title: "VLLM::Worker", or "" for the untitled (stub-like) one."""
     children = {}
     for pid in cp.process_tree(root.pid)[1:]:
-        title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        title = cp.process_title(pid)
         children[title if title.startswith(cp.VLLM_TITLE_PREFIX) else ""] = pid
     return children
 
@@ -102,7 +102,7 @@ def test_front_moves_off_the_bound_core_and_vllm_processes_keep_theirs(tmp_path,
     # every thread of the root and the stub-like child moved, and nothing else
     assert _affinities(root.pid) == [front] * len(_affinities(root.pid))
     assert _affinities(stub) == [front, front]
-    assert placement.moved_threads == len(os.listdir(f"/proc/{root.pid}/task")) + 2
+    assert placement.moved_threads == len(cp.threads(root.pid)) + 2
     # vLLM's process untouched: its bound thread, and its unbound one too
     assert _affinities(worker) == worker_before
     assert f"bound to cores {engine_core}" in cp.describe(placement)
@@ -156,6 +156,13 @@ def test_engine_cpus_are_recorded_once_and_read_back():
     assert cp.restore_engine_cpus({}) is None
 
 
+def test_recorded_cores_this_process_cannot_use_are_refused_by_name():
+    unusable = max(os.cpu_count() or 1, *ALL) + 64
+    with pytest.raises(ValueError, match=rf"LLM_SERVING_ENGINE_CPUS='{unusable}': none of these cores is available"):
+        cp.restore_engine_cpus({cp.ENV_ENGINE_CPUS: str(unusable)})
+    assert frozenset(os.sched_getaffinity(0)) == ALL  # nothing changed
+
+
 @needs_two_cores
 def test_the_thread_that_starts_an_engine_gets_the_recorded_cores_back():
     # a stub started by a moved Triton thread inherits the front's cores; its engine's processes must not
@@ -169,3 +176,15 @@ def test_the_thread_that_starts_an_engine_gets_the_recorded_cores_back():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2]).stdout.split("]")
     assert out[0] + "]" == str(sorted(ALL)) and out[1].strip() + "]" == str(sorted(ALL))
+
+
+def test_startup_refuses_a_placement_setting_it_cannot_read(tmp_path):
+    # before anything starts (no package is even opened): exit status 2, naming the variable and the value
+    from llm_serving import pod_contract as pc
+
+    done = subprocess.run(pc.startup_argv(sys.executable, tmp_path / "no-package", workdir=tmp_path / "run"),
+                          capture_output=True, text=True, timeout=240,
+                          env={**os.environ, cp.ENV_FRONT_PLACEMENT: "pinned"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "LLM_SERVING_FRONT_PLACEMENT='pinned': must be one of auto, off" in done.stderr
+    assert "startup step" not in done.stderr

@@ -67,7 +67,7 @@ def test_once_up_the_serving_processes_run_off_the_cores_the_engine_bound(server
     line = re.search(r"serving processes (kept off the engine's cores: .*|left where the kernel puts them: .*)", log)
     assert line and log.index("startup complete") < line.start()
     tree = cp.process_tree(server.proc.pid)
-    titles = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode() for pid in tree}
+    titles = {pid: cp.process_title(pid) for pid in tree}
     engine = [pid for pid in tree if titles[pid].startswith(cp.VLLM_TITLE_PREFIX)]
     assert engine, "the server runs vLLM's processes below it"
     stubs = [pid for pid in tree if "triton_python_backend_stub" in titles[pid]]
@@ -76,7 +76,7 @@ def test_once_up_the_serving_processes_run_off_the_cores_the_engine_bound(server
     # record) got in its environment, for its engine
     environ = dict(e.split("=", 1) for e in Path(f"/proc/{stubs[0]}/environ").read_text().split("\0") if "=" in e)
     allowed = cp.engine_cpus(environ)
-    bound = {frozenset(os.sched_getaffinity(int(t))) for pid in engine for t in os.listdir(f"/proc/{pid}/task")}
+    bound = {frozenset(os.sched_getaffinity(t)) for pid in engine for t in cp.threads(pid)}
     bound_cpus = frozenset().union(*(a for a in bound if a < allowed))
     placed = re.search(r"bound to cores ([\d,]+), so (\d+) threads of (\d+) processes now run on cores ([\d,]+)",
                        line.group(0))
@@ -87,8 +87,7 @@ def test_once_up_the_serving_processes_run_off_the_cores_the_engine_bound(server
     assert bound_cpus == {int(c) for c in placed.group(1).split(",")} and not cores & bound_cpus
     assert cores == allowed - bound_cpus
     assert frozenset(os.sched_getaffinity(server.proc.pid)) == cores  # the server process itself runs there
-    assert all(os.sched_getaffinity(int(t)) <= cores for pid in stubs
-                         for t in os.listdir(f"/proc/{pid}/task"))
+    assert all(os.sched_getaffinity(t) <= cores for pid in stubs for t in cp.threads(pid))
 
 
 def test_ports_open_only_after_the_engine_is_ready(server: Server):
