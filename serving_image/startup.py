@@ -428,8 +428,10 @@ async def close(started: Started) -> None:
     await started.engine.shutdown()
 
 
-async def serve_until_stopped(started: Started, drain_delay_s: float = 0.0) -> int:
-    """Serve until SIGINT/SIGTERM (returns 0) or until the engine dies (returns 1)."""
+async def serve_until_stopped(started: Started, drain_delay_s: float = 0.0,
+                              settle: Callable[[], None] | None = None) -> int:
+    """Serve until SIGINT/SIGTERM (returns 0) or until the engine dies (returns 1). `settle` runs once the signal
+    handlers are in place: the ports are open already, so a SIGTERM that comes while it runs must drain, not kill."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     reason: list[str] = []
@@ -446,6 +448,8 @@ async def serve_until_stopped(started: Started, drain_delay_s: float = 0.0) -> i
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal, signum)
+    if settle is not None:
+        settle()  # a signal meanwhile is handled (on_signal) as soon as it returns
 
     async def watch_engine() -> None:
         while not stop.is_set():
@@ -494,16 +498,18 @@ async def _main_async(config: StartupConfig, on_ready: Callable[[Started], None]
         return exc.exit_code
     from serving_image.gc_heap import freeze_startup_heap
 
-    # Triton's bindings, the front-ends and what they imported stay for the process's life: out of the collector's
-    # way, as vLLM's API server does after its startup (gc_heap.py)
-    log.info("startup heap frozen out of the collector: %d objects", freeze_startup_heap())
-    if config.front_placement == "auto":  # the engine is up: its workers have bound their cores by now
-        log.info("%s", describe(keep_front_off_engine_cores()))
-    else:
-        log.info("serving processes left where the kernel puts them: %s=off", ENV_FRONT_PLACEMENT)
-    if on_ready is not None:
-        on_ready(started)
-    return await serve_until_stopped(started, config.drain_delay_s)
+    def settle() -> None:
+        # Triton's bindings, the front-ends and what they imported stay for the process's life: out of the
+        # collector's way, as vLLM's API server does after its startup (gc_heap.py)
+        log.info("startup heap frozen out of the collector: %d objects", freeze_startup_heap())
+        if config.front_placement == "auto":  # the engine is up: its workers have bound their cores by now
+            log.info("%s", describe(keep_front_off_engine_cores()))
+        else:
+            log.info("serving processes left where the kernel puts them: %s=off", ENV_FRONT_PLACEMENT)
+        if on_ready is not None:
+            on_ready(started)
+
+    return await serve_until_stopped(started, config.drain_delay_s, settle)
 
 
 def run(config: StartupConfig, on_ready: Callable[[Started], None] | None = None) -> int:

@@ -188,3 +188,28 @@ def test_startup_refuses_a_placement_setting_it_cannot_read(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     assert "LLM_SERVING_FRONT_PLACEMENT='pinned': must be one of auto, off" in done.stderr
     assert "startup step" not in done.stderr
+
+
+def test_a_sigterm_while_the_process_settles_drains_instead_of_killing():
+    # The ports are open before the heap freeze and the placement run (startup.serve_until_stopped's `settle`): a
+    # SIGTERM then (forced here, from inside `settle`) must reach the procedure's handler: drain, exit status 0.
+    script = textwrap.dedent("""
+        import asyncio, os, signal
+        from serving_image import startup
+
+        class Engine:
+            dead_reason = None
+            async def shutdown(self):
+                print("engine shut down")
+
+        started = startup.Started(package=None, engine=Engine(), timings=[])
+        def settle():
+            os.kill(os.getpid(), signal.SIGTERM)
+            print("settled")
+        code = asyncio.run(startup.serve_until_stopped(started, 0.0, settle))
+        print("exit", code, "draining", started.draining)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["settled", "engine", "shut", "down", "exit", "0", "draining", "True"]
