@@ -217,19 +217,44 @@ def _cpu_seconds() -> dict[tuple[str, str], float]:
     return totals
 
 
-async def _with_cpu(side: str, coro) -> tuple[dict, dict[str, float]]:
+def _engine_steps(metrics_url: str | None) -> float:
+    """vLLM's engine steps so far (the count of its `vllm:iteration_tokens_total` histogram, one observation per
+    step): the direct engine's from this process's registry, a server's from its merged /metrics."""
+    if metrics_url is None:
+        from prometheus_client import REGISTRY
+
+        families = REGISTRY.collect()
+    else:
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        families = text_string_to_metric_families(httpx.get(metrics_url, timeout=10).text)
+    return sum(sample.value for family in families if family.name.startswith("vllm:iteration_tokens")
+               for sample in family.samples if sample.name.endswith("_count"))
+
+
+async def _with_cpu(side: str, coro, metrics_url: str | None = None) -> tuple[dict, dict[str, float]]:
     """Run one measurement of `side`; also return the CPU seconds per 1000 output tokens it cost, by kind of
-    process: this process's and that side's own (the others idle meanwhile, their polling not charged to it)."""
+    process: this process's and that side's own (the others idle meanwhile, their polling not charged to it). For
+    the direct engine and a server with `metrics_url`, the summary also holds the engine steps the side took and
+    their mean wall time: same steps and longer ones say the loss is in each step, not in fewer requests a step."""
+    counted = side == "direct" or metrics_url is not None
+    steps = _engine_steps(metrics_url) if counted else 0.0
     before = _cpu_seconds()
     summary = await coro
     after = _cpu_seconds()
+    if counted:
+        summary["engine_steps"] = _engine_steps(metrics_url) - steps
+        summary["ms_per_step"] = 1000 * N_REQUESTS / summary["requests_per_s"] / max(summary["engine_steps"], 1)
     tokens = N_REQUESTS * OUTPUT_TOKENS / 1000
     return summary, {kind: (after[(owner, kind)] - before.get((owner, kind), 0.0)) / tokens
                      for owner, kind in after if owner in (SERVER.get(side, side), "client")
                      and after[(owner, kind)] - before.get((owner, kind), 0.0) > 0.005}
 
 
-ROUNDS = 5
+# 7, not 5: one round's ratio moved 0.68-1.01 on this shared machine (2026-12-06, the direct side's own speed moving
+# as much as the subjects'), and the median of five moved 0.76-0.87 between runs of the same code
+ROUNDS = 7
 # vLLM's CPU worker busy-polls for a second after its last message (shm_broadcast's SpinCondition, busy_loop_s = 1)
 # before it sleeps, on the core every worker here is pinned to (VLLM_CPU_OMP_THREADS_BIND=auto: core 0). Measured
 # right after another side, a side's worker shared that core with the previous side's spinning worker for the first
@@ -254,6 +279,7 @@ async def measure(model_dir: pathlib.Path) -> dict[str, dict]:
 
     runs: dict[str, list] = {side: [] for side in SIDES}
     cpu: dict[str, list] = {side: [] for side in SIDES}
+    steps: dict[str, list] = {side: [] for side in SIDES}
     llm = AsyncLLM.from_engine_args(build_engine_args(model_dir, model_dir, dict(ENGINE_ARGS)))
     try:
         with tempfile.TemporaryDirectory(prefix="bench-kserve-") as workdir:
@@ -279,7 +305,10 @@ async def measure(model_dir: pathlib.Path) -> dict[str, dict]:
                         await asyncio.sleep(ENGINE_SPIN_S)  # the engine measured last has stopped spinning
                         work = _direct(llm) if side == "direct" else _kserve(
                             urls[SERVER[side]], "demo-tiny", stream_per_request=side in PER_REQUEST.values())
-                        summary, used = await _with_cpu(side, work)
+                        summary, used = await _with_cpu(
+                            side, work, embedded.metrics_url if SERVER.get(side) == "embedded" else None)
+                        steps[side].append({k: summary.pop(k) for k in ("engine_steps", "ms_per_step")
+                                            if k in summary})
                         runs[side].append(summary)
                         cpu[side].append(used)
             finally:
@@ -295,6 +324,7 @@ async def measure(model_dir: pathlib.Path) -> dict[str, dict]:
             raise RuntimeError(f"no tokens came back over KServe ({subject})")
     kinds = {kind for side in SIDES for used in cpu[side] for kind in used}
     return {**{side: _median(runs[side]) for side in SIDES}, "runs": runs,
+            "steps": {side: _median(steps[side]) for side in SIDES if steps[side][0]},
             "cpu": {side: {kind: statistics.median(u.get(kind, 0.0) for u in cpu[side]) for kind in kinds}
                     for side in SIDES}}
 
@@ -331,6 +361,16 @@ def run(out_dir: pathlib.Path) -> dict:
                               for t, d in zip(results["runs"][label], results["runs"]["direct"], strict=True))
         lines.append(f"| {label} | {results[label]['output_tokens_per_s'] / base['output_tokens_per_s']:.2f} | "
                      f"{per_round} | {results[label]['median_ttft_ms']:.1f} | {results[label]['p99_ttft_ms']:.1f} |")
+    lines += ["", "Output tokens per second, round by round (each side's own speed moves with this shared machine's):",
+              "", "| side | " + " | ".join(str(n + 1) for n in range(ROUNDS)) + " |", "| --- |" + " ---: |" * ROUNDS,
+              *(f"| {side} | " + " | ".join(f"{r['output_tokens_per_s']:.0f}" for r in results["runs"][side]) + " |"
+                for side in SIDES)]
+    stepped = results["steps"]
+    lines += ["", "vLLM's engine steps per side's measurement and their mean wall time (medians; the standalone "
+              "tritonserver's engine exports no metrics here):", "",
+              "| side | engine steps | ms per step |", "| --- | ---: | ---: |",
+              *(f"| {side} | {stepped[side]['engine_steps']:.0f} | {stepped[side]['ms_per_step']:.2f} |"
+                for side in stepped)]
     lines += [
         "", "Targets (>= 0.8 of direct): " + "; ".join(verdicts) + ".", "",
         "CPU seconds per 1000 output tokens, by process (this machine's cores are what the hops compete for; on a "

@@ -17,7 +17,13 @@ import time
 from collections.abc import Iterable
 from types import SimpleNamespace
 
-from serving_image.request_context import EXPERIMENT_HEADER, count_experiment, experiment_from, trace_id_from
+from serving_image.request_context import (
+    EXPERIMENT_HEADER,
+    count_experiment,
+    experiment_from,
+    log_record,
+    trace_id_from,
+)
 
 request_log = logging.getLogger("llm_serving.kserve_requests")
 
@@ -48,16 +54,19 @@ class KServeRecord:
                    trace_id_from(metadata.get("traceparent")), experiment_from(metadata.get(EXPERIMENT_HEADER)))
 
     def response_left(self) -> None:
-        now = round(time.perf_counter() - self._started, 4)
+        now = time.perf_counter() - self._started  # rounded once, when the record closes
         if self.first_response_s is None:
             self.first_response_s = now
         self.last_response_s = now
 
     def close(self) -> None:
         self.duration_s = round(time.perf_counter() - self._started, 4)
+        if self.first_response_s is not None:
+            self.first_response_s, self.last_response_s = (round(self.first_response_s, 4),
+                                                           round(self.last_response_s, 4))
         # the fields as they are (plain values): asdict's deep copy cost more than the rest of a record
         record = {k: v for k, v in vars(self).items() if not k.startswith("_")}
-        request_log.info(json.dumps(record))
+        log_record(request_log, json.dumps(record))
         count_experiment(self.experiment, "kserve_grpc", self.status)
 
 

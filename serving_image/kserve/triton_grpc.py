@@ -101,7 +101,21 @@ def infer_response(model: str, version: str, request_id: str, raw: Mapping[str, 
     payload)). Triton's bytes go out as they came, without numpy: its BYTES layout (4-byte little-endian length,
     then the element) is KServe's raw_output_contents layout. An output whose shape does not hold its elements goes
     out flat, with its element count as the shape."""
-    response = service_pb2.ModelInferResponse(model_name=model, model_version=version or "1", id=request_id)
+    return _fill_infer_response(service_pb2.ModelInferResponse(), model, version, request_id, raw, final)
+
+
+def stream_response(model: str, version: str, request_id: str, raw: Mapping[str, tuple[str, tuple[int, ...], Any]],
+                    final: bool) -> service_pb2.ModelStreamInferResponse:
+    """A ModelStreamInfer message holding `infer_response(...)`, filled in place (a response passed to the
+    message's constructor would be copied into it)."""
+    message = service_pb2.ModelStreamInferResponse()
+    _fill_infer_response(message.infer_response, model, version, request_id, raw, final)
+    return message
+
+
+def _fill_infer_response(response: service_pb2.ModelInferResponse, model: str, version: str, request_id: str,
+                        raw: Mapping[str, tuple[str, tuple[int, ...], Any]], final: bool | None):
+    response.model_name, response.model_version, response.id = model, version or "1", request_id
     for name, (datatype, shape, payload) in raw.items():
         if datatype == "BYTES":
             content, count = b"".join(struct.pack("<I", len(v)) + v for v in payload), len(payload)
@@ -240,26 +254,25 @@ class TritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 record = KServeRecord.open("ModelStreamInfer", request, metadata)
             except ValueError as exc:
-                await emit(_error(request_id, str(exc)))
+                emit(_error(request_id, str(exc)))
                 return
             try:
                 try:
                     stream = self._send(request)
                 except (TritonError, RequestError) as exc:
                     record.status = "ERROR"
-                    await emit(_error(request_id, str(exc)))
+                    emit(_error(request_id, str(exc)))
                     return
                 try:
                     async for response in stream:
                         if response.error is not None:
                             record.status = "ERROR"
-                            await emit(_error(request_id, response.error.message))
+                            emit(_error(request_id, response.error.message))
                             continue
                         if response.raw or response.final and empty_final:
                             record.response_left()
-                            await emit(service_pb2.ModelStreamInferResponse(infer_response=infer_response(
-                                request.model_name, request.model_version, request_id, response.raw,
-                                response.final)))
+                            emit(stream_response(request.model_name, request.model_version, request_id,
+                                                 response.raw, response.final))
                 finally:
                     stream.cancel()  # the stream went away before the request finished: Triton cancels it
             except asyncio.CancelledError:

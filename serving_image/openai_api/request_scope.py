@@ -36,7 +36,7 @@ from serving_image.engine.base import ModelInfo
 from serving_image.openai_api.admission import Admission
 from serving_image.openai_api.errors import APIError
 from serving_image.openai_api.protocol import Endpoint
-from serving_image.request_context import count_experiment, trace_id_from
+from serving_image.request_context import count_experiment, log_record, trace_id_from
 
 __all__ = ["RequestRecord", "RequestScope", "trace_id_from"]  # trace_id_from: the handlers import it from here
 
@@ -208,5 +208,5 @@ class RequestScope:
                                first_output_s=since_start(outcome.first_output_at),
                                last_output_s=since_start(outcome.last_output_at), trace_id=self.trace_id,
                                experiment=self.experiment, metadata_fields=metadata_fields)
-        request_log.info(record.to_json())
+        log_record(request_log, record.to_json())
         count_experiment(self.experiment, "openai", str(outcome.status))

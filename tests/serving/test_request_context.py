@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from serving_image.kserve.request_log import KServeRecord, metadata_dict
-from serving_image.request_context import EXPERIMENT_REQUESTS, count_experiment, experiment_from
+from serving_image.request_context import EXPERIMENT_REQUESTS, count_experiment, experiment_from, log_record
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 REQUEST = SimpleNamespace(id="r-1", model_name="ranker", model_version="")
@@ -45,6 +45,21 @@ def test_the_kserve_record_carries_the_callers_trace_and_arm(caplog):
     assert (line["trace_id"], line["experiment"], line["status"]) == ("4bf92f3577b34da6a3ce929d0e0e4736",
                                                                       "ranking=booster", "OK")
     assert 0 <= line["first_response_s"] <= line["last_response_s"] <= line["duration_s"]
+
+
+def test_a_record_line_is_logged_as_logger_info_logs_it_and_percent_signs_stay(caplog):
+    """log_record skips logging's caller lookup, not its rules: the logger's level decides, the handlers get an INFO
+    record of the logger's name, and the line is not %-formatted (a record's JSON may hold a '%')."""
+    logger = logging.getLogger("llm_serving.test_records")
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        log_record(logger, '{"a": 1}')
+    assert not caplog.records
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        log_record(logger, '{"prompt": "100% %s"}')
+    [record] = caplog.records
+    assert (record.name, record.levelno, record.getMessage()) == (logger.name, logging.INFO, '{"prompt": "100% %s"}')
+    assert logging.Formatter("%(levelname)s %(name)s: %(message)s").format(record) == \
+        'INFO llm_serving.test_records: {"prompt": "100% %s"}'
 
 
 def test_a_kserve_record_without_context_says_null():
