@@ -50,11 +50,13 @@ def pipeline(grpc: grpcclient.InferenceServerClient, rows: np.ndarray) -> dict[s
     return {name: result.as_numpy(name) for name in ("score", "relevance", "relevant")}
 
 
-def generate(grpc: grpcclient.InferenceServerClient, prompt: str, max_tokens: int) -> tuple[str, int]:
-    """Stream the LLM's answer; returns its text and token count."""
+def generate(grpc: grpcclient.InferenceServerClient, prompt: str, max_tokens: int, **sampling) -> tuple[str, int]:
+    """Stream the LLM's answer; returns its text and token count. `sampling`: any other of vLLM's sampling
+    parameters (temperature=0, ignore_eos=True, ...), sent in `sampling_parameters` beside max_tokens."""
+    parameters = json.dumps({"max_tokens": max_tokens, **sampling}).encode()
     inputs = []
     for name, value, datatype in (("text_input", prompt.encode(), "BYTES"), ("stream", True, "BOOL"),
-                                  ("sampling_parameters", json.dumps({"max_tokens": max_tokens}).encode(), "BYTES"),
+                                  ("sampling_parameters", parameters, "BYTES"),
                                   ("return_num_output_tokens", True, "BOOL")):
         tensor = grpcclient.InferInput(name, [1], datatype)
         tensor.set_data_from_numpy(np.array([value], dtype=np.object_ if datatype == "BYTES" else np.bool_))
