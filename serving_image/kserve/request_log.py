@@ -54,16 +54,13 @@ class KServeRecord:
                    trace_id_from(metadata.get("traceparent")), experiment_from(metadata.get(EXPERIMENT_HEADER)))
 
     def response_left(self) -> None:
-        now = time.perf_counter() - self._started  # rounded once, when the record closes
+        now = round(time.perf_counter() - self._started, 4)
         if self.first_response_s is None:
             self.first_response_s = now
         self.last_response_s = now
 
     def close(self) -> None:
         self.duration_s = round(time.perf_counter() - self._started, 4)
-        if self.first_response_s is not None:
-            self.first_response_s, self.last_response_s = (round(self.first_response_s, 4),
-                                                           round(self.last_response_s, 4))
         # the fields as they are (plain values): asdict's deep copy cost more than the rest of a record
         record = {k: v for k, v in vars(self).items() if not k.startswith("_")}
         log_record(request_log, json.dumps(record))
