@@ -46,7 +46,8 @@ envs:
 # on one worker (tests/conftest.py, "several workers"), and the infra suite beside it, its output shown when it is
 # done (.cache/test-infra.log). Measured: the serving suite alone left the 2-core machine 40-60 % idle (a server's
 # boot waits more than it computes). Both run to the end even when one fails (a red suite must not hide the other's
-# result). $(1): the tests to select (pytest arguments), $(2): how many slowest tests each prints.
+# result), and the last lines name every failed test of both (CI shows a run's tail). $(1): the tests to select
+# (pytest arguments), $(2): how many slowest tests each prints.
 SERVING_WORKERS ?= 2
 define run_suites
 	$(SERVING)/bin/ruff check .
@@ -56,10 +57,14 @@ define run_suites
 	rc=0; \
 	$(INFRA)/bin/python -m pytest tests/infra $(1) --durations=$(2) $(PYTEST_ARGS) > .cache/test-infra.log 2>&1 & \
 	infra=$$!; \
-	$(SERVING)/bin/python -m pytest tests/serving tests/native $(1) --durations=$(2) -n $(SERVING_WORKERS) \
-	  --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS) || rc=$$?; \
+	{ $(SERVING)/bin/python -m pytest tests/serving tests/native $(1) --durations=$(2) -n $(SERVING_WORKERS) \
+	  --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS) 2>&1; echo $$? > .cache/test-serving.rc; } \
+	  | tee .cache/test-serving.log; \
+	rc=$$(cat .cache/test-serving.rc); \
 	wait $$infra || rc=$$?; \
 	echo "== the infra suite:"; cat .cache/test-infra.log; \
+	echo "== both suites' failures and results (the whole logs: .cache/test-serving.log, .cache/test-infra.log):"; \
+	grep -hE '^(FAILED|ERROR) |^=+ .*[0-9.]+s( \([0-9:]+\))? =+$$' .cache/test-serving.log .cache/test-infra.log; \
 	exit $$rc
 endef
 
