@@ -18,7 +18,6 @@ place), never of how many times `apply` ran:
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 from collections import OrderedDict
@@ -29,7 +28,8 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 
 from serving_image.constraints.engine import ConstraintBatch, compile_spec
 from serving_image.constraints.metrics import ProcessorMetrics
-from serving_image.constraints.spec import AllowedTokensSpec, ConstraintError, validate_constraint
+from serving_image.constraints.spec import AllowedTokensSpec, ConstraintError, take_written, validate_constraint
+from serving_image.json_text import loads
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -60,11 +60,24 @@ def constraint_of(params: SamplingParams, *, strict: bool = False) -> object | N
     return spec
 
 
+def validate_at_admission(sampling_params: SamplingParams) -> None:
+    """Both processors' validate_params. Runs at admission in the front-end process, before vLLM knows the
+    vocabulary or eos for this request: everything else is checked here, the ranges again in the worker (the
+    platform's front-ends check them too, with the served model's vocabulary, before a request reaches vLLM). A
+    text the stand-in backend's stub wrote from a spec it validated (spec.spec_text) is not checked again."""
+    extra = sampling_params.extra_args
+    if extra and take_written(extra.get(CONSTRAINT_KEY)):
+        return
+    spec = constraint_of(sampling_params, strict=True)
+    if spec is not None:
+        validate_constraint(spec, vocab_size=None, eos_token_id=None)
+
+
 @functools.lru_cache(maxsize=256)
 def _parse_spec_text(text: str) -> object:
     # Cached: admission and the worker parse the same text, and a preempted request is added again. The parsed
-    # object is only read (validate_constraint builds a new typed spec).
-    return json.loads(text)
+    # object is only read (validate_constraint builds a new typed spec). msgspec first (json_text.py).
+    return loads(text)
 
 
 def model_eos(vllm_config: VllmConfig) -> int | None:
@@ -94,12 +107,7 @@ class ConstraintLogitsProcessorV1(LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        # Runs at admission in the front-end process, before vLLM knows the vocabulary or eos for this request:
-        # everything else is checked here, the ranges again in the worker (the platform's front-ends check them
-        # too, with the served model's vocabulary, before a request reaches vLLM).
-        spec = constraint_of(sampling_params, strict=True)
-        if spec is not None:
-            validate_constraint(spec, vocab_size=None, eos_token_id=None)
+        validate_at_admission(sampling_params)
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool):
         self.vocab_size = vllm_config.model_config.get_vocab_size()

@@ -27,8 +27,13 @@ from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProc
 
 from serving_image.constraints.engine import ConstraintBatch
 from serving_image.constraints.metrics import ProcessorMetrics
-from serving_image.constraints.spec import validate_constraint
-from serving_image.constraints.vllm_v1 import THREADS_ENV, compile_for_request, constraint_of, model_eos
+from serving_image.constraints.vllm_v1 import (
+    THREADS_ENV,
+    compile_for_request,
+    constraint_of,
+    model_eos,
+    validate_at_admission,
+)
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -42,9 +47,7 @@ class ConstraintLogitsProcessorV2(LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        spec = constraint_of(sampling_params, strict=True)
-        if spec is not None:
-            validate_constraint(spec, vocab_size=None, eos_token_id=None)
+        validate_at_admission(sampling_params)
 
     def __init__(self, vllm_config: VllmConfig, req_states: LogitsProcRequestState):
         if getattr(vllm_config, "speculative_config", None):

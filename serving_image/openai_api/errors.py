@@ -7,6 +7,8 @@ import json
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from serving_image.json_text import loads
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None,
@@ -33,7 +35,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def json_object(raw: bytes | bytearray) -> dict:
     """A request body as a JSON object, or 400 `invalid_json` saying why not."""
     try:
-        body = json.loads(raw)
+        body = loads(raw)  # msgspec first: a constraint's token list can make a body of 48 KB (json_text.py)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):

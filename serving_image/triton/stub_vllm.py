@@ -33,6 +33,7 @@ from serving_image.engine.base import (
     ModelInfo,
     context_window_error,
 )
+from serving_image.json_text import loads
 from serving_image.triton.translate import backend_logprobs
 
 log = logging.getLogger("llm_serving.triton.stub_vllm")
@@ -136,10 +137,10 @@ def sampling_params_from_json(text: str | None, root: str, info: ModelInfo, *, j
     `root` = "parameters"). Raises ParameterError naming the field."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-    from serving_image.constraints.spec import ConstraintError, spec_to_json, validate_constraint
+    from serving_image.constraints.spec import ConstraintError, spec_text, validate_constraint
 
     try:
-        params = json.loads(text) if text else {}
+        params = loads(text) if text else {}  # msgspec first: an 8k-id constraint is 48 KB of JSON (json_text.py)
     except json.JSONDecodeError as exc:
         raise ParameterError(root, f"{root} is not valid JSON: {exc}") from None
     if not isinstance(params, dict):
@@ -174,8 +175,8 @@ def sampling_params_from_json(text: str | None, root: str, info: ModelInfo, *, j
             try:
                 # Handed on as JSON text: vLLM walks, deep-copies and msgpack-encodes every request's extra_args in
                 # this process, milliseconds per request for an 8k-token allowed_tokens list as an object (§3.5).
-                extra["constraint"] = json.dumps(spec_to_json(validate_constraint(
-                    extra["constraint"], info.vocab_size, info.eos_token_id)), separators=(",", ":"))
+                extra["constraint"] = spec_text(validate_constraint(extra["constraint"], info.vocab_size,
+                                                                    info.eos_token_id))
             except ConstraintError as exc:
                 field = where + exc.field.removeprefix("constraint")
                 raise ParameterError(field, f"{field}: {exc.reason}") from None
