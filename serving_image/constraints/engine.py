@@ -39,7 +39,7 @@ def compile_spec(spec: ConstraintSpec, vocab_size: int, eos_token_id: int) -> _n
             spec.unique,
         )
     if isinstance(spec, AllowedTokensSpec):
-        return _native.compile_allowed_tokens(vocab_size, eos_token_id, list(spec.tokens))
+        return _native.compile_allowed_tokens(vocab_size, eos_token_id, spec.tokens)  # the tuple, read in one C pass
     raise TypeError(f"not a constraint spec: {spec!r}")
 
 

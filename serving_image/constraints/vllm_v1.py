@@ -28,7 +28,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 
 from serving_image.constraints.engine import ConstraintBatch, compile_spec
 from serving_image.constraints.metrics import ProcessorMetrics
-from serving_image.constraints.spec import AllowedTokensSpec, ConstraintError, take_written, validate_constraint
+from serving_image.constraints.spec import AllowedTokensSpec, ConstraintError, take_checked, validate_constraint
 from serving_image.json_text import loads
 
 if TYPE_CHECKING:
@@ -64,9 +64,9 @@ def validate_at_admission(sampling_params: SamplingParams) -> None:
     """Both processors' validate_params. Runs at admission in the front-end process, before vLLM knows the
     vocabulary or eos for this request: everything else is checked here, the ranges again in the worker (the
     platform's front-ends check them too, with the served model's vocabulary, before a request reaches vLLM). A
-    text the stand-in backend's stub wrote from a spec it validated (spec.spec_text) is not checked again."""
+    text the stand-in backend's stub checked with the served vocabulary (spec.remember_checked) is not checked again."""
     extra = sampling_params.extra_args
-    if extra and take_written(extra.get(CONSTRAINT_KEY)):
+    if extra and take_checked(extra.get(CONSTRAINT_KEY)):
         return
     spec = constraint_of(sampling_params, strict=True)
     if spec is not None:

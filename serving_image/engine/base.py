@@ -62,7 +62,7 @@ class SamplingSpec:
     min_tokens: int = 0
     ignore_eos: bool = False
     structured: StructuredOutput | None = None
-    constraint: dict | None = None  # a validated §3.5 constraint spec
+    constraint: str | None = None  # a validated §3.5 constraint spec, as its JSON text (spec.constraint_text)
 
 
 @dataclass(frozen=True)

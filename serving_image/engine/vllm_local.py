@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
-import json
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -134,10 +133,10 @@ def to_sampling_params(spec: SamplingSpec, *, default_max_tokens: int,
         min_tokens=spec.min_tokens,
         ignore_eos=spec.ignore_eos,
         structured_outputs=structured,
-        # As JSON text, not the object: vLLM copies and msgpack-encodes extra_args per request, which for a large
-        # allowed_tokens list cost milliseconds before the first token (bench.constraints_e2e); the processor
-        # parses either form.
-        extra_args={"constraint": json.dumps(spec.constraint)} if spec.constraint is not None else None,
+        # As JSON text (spec.constraint_text), not the object: vLLM copies and msgpack-encodes extra_args per request,
+        # which for a large allowed_tokens list cost milliseconds before the first token (bench.constraints_e2e); the
+        # processor parses either form.
+        extra_args={"constraint": spec.constraint} if spec.constraint is not None else None,
         output_kind=RequestOutputKind.DELTA,
     )
 

@@ -52,6 +52,9 @@ Handler = Callable[[ServerState, RequestScope, Any, Receive], Awaitable[Response
 router = APIRouter()
 
 
+_KEEP_CONSTRAINT = {"constraint": None}
+
+
 def create_app(engine: Engine, is_draining: Callable[[], bool] = lambda: False,
                config: APIConfig | None = None, extensions: Sequence[Callable[[FastAPI], None]] = ()) -> FastAPI:
     """The OpenAI front-end's app over `engine`. `extensions` mount more routes on it before its OpenAPI document is
@@ -203,7 +206,8 @@ async def _parse_body(request: Request, server: ServerState, endpoint: Endpoint)
         if len(raw) > config.max_body_bytes:
             raise APIError(413, f"request body exceeds the limit of {config.max_body_bytes} bytes",
                            code="request_too_large")
-    body = json_object(raw)
+    # A constraint's token list is read once, in one pass, by the translation (constraints/spec.py, constraint_text)
+    body = json_object(raw, _KEEP_CONSTRAINT if "constraint" in endpoint.body.model_fields else None)
     try:
         parsed = endpoint.body.model_validate(body)
     except ValidationError as exc:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from serving_image.json_text import loads
+from serving_image.json_text import loads, loads_keeping
 
 
 class APIError(Exception):
@@ -32,10 +33,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def json_object(raw: bytes | bytearray) -> dict:
-    """A request body as a JSON object, or 400 `invalid_json` saying why not."""
+def json_object(raw: bytes | bytearray, keep: Mapping[str, Mapping | None] | None = None) -> dict:
+    """A request body as a JSON object, or 400 `invalid_json` saying why not; the members `keep` names stay their
+    text when they are objects (json_text.loads_keeping)."""
     try:
-        body = loads(raw)  # msgspec first: a constraint's token list can make a body of 48 KB (json_text.py)
+        # msgspec first: a constraint's token list can make a body of 48 KB (json_text.py)
+        body = loads_keeping(raw, keep) if keep else loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):

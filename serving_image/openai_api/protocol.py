@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from serving_image.json_text import JSONText
+
 
 class FieldValueError(ValueError):
     """A problem a model-level validator finds in one field: pydantic locates such an error at the body (`loc` is
@@ -113,7 +115,9 @@ class _SamplingFields(_Strict):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     user: str | None = None  # metadata: recorded in the request log
-    # Platform extensions (extra_body in the openai client).
+    # Platform extensions (extra_body in the openai client). A constraint object may arrive as its JSON text instead
+    # (json_text.JSONText: the body reader leaves it unread, see app._parse_body), which translate.sampling_spec reads
+    # and checks with the served vocabulary in one pass (constraints/spec.py, constraint_text).
     constraint: dict[str, Any] | None = None
     structured_outputs: StructuredOutputs | None = None
     # vLLM's sampling extensions, with vLLM's names, so vLLM clients and its benchmark work unchanged.
@@ -122,6 +126,11 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
+
+    @field_validator("constraint", mode="wrap")
+    @classmethod
+    def _constraint_text(cls, v, handler):
+        return v if isinstance(v, JSONText) else handler(v)
 
     @field_validator("stop")
     @classmethod

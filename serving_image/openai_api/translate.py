@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from serving_image.constraints.spec import ConstraintError, spec_to_json, validate_constraint
+from serving_image.constraints.spec import ConstraintError, constraint_text
 from serving_image.engine.base import (
     ModelInfo,
     OutputTotals,
@@ -72,7 +72,7 @@ def sampling_spec(req: ChatCompletionRequest | CompletionRequest, info: ModelInf
     constraint = None
     if req.constraint is not None:
         try:
-            constraint = spec_to_json(validate_constraint(req.constraint, info.vocab_size, info.eos_token_id))
+            constraint = constraint_text(req.constraint, info.vocab_size, info.eos_token_id)
         except ConstraintError as exc:
             raise bad_request(str(exc), param=exc.field) from exc
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())

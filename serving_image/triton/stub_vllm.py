@@ -33,13 +33,15 @@ from serving_image.engine.base import (
     ModelInfo,
     context_window_error,
 )
-from serving_image.json_text import loads
+from serving_image.json_text import loads_keeping
 from serving_image.triton.translate import backend_logprobs
 
 log = logging.getLogger("llm_serving.triton.stub_vllm")
 
 # SamplingParams fields a request may not set: the backend owns how outputs come back.
 _BACKEND_OWNED = {"output_kind", "skip_clone", "output_text_buffer_length", "detokenize"}
+# sampling_parameters.extra_args.constraint is read by constraint_text, from its text
+_KEEP_CONSTRAINT = {"extra_args": {"constraint": None}}
 _GUIDED_BACKENDS = ("xgrammar", "xgrammar:no-fallback", "auto", "xgrammar:_auto")
 RESERVED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout",
                                  "triton_enable_empty_final_response", "headers"})
@@ -137,10 +139,12 @@ def sampling_params_from_json(text: str | None, root: str, info: ModelInfo, *, j
     `root` = "parameters"). Raises ParameterError naming the field."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-    from serving_image.constraints.spec import ConstraintError, spec_text, validate_constraint
+    from serving_image.constraints.spec import ConstraintError, constraint_text, remember_checked
 
     try:
-        params = loads(text) if text else {}  # msgspec first: an 8k-id constraint is 48 KB of JSON (json_text.py)
+        # The constraint stays its text, read in one pass by constraint_text: an 8k-id allowed_tokens set is 48 KB
+        # of JSON (json_text.py)
+        params = loads_keeping(text, _KEEP_CONSTRAINT) if text else {}
     except json.JSONDecodeError as exc:
         raise ParameterError(root, f"{root} is not valid JSON: {exc}") from None
     if not isinstance(params, dict):
@@ -175,8 +179,8 @@ def sampling_params_from_json(text: str | None, root: str, info: ModelInfo, *, j
             try:
                 # Handed on as JSON text: vLLM walks, deep-copies and msgpack-encodes every request's extra_args in
                 # this process, milliseconds per request for an 8k-token allowed_tokens list as an object (§3.5).
-                extra["constraint"] = spec_text(validate_constraint(extra["constraint"], info.vocab_size,
-                                                                    info.eos_token_id))
+                extra["constraint"] = remember_checked(constraint_text(extra["constraint"], info.vocab_size,
+                                                                       info.eos_token_id))
             except ConstraintError as exc:
                 field = where + exc.field.removeprefix("constraint")
                 raise ParameterError(field, f"{field}: {exc.reason}") from None

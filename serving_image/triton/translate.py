@@ -27,7 +27,6 @@ from serving_image.engine.base import (
     TopLogprob,
     raise_if_cut_short,
 )
-from serving_image.json_text import dumps_spec
 
 # The vllm_backend's optional flags that switch on the outputs beyond text_output: the adapters always ask for these
 # (Triton sends finish_reason and token counts only when asked); return_logprobs only when the request wants them.
@@ -82,9 +81,9 @@ def sampling_parameters_json(spec: SamplingSpec, structured_key: str) -> str:
     if spec.constraint is None:
         return text
     # SamplingParams.extra_args is where the constraint processor reads it (docs/architecture.md §3.5); the stock
-    # backend passes extra_args through to SamplingParams, which a top-level `constraint` would not survive. Written
-    # with msgspec and spliced in as the last key: an 8k-id list took json.dumps 0.8 ms (json_text.py).
-    return f'{text[:-1]},"extra_args":{{"constraint":{dumps_spec(spec.constraint)}}}}}'
+    # backend passes extra_args through to SamplingParams, which a top-level `constraint` would not survive. The
+    # checked text spliced in as the last key: an 8k-id list took json.dumps 0.8 ms (json_text.py).
+    return f'{text[:-1]},"extra_args":{{"constraint":{spec.constraint}}}}}'
 
 
 

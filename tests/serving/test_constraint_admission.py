@@ -1,5 +1,5 @@
 """The constraint processor's admission check (vLLM's validate_params) and the texts the stand-in backend's stub
-wrote from specs it validated with the served model's vocabulary (spec.spec_text): such a text is not parsed and
+checked with the served model's vocabulary (spec.remember_checked): such a text is not parsed and
 checked again, once; any other text, an equal copy included, is."""
 
 from __future__ import annotations
@@ -8,7 +8,13 @@ import pytest
 from vllm import SamplingParams
 
 from serving_image.constraints import vllm_v1
-from serving_image.constraints.spec import ConstraintError, spec_text, take_written, validate_constraint
+from serving_image.constraints.spec import (
+    ConstraintError,
+    constraint_text,
+    remember_checked,
+    take_checked,
+    validate_constraint,
+)
 
 SPEC = {"kind": "allowed_tokens", "tokens": [3, 4, 5]}
 
@@ -29,8 +35,8 @@ def _params(text: str) -> SamplingParams:
     return SamplingParams(max_tokens=4, extra_args={"constraint": text})
 
 
-def test_a_text_the_stub_wrote_is_admitted_without_a_second_check_once(checks):
-    text = spec_text(validate_constraint(SPEC, 64, 2))
+def test_a_text_the_stub_checked_is_admitted_without_a_second_check_once(checks):
+    text = remember_checked(constraint_text(SPEC, 64, 2))
     vllm_v1.validate_at_admission(_params(text))
     assert checks == []
     vllm_v1.validate_at_admission(_params(text))  # taken: the same text again is checked like any other
@@ -38,17 +44,17 @@ def test_a_text_the_stub_wrote_is_admitted_without_a_second_check_once(checks):
 
 
 def test_an_equal_copy_and_a_bad_text_are_checked(checks):
-    text = spec_text(validate_constraint(SPEC, 64, 2))
+    text = remember_checked(constraint_text(SPEC, 64, 2))
     copy = "".join(list(text))
     assert copy == text and copy is not text
     vllm_v1.validate_at_admission(_params(copy))
     assert checks == [SPEC]
     with pytest.raises(ConstraintError, match="tokens"):
         vllm_v1.validate_at_admission(_params('{"kind":"allowed_tokens","tokens":[]}'))
-    assert take_written(text)  # still waiting for its own admission
+    assert take_checked(text)  # still waiting for its own admission
 
 
 def test_texts_never_admitted_age_out():
-    texts = [spec_text(validate_constraint(SPEC, 64, 2)) for _ in range(100)]
-    assert not take_written(texts[0])  # a request that failed before admission leaves nothing behind for long
-    assert take_written(texts[-1])
+    texts = [remember_checked(constraint_text(SPEC, 64, 2)) for _ in range(100)]
+    assert not take_checked(texts[0])  # a request that failed before admission leaves nothing behind for long
+    assert take_checked(texts[-1])

@@ -57,9 +57,9 @@ def test_adapter_requests_reach_the_backend_as_the_same_sampling_params():
         ["x"], [9], 3, 1, True)
     assert params.logit_bias == {4: 1.0}
     assert params.structured_outputs.json == {"type": "object"}  # the silent drop this platform exists to prevent
-    constrained = SamplingSpec(max_tokens=4, constraint={"kind": "allowed_tokens", "tokens": [5, 7]})
+    constrained = SamplingSpec(max_tokens=4, constraint='{"kind":"allowed_tokens","tokens":[5,7]}')
     body = json.loads(sampling_parameters_json(constrained, KEY))
-    assert body["extra_args"] == {"constraint": constrained.constraint} and "constraint" not in body
+    assert body["extra_args"] == {"constraint": json.loads(constrained.constraint)} and "constraint" not in body
     extra = backend_params(request_tensors(EngineRequest("id", "p", constrained), KEY)).extra_args
     assert json.loads(extra["constraint"])["tokens"] == [5, 7]  # on to vLLM as JSON text, its cheap form
 
