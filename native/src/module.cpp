@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <string>
+#include <string_view>
 #include <thread>
 
 #include "constraint_batch.hpp"
@@ -317,42 +318,98 @@ bool read_token_ids(py::handle values, int64_t hi, int64_t exclude, std::vector<
   return true;
 }
 
-// The number of ids in `text`, a JSON array of token ids written as plain non-negative integers (no sign, fraction
-// or exponent; JSON whitespace anywhere between tokens), each below `hi` (hi < 0: below 2^31) and none equal to
-// `exclude`; -1 for anything else (an empty array too), and the caller reads the text in full for the exact error. An allowed_tokens set
-// of 8k ids is 48 KB of JSON: read here, it never becomes 8k Python ints in the front-end or the stub.
-int64_t json_token_array_count(const char* p, const char* end, int64_t hi, int64_t exclude) {
-  const int64_t limit = hi >= 0 ? hi : (int64_t{1} << 31);
-  auto skip_ws = [&]() {
-    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) ++p;
-  };
-  skip_ws();
-  if (p == end || *p != '[') return -1;
-  ++p;
-  skip_ws();
-  if (p < end && *p == ']') return -1;  // empty: the full read names the error
-  int64_t count = 0;
-  for (;;) {
-    if (p == end || *p < '0' || *p > '9') return -1;
-    if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9') return -1;  // JSON has no leading zeros
-    int64_t value = 0;
-    while (p < end && *p >= '0' && *p <= '9') {
-      value = value * 10 + (*p - '0');
-      if (value >= limit) return -1;
-      ++p;
+// A constraint's token ids read straight from its JSON text: an allowed_tokens set of 8k ids is 48 KB of JSON, and
+// read here it never becomes 8k Python ints in the front-end or the stub (docs/architecture.md §3.5). Conservative on
+// purpose: anything it does not accept (-1) the caller reads in full, with the standard library, for the exact error.
+class JsonTokens {
+ public:
+  JsonTokens(const char* p, const char* end) : p_(p), begin_(p), end_(end) {}
+
+  // `{"kind": "allowed_tokens", "tokens": [...]}`, the two members in either order, each once, nothing else: the
+  // number of ids (each a plain integer below `hi`, see `array`), and the array's [start, end) offsets in the text.
+  int64_t allowed_tokens(int64_t hi, size_t* start, size_t* stop) {
+    bool kind = false;
+    int64_t count = -1;
+    ws();
+    if (!take('{')) return -1;
+    for (;;) {
+      ws();
+      if (!take('"')) return -1;
+      const char* key = p_;
+      while (p_ < end_ && *p_ != '"' && *p_ != '\\') ++p_;  // an escaped key: read in full
+      const std::string_view name(key, static_cast<size_t>(p_ - key));
+      if (!take('"')) return -1;
+      ws();
+      if (!take(':')) return -1;
+      ws();
+      if (name == "kind" && !kind) {
+        static constexpr std::string_view value = "\"allowed_tokens\"";
+        if (static_cast<size_t>(end_ - p_) < value.size() || std::string_view(p_, value.size()) != value) return -1;
+        p_ += value.size();
+        kind = true;
+      } else if (name == "tokens" && count < 0) {
+        *start = static_cast<size_t>(p_ - begin_);
+        count = array(hi, -1);
+        if (count < 0) return -1;
+        *stop = static_cast<size_t>(p_ - begin_);
+      } else {
+        return -1;  // another member, or one given twice
+      }
+      ws();
+      if (take('}')) break;
+      if (!take(',')) return -1;
     }
-    if (value == exclude) return -1;
-    ++count;
-    skip_ws();
-    if (p == end) return -1;
-    if (*p == ']') break;
-    if (*p != ',') return -1;  // a fraction, an exponent, anything else
-    ++p;
-    skip_ws();
+    ws();
+    return kind && count >= 0 && p_ == end_ ? count : -1;
   }
-  ++p;
-  skip_ws();
-  return p == end ? count : -1;
+
+  // `[...]` of token ids written as plain non-negative integers (no sign, fraction or exponent; JSON whitespace
+  // between tokens), each below `hi` (hi < 0: below 2^31) and none equal to `exclude`, at least one: how many.
+  int64_t array(int64_t hi, int64_t exclude) {
+    const int64_t limit = hi >= 0 ? hi : (int64_t{1} << 31);
+    ws();
+    if (!take('[')) return -1;
+    int64_t count = 0;
+    for (;;) {
+      ws();
+      if (p_ == end_ || static_cast<unsigned>(*p_ - '0') > 9) return -1;  // also an empty array
+      if (*p_ == '0' && p_ + 1 < end_ && static_cast<unsigned>(p_[1] - '0') <= 9) return -1;  // no leading zeros
+      int64_t value = 0;
+      while (p_ < end_ && static_cast<unsigned>(*p_ - '0') <= 9) {
+        value = value * 10 + (*p_++ - '0');
+        if (value >= limit) return -1;
+      }
+      if (value == exclude) return -1;
+      ++count;
+      ws();
+      if (take(']')) return count;
+      if (!take(',')) return -1;  // a fraction, an exponent, anything else
+    }
+  }
+
+  bool at_end() {
+    ws();
+    return p_ == end_;
+  }
+
+ private:
+  void ws() {
+    while (p_ < end_ && (*p_ == ' ' || *p_ == '\t' || *p_ == '\n' || *p_ == '\r')) ++p_;
+  }
+  bool take(char c) {
+    if (p_ == end_ || *p_ != c) return false;
+    ++p_;
+    return true;
+  }
+  const char* p_;
+  const char* begin_;
+  const char* end_;
+};
+
+std::string_view buffer_text(const py::buffer& text, py::buffer_info& info) {
+  info = text.request();
+  if (info.ndim != 1 || info.itemsize != 1) throw py::type_error("text: a bytes-like object expected");
+  return {static_cast<const char*>(info.ptr), static_cast<size_t>(info.size)};
 }
 
 PYBIND11_MODULE(_native, m) {
@@ -404,16 +461,30 @@ PYBIND11_MODULE(_native, m) {
         py::arg("values"), py::arg("hi"), py::arg("exclude"),
         "Whether `values` (a list or tuple) holds only ints (not bools) in [0, hi) (hi < 0: no upper bound), none "
         "equal to `exclude`; one C pass.");
+  // The GIL stays held while the text is read: a bytearray could change under a released read.
   m.def("json_token_array_count",
-        [](py::buffer text, int64_t hi, int64_t exclude) {
-          const py::buffer_info info = text.request();
-          if (info.ndim != 1 || info.itemsize != 1) throw py::type_error("text: a bytes-like object expected");
-          const char* p = static_cast<const char*>(info.ptr);
-          return json_token_array_count(p, p + info.size, hi, exclude);  // GIL held: a bytearray could change
+        [](const py::buffer& text, int64_t hi, int64_t exclude) {
+          py::buffer_info info;
+          const std::string_view t = buffer_text(text, info);
+          JsonTokens reader(t.data(), t.data() + t.size());
+          const int64_t count = reader.array(hi, exclude);
+          return count >= 0 && reader.at_end() ? count : int64_t{-1};
         },
         py::arg("text"), py::arg("hi"), py::arg("exclude"),
         "How many ids the JSON array `text` holds when each is a plain integer in [0, hi) (hi < 0: below 2^31), "
-        "none equal to `exclude`; -1 otherwise.");
+        "none equal to `exclude`, at least one; -1 otherwise.");
+  m.def("json_allowed_tokens",
+        [](const py::buffer& text, int64_t hi) {
+          py::buffer_info info;
+          const std::string_view t = buffer_text(text, info);
+          size_t start = 0, stop = 0;
+          int64_t count = JsonTokens(t.data(), t.data() + t.size()).allowed_tokens(hi, &start, &stop);
+          if (count < 0) count = -1, start = 0, stop = 0;
+          return std::make_tuple(count, static_cast<int64_t>(start), static_cast<int64_t>(stop));
+        },
+        py::arg("text"), py::arg("hi"),
+        "(count, start, end) of the token array when `text` is exactly an allowed_tokens spec whose ids "
+        "json_token_array_count accepts (any order of its two members, JSON whitespace); (-1, 0, 0) otherwise.");
   m.def("compile_allowed_tokens",
         [unconst](int32_t vocab, int32_t eos, py::handle tokens) {
           std::vector<Token> ids;

@@ -22,6 +22,8 @@ GOOD = [
     '{"kind": "allowed_tokens", "tokens": [ 0 ,\n 1023,\t2 ]}',  # JSON whitespace; eos and the last id allowed
     '{"tokens":[9,5,5,7],"kind":"allowed_tokens"}',  # any member order, duplicates and any order of ids
     '{"kind":"allowed_tokens","tokens":[5,-0]}',  # JSON's -0 is the integer 0: read in full, accepted
+    '{"k\\u0069nd":"allowed_tokens","tokens":[5]}',  # an escaped member name: read in full
+    '{"kind":"regex","kind":"allowed_tokens","tokens":[5]}',  # the last of duplicate members, as json.loads
     json.dumps({"kind": "allowed_tokens", "tokens": random.Random(1).sample(range(VOCAB), 700)}),
     '{"kind":"choice_sequence","choices":[[5,9],[7]],"separator":[3]}',  # other kinds: read in full
     '{"kind":"token_dfa","start":0,"accept":[1],"edges":[[0,5,1]]}',
@@ -99,6 +101,24 @@ def test_more_ids_than_a_spec_may_hold_are_refused_either_way():
 def test_json_token_array_count_reads_only_plain_integers(text, hi, exclude, count):
     assert _native.json_token_array_count(text, hi, exclude) == count
     assert _native.json_token_array_count(bytearray(text), hi, exclude) == count
+
+
+@pytest.mark.parametrize(("text", "hi", "expected"), [
+    (b'{"kind":"allowed_tokens","tokens":[1,3]}', 10, (2, 34, 39)),
+    (b' {"tokens" : [ 4 ] ,\n"kind":"allowed_tokens"} ', 10, (1, 13, 18)),
+    (b'{"kind":"allowed_tokens","tokens":[1,10]}', 10, (-1, 0, 0)),
+    (b'{"kind":"allowed_tokens","tokens":[1],"tokens":[2]}', 10, (-1, 0, 0)),
+    (b'{"kind":"allowed_tokens","tokens":[1],"x":0}', 10, (-1, 0, 0)),
+    (b'{"kind":"allowed_tokens "}', 10, (-1, 0, 0)),
+    (b'{"tokens":[1]}', 10, (-1, 0, 0)),
+    (b'{"kind":"allowed_tokens","tokens":[1]', 10, (-1, 0, 0)),
+    (b'{"kind":"allowed_tokens","tokens":[1]}}', 10, (-1, 0, 0)),
+])
+def test_json_allowed_tokens_reads_exactly_the_plain_form(text, hi, expected):
+    assert _native.json_allowed_tokens(text, hi) == expected
+    count, start, stop = expected
+    if count > 0:
+        assert json.loads(text[start:stop]) == json.loads(text)["tokens"]
 
 
 @pytest.mark.parametrize(("values", "hi", "exclude", "ok"), [
