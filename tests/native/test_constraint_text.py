@@ -151,3 +151,24 @@ def test_an_allowed_set_compiles_the_same_in_any_order():
     allowed = {w * 32 + b for w, word in enumerate(engines[0]) for b in range(32) if (int(word) >> b) & 1}
     assert allowed == expected
     assert all((e == engines[0]).all() for e in engines)
+
+
+def test_a_plain_allowed_tokens_text_compiles_in_one_pass_to_the_parsed_values_machine():
+    from serving_image.constraints.engine import compile_allowed_tokens_text, compile_spec
+
+    ids = random.Random(5).sample(range(VOCAB), 400)
+    text = json.dumps({"kind": "allowed_tokens", "tokens": ids})
+
+    def allowed(machine):
+        engine = _native.Engine(VOCAB, 1, 1)
+        engine.set_row(0, machine, None)
+        engine.fill([0], 1)
+        return engine.bitmask()[0].copy()
+
+    fast = compile_allowed_tokens_text(text, VOCAB, EOS)
+    assert fast is not None
+    assert (allowed(fast) == allowed(compile_spec(validate_constraint(json.loads(text), VOCAB, EOS), VOCAB, EOS))).all()
+    for other in ('{"kind":"allowed_tokens","tokens":[1,2.0]}', '{"kind":"allowed_tokens","tokens":[1024]}',
+                  '{"kind":"choice_sequence","choices":[[5]],"separator":[3]}', "not json"):
+        assert compile_allowed_tokens_text(other, VOCAB, EOS) is None
+    assert _native.compile_allowed_tokens_json(VOCAB, EOS, b'{"kind":"allowed_tokens","tokens":[1,2,3]}', 2) is None

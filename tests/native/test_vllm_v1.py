@@ -209,3 +209,23 @@ def test_json_text_that_is_not_a_spec_is_refused_at_admission_and_ends_the_reque
     proc.update_state(update(1, added=[(0, params("{not json"), [1], [])]))
     assert finite(proc, 1, vocab)[0] == [1]
     assert "constraint rejected in the worker" in caplog.text
+
+
+@pytest.mark.parametrize("text", [
+    '{"kind":"allowed_tokens","tokens":[5,7,9]}',  # the plain form: compiled straight from the text
+    '{"tokens": [9, 7, 5, 5], "kind": "allowed_tokens"}',
+    '{"kind":"allowed_tokens","tokens":[5,7,9.0]}',  # not the plain form: parsed, then validated (9.0 is refused)
+    '{"kind":"allowed_tokens","tokens":[5,7,99999]}',  # out of the vocabulary: parsed, validated, refused
+])
+def test_an_allowed_tokens_text_compiles_as_its_parsed_value(proc, vllm_config, caplog, text):
+    """The worker compiles an allowed_tokens text in its plain form in one native pass, anything else after parsing
+    it: both rows mask alike, and a bad spec ends its request (only eos) the same way from either form."""
+    import json
+
+    vocab = vllm_config.model_config.get_vocab_size()
+    proc.update_state(update(2, added=[(0, params(text), [1], []), (1, params(json.loads(text)), [1], [])]))
+    rows = finite(proc, 2, vocab)
+    assert rows[0] == rows[1]
+    refused = "9.0" in text or "99999" in text
+    assert rows[0] == ([1] if refused else [1, 5, 7, 9])
+    assert ("constraint rejected in the worker" in caplog.text) is refused
