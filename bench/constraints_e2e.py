@@ -149,7 +149,10 @@ class Shapes:
         self.allowed = {"kind": "allowed_tokens", "tokens": sorted(allowed)}
 
     def params(self, shape: str):
-        common = {"temperature": 1.0, "output_kind": self._kind}
+        # Greedy on every side: vLLM's CPU sampler (a fused Gumbel-max kernel) skips the logits a mask set to -inf,
+        # so sampled, a constrained side ran faster than unconstrained and hid the constraint's own cost (see
+        # bench/constraints_served.py, GREEDY).
+        common = {"temperature": 0.0, "output_kind": self._kind}
         exact = {"max_tokens": self.L + 1, **common}  # the constraint ends after L tokens with eos
         if shape == "unconstrained":
             return self._sp(max_tokens=self.L, ignore_eos=True, **common)
@@ -455,7 +458,7 @@ def run(out_dir: pathlib.Path) -> dict:
     quick = sz is QUICK
     lines = [f"Size: {'reduced (' + QUICK_ENV + '=1)' if quick else 'full'}: concurrency {sz['concurrency']}, "
              f"max({sz['min_requests']}, {sz['per_client']} x concurrency) requests per run, prompts of {PROMPT_LEN} "
-             f"random tokens, {sz['output_len']} output tokens, temperature 1. vLLM {_vllm_version()} on the CPU "
+             f"random tokens, {sz['output_len']} output tokens, greedy. vLLM {_vllm_version()} on the CPU "
              "(model runner V1). The engines with and without the processor run "
              f"side by side; every configuration takes its turn at each concurrency, {sz['repeats']} times in "
              "alternating order, and the run of median throughput is reported (TPOT: medians of the repeats).", "",
@@ -496,9 +499,12 @@ def admission_costs_ms(spec: dict, vocab: int, eos: int, repeats: int = 20) -> d
     from vllm import SamplingParams
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    from serving_image.constraints.engine import compile_spec
-    from serving_image.constraints.spec import validate_constraint
-    from serving_image.constraints.vllm_v1 import ConstraintLogitsProcessorV1, _parse_spec_text, constraint_of
+    from serving_image.constraints.vllm_v1 import (
+        ConstraintLogitsProcessorV1,
+        _parse_spec_text,
+        compile_for_request,
+        request_constraint,
+    )
 
     encoder, decoder = MsgpackEncoder(), MsgpackDecoder(SamplingParams)
 
@@ -518,8 +524,9 @@ def admission_costs_ms(spec: dict, vocab: int, eos: int, repeats: int = 20) -> d
             "vLLM clone": timed(params.clone),
             "vLLM msgpack round trip": timed(lambda p=params: decoder.decode(encoder.encode(p))),
             "validate_params (admission)": timed(lambda p=params: ConstraintLogitsProcessorV1.validate_params(p)),
-            "validate + compile (worker)": timed(lambda p=params: compile_spec(
-                validate_constraint(constraint_of(p), vocab, eos), vocab, eos)),
+            # what the processor does when a request is added (a JSON text in the plain form compiles in one pass)
+            "validate + compile (worker)": timed(lambda p=params: compile_for_request(request_constraint(p), p, vocab,
+                                                                                      eos)),
         }
     return out
 
