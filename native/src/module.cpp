@@ -349,7 +349,7 @@ class JsonTokens {
         kind = true;
       } else if (name == "tokens" && count < 0) {
         *start = static_cast<size_t>(p_ - begin_);
-        count = array(hi, -1, out);
+        count = array(hi, out);
         if (count < 0) return -1;
         *stop = static_cast<size_t>(p_ - begin_);
       } else {
@@ -364,8 +364,8 @@ class JsonTokens {
   }
 
   // `[...]` of token ids written as plain non-negative integers (no sign, fraction or exponent; JSON whitespace
-  // between tokens), each below `hi` (hi < 0: below 2^31) and none equal to `exclude`, at least one: how many.
-  int64_t array(int64_t hi, int64_t exclude, std::vector<Token>* out = nullptr) {
+  // between tokens), each below `hi` (hi < 0: below 2^31), at least one: how many.
+  int64_t array(int64_t hi, std::vector<Token>* out = nullptr) {
     const int64_t limit = hi >= 0 ? hi : (int64_t{1} << 31);
     ws();
     if (!take('[')) return -1;
@@ -379,18 +379,12 @@ class JsonTokens {
         value = value * 10 + (*p_++ - '0');
         if (value >= limit) return -1;
       }
-      if (value == exclude) return -1;
       if (out) out->push_back(static_cast<Token>(value));
       ++count;
       ws();
       if (take(']')) return count;
       if (!take(',')) return -1;  // a fraction, an exponent, anything else
     }
-  }
-
-  bool at_end() {
-    ws();
-    return p_ == end_;
   }
 
  private:
@@ -463,17 +457,6 @@ PYBIND11_MODULE(_native, m) {
         "Whether `values` (a list or tuple) holds only ints (not bools) in [0, hi) (hi < 0: no upper bound), none "
         "equal to `exclude`; one C pass.");
   // The GIL stays held while the text is read: a bytearray could change under a released read.
-  m.def("json_token_array_count",
-        [](const py::buffer& text, int64_t hi, int64_t exclude) {
-          py::buffer_info info;
-          const std::string_view t = buffer_text(text, info);
-          JsonTokens reader(t.data(), t.data() + t.size());
-          const int64_t count = reader.array(hi, exclude);
-          return count >= 0 && reader.at_end() ? count : int64_t{-1};
-        },
-        py::arg("text"), py::arg("hi"), py::arg("exclude"),
-        "How many ids the JSON array `text` holds when each is a plain integer in [0, hi) (hi < 0: below 2^31), "
-        "none equal to `exclude`, at least one; -1 otherwise.");
   m.def("json_allowed_tokens",
         [](const py::buffer& text, int64_t hi) {
           py::buffer_info info;
@@ -484,8 +467,9 @@ PYBIND11_MODULE(_native, m) {
           return std::make_tuple(count, static_cast<int64_t>(start), static_cast<int64_t>(stop));
         },
         py::arg("text"), py::arg("hi"),
-        "(count, start, end) of the token array when `text` is exactly an allowed_tokens spec whose ids "
-        "json_token_array_count accepts (any order of its two members, JSON whitespace); (-1, 0, 0) otherwise.");
+        "(count, start, end) of the token array when `text` is exactly an allowed_tokens spec whose ids are plain "
+        "integers in [0, hi) (hi < 0: below 2^31), at least one (any order of its two members, JSON whitespace); "
+        "(-1, 0, 0) otherwise.");
   m.def("compile_allowed_tokens_json",
         [unconst](int32_t vocab, int32_t eos, const py::buffer& text, int64_t max_ids) -> py::object {
           py::buffer_info info;

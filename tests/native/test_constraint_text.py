@@ -77,30 +77,31 @@ def test_more_ids_than_a_spec_may_hold_are_refused_either_way():
         constraint_text(JSONText(text.encode()), VOCAB, EOS)
 
 
-@pytest.mark.parametrize(("text", "hi", "exclude", "count"), [
-    (b"[1,3,5]", 10, -1, 3),
-    (b" [ 0 ,\r\n9 ]\t", 10, -1, 2),
-    (b"[1,3,5]", 10, 3, -1),  # excluded id
-    (b"[10]", 10, -1, -1),  # at the bound
-    (b"[2147483648]", -1, -1, -1),  # no bound given: below 2^31
-    (b"[2147483647]", -1, -1, 1),
-    (b"[]", 10, -1, -1),
-    (b"[01]", 10, -1, -1),
-    (b"[0]", 10, -1, 1),
-    (b"[1,]", 10, -1, -1),
-    (b"[,1]", 10, -1, -1),
-    (b"[1 2]", 10, -1, -1),
-    (b"[1]]", 10, -1, -1),
-    (b"[1", 10, -1, -1),
-    (b"[1.5]", 10, -1, -1),
-    (b"[1E1]", 10, -1, -1),
-    (b"[+1]", 10, -1, -1),
-    (b"[null]", 10, -1, -1),
-    (b"", 10, -1, -1),
+@pytest.mark.parametrize(("array", "hi", "count"), [
+    (b"[1,3,5]", 10, 3),
+    (b" [ 0 ,\r\n9 ]\t", 10, 2),
+    (b"[10]", 10, -1),  # at the bound
+    (b"[2147483648]", -1, -1),  # no bound given: below 2^31
+    (b"[2147483647]", -1, 1),
+    (b"[]", 10, -1),
+    (b"[01]", 10, -1),
+    (b"[0]", 10, 1),
+    (b"[1,]", 10, -1),
+    (b"[,1]", 10, -1),
+    (b"[1 2]", 10, -1),
+    (b"[1]]", 10, -1),
+    (b"[1", 10, -1),
+    (b"[1.5]", 10, -1),
+    (b"[1E1]", 10, -1),
+    (b"[+1]", 10, -1),
+    (b"[-1]", 10, -1),
+    (b"[null]", 10, -1),
+    (b"", 10, -1),
 ])
-def test_json_token_array_count_reads_only_plain_integers(text, hi, exclude, count):
-    assert _native.json_token_array_count(text, hi, exclude) == count
-    assert _native.json_token_array_count(bytearray(text), hi, exclude) == count
+def test_the_token_array_is_read_only_as_plain_integers(array, hi, count):
+    text = b'{"kind":"allowed_tokens","tokens":' + array + b"}"
+    assert _native.json_allowed_tokens(text, hi)[0] == count
+    assert _native.json_allowed_tokens(bytearray(text), hi)[0] == count
 
 
 @pytest.mark.parametrize(("text", "hi", "expected"), [
