@@ -21,6 +21,9 @@ namespace cons {
 
 using Token = int32_t;
 
+// States of a token_dfa are below this (the Python validation's MAX_STATE_ID + 1).
+constexpr int32_t kMaxStates = 1 << 20;
+
 enum class Kind : uint8_t { TokenDfa = 0, ChoiceSequence = 1, AllowedTokens = 2 };
 
 // A set of tokens stored either as a sorted list (sparse) or as a ready bitmask row (dense): filling a sparse

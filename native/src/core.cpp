@@ -15,8 +15,6 @@
 namespace cons {
 namespace {
 
-constexpr int32_t kMaxStates = 1 << 20;  // the Python validation enforces the same bound
-
 [[noreturn]] void fail(const std::string& what) { throw std::invalid_argument(what); }
 
 void check_vocab(int32_t vocab, Token eos) {

@@ -6,12 +6,14 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <string>
 #include <string_view>
 #include <thread>
 
 #include "constraint_batch.hpp"
+#include "constraint_json.hpp"
 #include "mask_launch.hpp"
 
 namespace py = pybind11;
@@ -318,88 +320,7 @@ bool read_token_ids(py::handle values, int64_t hi, int64_t exclude, std::vector<
   return true;
 }
 
-// A constraint's token ids read straight from its JSON text: an allowed_tokens set of 8k ids is 48 KB of JSON, and
-// read here it never becomes 8k Python ints in the front-end or the stub (docs/architecture.md §3.5). Conservative on
-// purpose: anything it does not accept (-1) the caller reads in full, with the standard library, for the exact error.
-class JsonTokens {
- public:
-  JsonTokens(const char* p, const char* end) : p_(p), begin_(p), end_(end) {}
-
-  // `{"kind": "allowed_tokens", "tokens": [...]}`, the two members in either order, each once, nothing else: the
-  // number of ids (each a plain integer below `hi`, see `array`), and the array's [start, end) offsets in the text.
-  int64_t allowed_tokens(int64_t hi, size_t* start, size_t* stop, std::vector<Token>* out = nullptr) {
-    bool kind = false;
-    int64_t count = -1;
-    ws();
-    if (!take('{')) return -1;
-    for (;;) {
-      ws();
-      if (!take('"')) return -1;
-      const char* key = p_;
-      while (p_ < end_ && *p_ != '"' && *p_ != '\\') ++p_;  // an escaped key: read in full
-      const std::string_view name(key, static_cast<size_t>(p_ - key));
-      if (!take('"')) return -1;
-      ws();
-      if (!take(':')) return -1;
-      ws();
-      if (name == "kind" && !kind) {
-        static constexpr std::string_view value = "\"allowed_tokens\"";
-        if (static_cast<size_t>(end_ - p_) < value.size() || std::string_view(p_, value.size()) != value) return -1;
-        p_ += value.size();
-        kind = true;
-      } else if (name == "tokens" && count < 0) {
-        *start = static_cast<size_t>(p_ - begin_);
-        count = array(hi, out);
-        if (count < 0) return -1;
-        *stop = static_cast<size_t>(p_ - begin_);
-      } else {
-        return -1;  // another member, or one given twice
-      }
-      ws();
-      if (take('}')) break;
-      if (!take(',')) return -1;
-    }
-    ws();
-    return kind && count >= 0 && p_ == end_ ? count : -1;
-  }
-
-  // `[...]` of token ids written as plain non-negative integers (no sign, fraction or exponent; JSON whitespace
-  // between tokens), each below `hi` (hi < 0: below 2^31), at least one: how many.
-  int64_t array(int64_t hi, std::vector<Token>* out = nullptr) {
-    const int64_t limit = hi >= 0 ? hi : (int64_t{1} << 31);
-    ws();
-    if (!take('[')) return -1;
-    int64_t count = 0;
-    for (;;) {
-      ws();
-      if (p_ == end_ || static_cast<unsigned>(*p_ - '0') > 9) return -1;  // also an empty array
-      if (*p_ == '0' && p_ + 1 < end_ && static_cast<unsigned>(p_[1] - '0') <= 9) return -1;  // no leading zeros
-      int64_t value = 0;
-      while (p_ < end_ && static_cast<unsigned>(*p_ - '0') <= 9) {
-        value = value * 10 + (*p_++ - '0');
-        if (value >= limit) return -1;
-      }
-      if (out) out->push_back(static_cast<Token>(value));
-      ++count;
-      ws();
-      if (take(']')) return count;
-      if (!take(',')) return -1;  // a fraction, an exponent, anything else
-    }
-  }
-
- private:
-  void ws() {
-    while (p_ < end_ && (*p_ == ' ' || *p_ == '\t' || *p_ == '\n' || *p_ == '\r')) ++p_;
-  }
-  bool take(char c) {
-    if (p_ == end_ || *p_ != c) return false;
-    ++p_;
-    return true;
-  }
-  const char* p_;
-  const char* begin_;
-  const char* end_;
-};
+using cons::JsonTokens;
 
 std::string_view buffer_text(const py::buffer& text, py::buffer_info& info) {
   info = text.request();
@@ -483,6 +404,38 @@ PYBIND11_MODULE(_native, m) {
         py::arg("vocab"), py::arg("eos"), py::arg("text"), py::arg("max_ids"),
         "The machine of an allowed_tokens spec's JSON text in the form json_allowed_tokens reads (ids below vocab, "
         "at most max_ids), read and compiled in one pass; None for any other text.");
+  m.def("json_token_dfa",
+        [](const py::buffer& text, int64_t hi, int64_t eos, int64_t max_ids) {
+          py::buffer_info info;
+          const std::string_view t = buffer_text(text, info);
+          int32_t start = 0;
+          std::vector<Token> accept, edges;
+          return JsonTokens(t.data(), t.data() + t.size()).token_dfa(hi, eos, cons::kMaxStates, max_ids, &start, &accept,
+                                                                     &edges) &&
+                 cons::deterministic(edges);
+        },
+        py::arg("text"), py::arg("hi"), py::arg("eos"), py::arg("max_ids"),
+        "Whether `text` is exactly a token_dfa spec in the plain form (JsonTokens::token_dfa: plain integers, states "
+        "below 2^20, edge tokens in [0, hi) (hi < 0: below 2^31) other than eos (eos < 0: any), at most max_ids "
+        "edges) whose edges are deterministic: what validate_constraint accepts, read in one pass.");
+  m.def("compile_token_dfa_json",
+        [unconst](int32_t vocab, int32_t eos, const py::buffer& text, int64_t max_ids) -> py::object {
+          py::buffer_info info;
+          const std::string_view t = buffer_text(text, info);
+          int32_t start = 0;
+          std::vector<Token> accept, edges;
+          if (!JsonTokens(t.data(), t.data() + t.size()).token_dfa(vocab, eos, cons::kMaxStates, max_ids, &start, &accept,
+                                                                    &edges))
+            return py::none();
+          try {
+            return py::cast(unconst(cons::compile_token_dfa(vocab, eos, start, accept, edges)));
+          } catch (const std::invalid_argument&) {
+            return py::none();  // not deterministic: the caller's full read names the edge
+          }
+        },
+        py::arg("vocab"), py::arg("eos"), py::arg("text"), py::arg("max_ids"),
+        "The machine of a token_dfa spec's JSON text in the form json_token_dfa reads, read and compiled in one "
+        "pass; None for any other text or a nondeterministic one.");
   m.def("compile_allowed_tokens",
         [unconst](int32_t vocab, int32_t eos, py::handle tokens) {
           std::vector<Token> ids;

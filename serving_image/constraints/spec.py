@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from serving_image.constraints._native import json_allowed_tokens, token_ids_in_range
+from serving_image.constraints._native import json_allowed_tokens, json_token_dfa, token_ids_in_range
 from serving_image.json_text import JSONText, dumps_spec, loads
 
 # Bounds that keep a compiled machine small whatever a client sends (the C++ core checks the same state bound).
@@ -291,25 +291,36 @@ def spec_to_json(spec: ConstraintSpec) -> dict[str, Any]:
     raise TypeError(f"not a constraint spec: {spec!r}")
 
 
-def _checked_allowed_tokens_text(text: bytes, vocab_size: int | None) -> str | None:
-    """The compact text of an allowed_tokens spec whose every token id is a plain integer in range, read in one C pass
-    over its text (8k ids: 48 KB of JSON, 30 us, against 250 to read it into Python ints and check them); None for
-    anything else, which `validate_constraint` then reads in full and names."""
-    count, start, stop = json_allowed_tokens(text, -1 if vocab_size is None else vocab_size)  # eos is allowed
-    if not 0 < count <= MAX_TOKEN_IDS:
-        return None
-    return '{"kind":"allowed_tokens","tokens":' + text[start:stop].decode() + "}"
+def checked_plain_text(text: bytes, vocab_size: int | None, eos_token_id: int | None) -> str | None:
+    """The checked text of a spec in its plain form, read in one native pass without a Python value per token id;
+    None for any other text, which `validate_constraint` then reads in full and names. `vocab_size` and `eos_token_id`
+    may be None, as for `validate_constraint`.
+
+    The plain forms are what clients write: an object with exactly its kind's required members, in any order, each
+    once, with integers written as plain digits (no sign, fraction or exponent) and JSON whitespace.
+      - allowed_tokens: written back compactly around the token array as sent (8k ids: 48 KB of JSON, 30 us, against
+        250 to read them into Python ints and check them);
+      - token_dfa: the text as sent, once its states, edge tokens (not eos) and determinism are checked (256 edges:
+        about 10 us, against 300 for the Python walk, which the worker ran for every request on the engine's path).
+    choice_sequence is always read in full (its separator rule and optional members are Python's)."""
+    hi = -1 if vocab_size is None else vocab_size
+    count, start, stop = json_allowed_tokens(text, hi)  # eos is allowed
+    if 0 < count <= MAX_TOKEN_IDS:
+        return '{"kind":"allowed_tokens","tokens":' + text[start:stop].decode() + "}"
+    if json_token_dfa(text, hi, -1 if eos_token_id is None else eos_token_id, MAX_TOKEN_IDS):
+        return text.decode()  # only ASCII digits and JSON punctuation were accepted
+    return None
 
 
 def constraint_text(value: object, vocab_size: int | None, eos_token_id: int | None) -> str:
     """A constraint as a client sent it, checked (`validate_constraint`'s rules and errors) and written as the JSON
     text a request carries to vLLM (SamplingParams.extra_args["constraint"], docs/architecture.md §3.5).
 
-    `value` is its JSON value, or its text when the document around it was read with `json_text.loads_keeping`: an
-    allowed_tokens set then never becomes Python ints (`_checked_allowed_tokens_text`); any other text is read and
-    checked in full, so a bad constraint gets the same error whichever way it came."""
+    `value` is its JSON value, or its text when the document around it was read with `json_text.loads_keeping`: a spec
+    in its plain form is then checked without becoming Python values (`checked_plain_text`); any other text is read
+    and checked in full, so a bad constraint gets the same error whichever way it came."""
     if isinstance(value, JSONText):
-        fast = _checked_allowed_tokens_text(value.text, vocab_size)
+        fast = checked_plain_text(value.text, vocab_size, eos_token_id)
         if fast is not None:
             return fast
         value = loads(value.text)

@@ -11,7 +11,13 @@ import random
 import pytest
 
 from serving_image.constraints import _native
-from serving_image.constraints.spec import MAX_TOKEN_IDS, ConstraintError, constraint_text, validate_constraint
+from serving_image.constraints.spec import (
+    MAX_TOKEN_IDS,
+    ConstraintError,
+    checked_plain_text,
+    constraint_text,
+    validate_constraint,
+)
 from serving_image.json_text import JSONText
 
 VOCAB, EOS = 1024, 2
@@ -27,6 +33,11 @@ GOOD = [
     json.dumps({"kind": "allowed_tokens", "tokens": random.Random(1).sample(range(VOCAB), 700)}),
     '{"kind":"choice_sequence","choices":[[5,9],[7]],"separator":[3]}',  # other kinds: read in full
     '{"kind":"token_dfa","start":0,"accept":[1],"edges":[[0,5,1]]}',
+    # token_dfa in its plain form: any member order, JSON whitespace, exact repeats, no edges, the last state and id
+    '{"edges":[ [0, 5, 1] ,\n[1,1023,2],[0,5,1]], "accept" : [2,0], "start":0, "kind":"token_dfa"}',
+    '{"kind":"token_dfa","start":3,"accept":[3],"edges":[]}',
+    '{"kind":"token_dfa","start":0,"accept":[1048575],"edges":[[0,7,1048575]]}',
+    '{"kind":"token_dfa","start":0,"accept":[1],"edges":[[0,5,-0]]}',  # -0: read in full, accepted
 ]
 BAD = [
     '{"kind":"allowed_tokens","tokens":[]}',
@@ -46,6 +57,23 @@ BAD = [
     '{"kind":5,"tokens":[5]}',
     '{"tokens":[5]}',
     '{"kind":"choice_sequence","choices":[[5,2]],"separator":[3]}',
+    '{"kind":"token_dfa","start":0,"accept":[1],"edges":[[0,2,1]]}',  # eos on an edge
+    '{"kind":"token_dfa","start":0,"accept":[1],"edges":[[0,1024,1]]}',
+    '{"kind":"token_dfa","start":0,"accept":[1],"edges":[[0,5,1],[0,5,2]]}',  # not deterministic
+    '{"kind":"token_dfa","start":0,"accept":[1],"edges":[[0,5,1048576]]}',
+    '{"kind":"token_dfa","start":1048576,"accept":[1],"edges":[]}',
+    '{"kind":"token_dfa","start":0,"accept":[],"edges":[]}',
+    '{"kind":"token_dfa","start":0,"accept":[1],"edges":[[0,5]]}',
+    '{"kind":"token_dfa","start":0,"accept":[1],"edges":[[0,5,1,2]]}',
+    '{"kind":"token_dfa","start":0,"accept":[1],"edges":[[0,5.0,1]]}',
+    '{"kind":"token_dfa","start":0,"accept":[1],"edges":[[0,true,1]]}',
+    '{"kind":"token_dfa","start":-1,"accept":[1],"edges":[]}',
+    '{"kind":"token_dfa","start":0.5,"accept":[1],"edges":[]}',
+    '{"kind":"token_dfa","start":0,"accept":[1]}',
+    '{"kind":"token_dfa","start":0,"accept":[1],"edges":[],"tokens":[5]}',
+    '{"kind":"token_dfa","start":0,"accept":[1],"edges":[[0,5,1]],"edges":[[0,5,1],[0,5,2]]}',  # the last one counts
+    '{"kind":"token_dfa","start":0,"accept":1,"edges":[]}',
+    '{"kind":"token_dfa","start":0,"accept":[1],"edges":[0,5,1]}',
 ]
 
 
@@ -57,13 +85,23 @@ def _outcome(call):
 
 
 @pytest.mark.parametrize("text", GOOD + BAD)
-@pytest.mark.parametrize("vocab", [VOCAB, None])
-def test_the_text_and_the_value_give_the_same_outcome(text, vocab):
-    from_text = _outcome(lambda: constraint_text(JSONText(text.encode()), vocab, EOS))
-    from_value = _outcome(lambda: constraint_text(json.loads(text), vocab, EOS))
+@pytest.mark.parametrize(("vocab", "eos"), [(VOCAB, EOS), (None, EOS), (None, None)])
+def test_the_text_and_the_value_give_the_same_outcome(text, vocab, eos):
+    from_text = _outcome(lambda: constraint_text(JSONText(text.encode()), vocab, eos))
+    from_value = _outcome(lambda: constraint_text(json.loads(text), vocab, eos))
     assert from_text == from_value
-    if vocab is not None:  # without a vocabulary, ids above it are fine
+    if vocab is not None:  # without a vocabulary (or eos), ids above it (or eos on an edge) are fine
         assert from_text[0] == ("ok" if text in GOOD else "error")
+
+
+@pytest.mark.parametrize("text", GOOD + BAD)
+def test_the_plain_form_is_read_natively_only_when_the_full_read_accepts_it(text):
+    """checked_plain_text never accepts what validate_constraint refuses (with or without a vocabulary and eos)."""
+    for vocab, eos in ((VOCAB, EOS), (None, None)):
+        fast = checked_plain_text(text.encode(), vocab, eos)
+        if fast is not None:
+            assert json.loads(fast) == json.loads(text)
+            validate_constraint(json.loads(text), vocab, eos)  # raises if the native read was wrong
 
 
 def test_a_checked_text_is_what_validate_constraint_accepts():
@@ -155,7 +193,7 @@ def test_an_allowed_set_compiles_the_same_in_any_order():
 
 
 def test_a_plain_allowed_tokens_text_compiles_in_one_pass_to_the_parsed_values_machine():
-    from serving_image.constraints.engine import compile_allowed_tokens_text, compile_spec
+    from serving_image.constraints.engine import compile_plain_text, compile_spec
 
     ids = random.Random(5).sample(range(VOCAB), 400)
     text = json.dumps({"kind": "allowed_tokens", "tokens": ids})
@@ -166,10 +204,64 @@ def test_a_plain_allowed_tokens_text_compiles_in_one_pass_to_the_parsed_values_m
         engine.fill([0], 1)
         return engine.bitmask()[0].copy()
 
-    fast = compile_allowed_tokens_text(text, VOCAB, EOS)
+    fast = compile_plain_text(text, VOCAB, EOS)
     assert fast is not None
     assert (allowed(fast) == allowed(compile_spec(validate_constraint(json.loads(text), VOCAB, EOS), VOCAB, EOS))).all()
     for other in ('{"kind":"allowed_tokens","tokens":[1,2.0]}', '{"kind":"allowed_tokens","tokens":[1024]}',
                   '{"kind":"choice_sequence","choices":[[5]],"separator":[3]}', "not json"):
-        assert compile_allowed_tokens_text(other, VOCAB, EOS) is None
+        assert compile_plain_text(other, VOCAB, EOS) is None
     assert _native.compile_allowed_tokens_json(VOCAB, EOS, b'{"kind":"allowed_tokens","tokens":[1,2,3]}', 2) is None
+
+
+def _masks_along(machine, prefixes):
+    """The allowed set after each prefix of output tokens: what a row constrained by `machine` masks to."""
+    out = []
+    for prefix in prefixes:
+        engine = _native.Engine(VOCAB, 1, 1)
+        engine.set_row(0, machine, list(prefix))
+        engine.sync()
+        engine.fill([0], 1)
+        out.append(engine.bitmask()[0].copy())
+    return out
+
+
+def test_a_plain_token_dfa_text_compiles_in_one_pass_to_the_parsed_values_machine():
+    from serving_image.constraints.engine import compile_plain_text, compile_spec
+
+    rng = random.Random(7)
+    alphabet = rng.sample([t for t in range(VOCAB) if t != EOS], 6)
+    edges = [[s, t, s + 1] for s in range(20) for t in alphabet[: 2 + s % 4]]
+    edges += [[20, alphabet[0], 0], edges[0]]  # a cycle and an exact repeat
+    rng.shuffle(edges)
+    spec = {"edges": edges, "accept": [20, 7], "kind": "token_dfa", "start": 0}
+    text = json.dumps(spec)
+    fast = compile_plain_text(text, VOCAB, EOS)
+    assert fast is not None and fast.kind == "token_dfa"
+    slow = compile_spec(validate_constraint(spec, VOCAB, EOS), VOCAB, EOS)
+    assert fast.num_states == slow.num_states == 21
+    prefixes = [[]] + [[alphabet[0]] * n for n in (1, 7, 20, 21)] + [[alphabet[1], alphabet[0], alphabet[1]]]
+    for a, b in zip(_masks_along(fast, prefixes), _masks_along(slow, prefixes), strict=True):
+        assert (a == b).all()
+    for other in ('{"kind":"token_dfa","start":0,"accept":[1],"edges":[[0,5,1],[0,5,2]]}',  # nondeterministic
+                  '{"kind":"token_dfa","start":0,"accept":[1],"edges":[[0,2,1]]}',  # eos on an edge
+                  '{"kind":"token_dfa","start":0,"accept":[1],"edges":[[0,1024,1]]}'):
+        assert compile_plain_text(other, VOCAB, EOS) is None
+    too_many = json.dumps({"kind": "token_dfa", "start": 0, "accept": [1], "edges": [[0, 5, 1]] * 3}).encode()
+    assert _native.compile_token_dfa_json(VOCAB, EOS, too_many, 2) is None
+    assert _native.json_token_dfa(too_many, VOCAB, EOS, 2) is False
+    assert _native.json_token_dfa(too_many, VOCAB, EOS, 3) is True
+
+
+@pytest.mark.parametrize(("text", "native"), [
+    (GOOD[0], True),
+    (GOOD[1], True),
+    (GOOD[3], False),  # -0
+    (GOOD[7], False),  # choice_sequence: always the full read
+    (GOOD[8], True),
+    (GOOD[9], True),
+    (GOOD[10], True),
+    (GOOD[11], True),
+    (GOOD[12], False),  # -0
+])
+def test_which_good_specs_take_the_native_read(text, native):
+    assert (checked_plain_text(text.encode(), VOCAB, EOS) is not None) is native

@@ -122,3 +122,71 @@ def test_sanitized_gpu_launch_logic_matches_a_naive_reference(tmp_path):
         assert run.returncode == 0, run.stderr[-4000:]
         assert "runtime error" not in run.stderr, run.stderr[-4000:]
         assert run.stdout.strip() == "ok 150"
+
+
+def _json_corpus(seed: int) -> list[bytes]:
+    """Spec texts for the JSON readers: good and bad ones (the parity test's), every prefix of each (a read past the
+    end of a truncated text is what ASan would catch), and random byte edits."""
+    from tests.native.test_constraint_text import BAD, GOOD
+
+    rng = random.Random(seed)
+    base = [t.encode() for t in GOOD + BAD if len(t) < 400]
+    base += [b'{"kind":"token_dfa","start":0,"accept":[1],"edges":[[0,5,1],[1,6,0]]}', b"", b"{", b"[1]"]
+    corpus = list(base)
+    for text in base:
+        corpus += [text[:k] for k in range(len(text))]
+        for _ in range(40):
+            edited = bytearray(text)
+            for _ in range(rng.randint(1, 3)):
+                k = rng.randrange(len(edited) + 1)
+                digits = [j for j, c in enumerate(edited) if 48 <= c <= 57]
+                match rng.randrange(6):
+                    case 3 | 4 | 5 if digits:  # another number: mostly still the plain form
+                        edited[rng.choice(digits)] = rng.choice(b"0123456789")
+                    case 0 if edited:
+                        del edited[min(k, len(edited) - 1)]
+                    case 1:
+                        edited.insert(k, rng.choice(b'0123456789[]{},:" -.e\\\n'))
+                    case _ if edited:
+                        edited[min(k, len(edited) - 1)] = rng.randrange(256)
+            corpus.append(bytes(edited))
+    return corpus
+
+
+def test_sanitized_json_readers_read_client_text_as_the_extension_does(tmp_path):
+    """The spec readers that take client text straight from a request (constraint_json.hpp: allowed_tokens and
+    token_dfa in their plain forms) under ASan/UBSan, over good and bad specs, all their prefixes and random edits,
+    each in a heap buffer of exactly its size; they must answer as the extension's bindings of the same code do."""
+    from serving_image.constraints import _native
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    assert cxx, "a C++ compiler is needed (the package build needs one too)"
+    out = tmp_path / "json_driver"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+                    "-fno-sanitize-recover=all", "-Wall", "-Wextra", "-Werror", f"-I{NATIVE / 'include'}",
+                    str(NATIVE / "tests" / "json_driver.cpp"), "-o", str(out)], check=True, timeout=300)
+    corpus = _json_corpus(11)
+    records, expected = bytearray(), []
+    for i, text in enumerate(corpus):
+        hi, eos = (1024, 2) if i % 2 else (-1, -1)
+        records += b"ALLOWED %d %d\n" % (hi, len(text)) + text + b"\n"
+        count, start, stop = _native.json_allowed_tokens(text, hi)
+        expected.append(f"ALLOWED {count} {start} {stop}")
+        records += b"DFA %d %d %d %d\n" % (hi, eos, 1 << 20, len(text)) + text + b"\n"
+        dfa = _native.json_token_dfa(text, hi, eos, 1 << 20)
+        expected.append("deterministic" if dfa else "refused")  # the driver reads, then says if it is deterministic
+    run = subprocess.run([str(out)], input=bytes(records), capture_output=True, timeout=300, env=_driver_env())
+    assert run.returncode == 0, run.stderr.decode(errors="replace")[-4000:]
+    assert b"runtime error" not in run.stderr, run.stderr[-4000:]
+    lines = run.stdout.decode().splitlines()
+    assert len(lines) == len(expected)
+    for line, want in zip(lines, expected, strict=True):
+        if want == "deterministic":
+            assert line.startswith("DFA 1 ") and line.endswith(" 1"), line
+        elif want == "refused":  # not the plain form, or read but not deterministic
+            assert line == "DFA 0" or (line.startswith("DFA 1 ") and line.endswith(" 0")), line
+        else:
+            assert line == want
+    accepted = sum(1 for line in lines if line.startswith("DFA 1") or (line.startswith("ALLOWED") and
+                                                                        not line.startswith("ALLOWED -1")))
+    assert accepted > 100  # the corpus reaches past the readers' refusals

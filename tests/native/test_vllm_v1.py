@@ -229,3 +229,40 @@ def test_an_allowed_tokens_text_compiles_as_its_parsed_value(proc, vllm_config, 
     refused = "9.0" in text or "99999" in text
     assert rows[0] == ([1] if refused else [1, 5, 7, 9])
     assert ("constraint rejected in the worker" in caplog.text) is refused
+
+
+@pytest.mark.parametrize(("text", "refused"), [
+    ('{"kind":"token_dfa","start":0,"accept":[2],"edges":[[0,17,1],[1,42,2],[1,17,1]]}', False),  # plain: native
+    ('{"edges": [[1, 17, 1], [0, 17, 1], [1, 42, 2]], "start": 0, "accept": [2], "kind": "token_dfa"}', False),
+    ('{"kind":"token_dfa","start":0,"accept":[2],"edges":[[0,17,1],[1,42,2],[1,17,1.5]]}', True),  # parsed, refused
+    # not deterministic
+    ('{"kind":"token_dfa","start":0,"accept":[2],"edges":[[0,17,1],[1,42,2],[1,17,1],[1,17,2]]}', True),
+    ('{"kind":"token_dfa","start":0,"accept":[2],"edges":[[0,17,1],[1,1,2]]}', True),  # eos on an edge
+])
+def test_a_token_dfa_text_compiles_as_its_parsed_value(proc, vllm_config, caplog, text, refused):
+    """The same for token_dfa: a plain text compiles in one native pass (its states, edge tokens and determinism
+    checked there), anything else is parsed and validated; after each prefix both rows mask alike."""
+    import json
+
+    vocab = vllm_config.model_config.get_vocab_size()
+    for out in ([], [17], [17, 17]):
+        proc.update_state(update(2, added=[(0, params(text), [1], list(out)), (1, params(json.loads(text)), [1],
+                                                                                  list(out))]))
+        rows = finite(proc, 2, vocab)
+        assert rows[0] == rows[1]
+        if not refused:
+            assert rows[0] == expected(json.loads(text), list(out))
+    assert rows[0] == ([1] if refused else [17, 42])
+    assert ("constraint rejected in the worker" in caplog.text) is refused
+
+
+def test_admission_reads_a_plain_text_natively_and_names_the_field_of_any_other():
+    import json
+
+    ConstraintLogitsProcessor.validate_params(params(json.dumps(DFA)))  # plain: one native pass
+    ConstraintLogitsProcessor.validate_params(params(json.dumps(ALLOWED)))
+    nondeterministic = {**DFA, "edges": [*DFA["edges"], [1, 17, 2]]}
+    with pytest.raises(ValueError, match=r"^constraint\.edges\[3\]\[2\]: state 1 already goes to state 1"):
+        ConstraintLogitsProcessor.validate_params(params(json.dumps(nondeterministic)))
+    with pytest.raises(ValueError, match=r"^constraint\.start: state 1048576 is outside"):
+        ConstraintLogitsProcessor.validate_params(params(json.dumps({**DFA, "start": 1 << 20})))

@@ -1,6 +1,7 @@
 """The constraint processor's admission check (vLLM's validate_params) and the texts the stand-in backend's stub
-checked with the served model's vocabulary (spec.remember_checked): such a text is not parsed and
-checked again, once; any other text, an equal copy included, is."""
+checked with the served model's vocabulary (spec.remember_checked): such a text is not checked again, once; any
+other text, an equal copy included, is: in one native pass when it is in its plain form, else parsed and checked in
+full."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from vllm import SamplingParams
 from serving_image.constraints import vllm_v1
 from serving_image.constraints.spec import (
     ConstraintError,
+    checked_plain_text,
     constraint_text,
     remember_checked,
     take_checked,
@@ -21,13 +23,19 @@ SPEC = {"kind": "allowed_tokens", "tokens": [3, 4, 5]}
 
 @pytest.fixture
 def checks(monkeypatch) -> list[object]:
+    """Every check admission runs: ("plain", text) for the native pass, ("full", value) for validate_constraint."""
     seen: list[object] = []
 
-    def counting(spec, vocab_size, eos_token_id):
-        seen.append(spec)
+    def full(spec, vocab_size, eos_token_id):
+        seen.append(("full", spec))
         return validate_constraint(spec, vocab_size, eos_token_id)
 
-    monkeypatch.setattr(vllm_v1, "validate_constraint", counting)
+    def plain(text, vocab_size, eos_token_id):
+        seen.append(("plain", text.decode()))
+        return checked_plain_text(text, vocab_size, eos_token_id)
+
+    monkeypatch.setattr(vllm_v1, "validate_constraint", full)
+    monkeypatch.setattr(vllm_v1, "checked_plain_text", plain)
     return seen
 
 
@@ -40,7 +48,7 @@ def test_a_text_the_stub_checked_is_admitted_without_a_second_check_once(checks)
     vllm_v1.validate_at_admission(_params(text))
     assert checks == []
     vllm_v1.validate_at_admission(_params(text))  # taken: the same text again is checked like any other
-    assert checks == [SPEC]
+    assert checks == [("plain", text)]
 
 
 def test_an_equal_copy_and_a_bad_text_are_checked(checks):
@@ -48,9 +56,11 @@ def test_an_equal_copy_and_a_bad_text_are_checked(checks):
     copy = "".join(list(text))
     assert copy == text and copy is not text
     vllm_v1.validate_at_admission(_params(copy))
-    assert checks == [SPEC]
-    with pytest.raises(ConstraintError, match="tokens"):
-        vllm_v1.validate_at_admission(_params('{"kind":"allowed_tokens","tokens":[]}'))
+    assert checks == [("plain", copy)]
+    bad = '{"kind":"allowed_tokens","tokens":[]}'
+    with pytest.raises(ConstraintError, match=r"^constraint\.tokens: must not be empty"):
+        vllm_v1.validate_at_admission(_params(bad))
+    assert checks[1:] == [("plain", bad), ("full", {"kind": "allowed_tokens", "tokens": []})]  # the full read names it
     assert take_checked(text)  # still waiting for its own admission
 
 
