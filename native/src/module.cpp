@@ -410,8 +410,8 @@ PYBIND11_MODULE(_native, m) {
           const std::string_view t = buffer_text(text, info);
           int32_t start = 0;
           std::vector<Token> accept, edges;
-          return JsonTokens(t.data(), t.data() + t.size()).token_dfa(hi, eos, cons::kMaxStates, max_ids, &start, &accept,
-                                                                     &edges) &&
+          JsonTokens reader(t.data(), t.data() + t.size());
+          return reader.token_dfa(hi, eos, cons::kMaxStates, max_ids, &start, &accept, &edges) &&
                  cons::deterministic(edges);
         },
         py::arg("text"), py::arg("hi"), py::arg("eos"), py::arg("max_ids"),
@@ -424,9 +424,8 @@ PYBIND11_MODULE(_native, m) {
           const std::string_view t = buffer_text(text, info);
           int32_t start = 0;
           std::vector<Token> accept, edges;
-          if (!JsonTokens(t.data(), t.data() + t.size()).token_dfa(vocab, eos, cons::kMaxStates, max_ids, &start, &accept,
-                                                                    &edges))
-            return py::none();
+          JsonTokens reader(t.data(), t.data() + t.size());
+          if (!reader.token_dfa(vocab, eos, cons::kMaxStates, max_ids, &start, &accept, &edges)) return py::none();
           try {
             return py::cast(unconst(cons::compile_token_dfa(vocab, eos, start, accept, edges)));
           } catch (const std::invalid_argument&) {
