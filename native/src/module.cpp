@@ -322,10 +322,12 @@ bool read_token_ids(py::handle values, int64_t hi, int64_t exclude, std::vector<
 
 using cons::JsonTokens;
 
-std::string_view buffer_text(const py::buffer& text, py::buffer_info& info) {
+// A reader over a bytes-like object's text; `info` keeps the buffer alive and must outlive the reader.
+JsonTokens json_reader(const py::buffer& text, py::buffer_info& info) {
   info = text.request();
   if (info.ndim != 1 || info.itemsize != 1) throw py::type_error("text: a bytes-like object expected");
-  return {static_cast<const char*>(info.ptr), static_cast<size_t>(info.size)};
+  const char* begin = static_cast<const char*>(info.ptr);
+  return JsonTokens(begin, begin + info.size);
 }
 
 PYBIND11_MODULE(_native, m) {
@@ -381,9 +383,8 @@ PYBIND11_MODULE(_native, m) {
   m.def("json_allowed_tokens",
         [](const py::buffer& text, int64_t hi) {
           py::buffer_info info;
-          const std::string_view t = buffer_text(text, info);
           size_t start = 0, stop = 0;
-          int64_t count = JsonTokens(t.data(), t.data() + t.size()).allowed_tokens(hi, &start, &stop);
+          int64_t count = json_reader(text, info).allowed_tokens(hi, &start, &stop);
           if (count < 0) count = -1, start = 0, stop = 0;
           return std::make_tuple(count, static_cast<int64_t>(start), static_cast<int64_t>(stop));
         },
@@ -394,10 +395,9 @@ PYBIND11_MODULE(_native, m) {
   m.def("compile_allowed_tokens_json",
         [unconst](int32_t vocab, int32_t eos, const py::buffer& text, int64_t max_ids) -> py::object {
           py::buffer_info info;
-          const std::string_view t = buffer_text(text, info);
           std::vector<Token> ids;
           size_t start = 0, stop = 0;
-          const int64_t count = JsonTokens(t.data(), t.data() + t.size()).allowed_tokens(vocab, &start, &stop, &ids);
+          const int64_t count = json_reader(text, info).allowed_tokens(vocab, &start, &stop, &ids);
           if (count <= 0 || count > max_ids) return py::none();
           return py::cast(unconst(cons::compile_allowed_tokens(vocab, eos, ids)));
         },
@@ -407,11 +407,9 @@ PYBIND11_MODULE(_native, m) {
   m.def("json_token_dfa",
         [](const py::buffer& text, int64_t hi, int64_t eos, int64_t max_ids) {
           py::buffer_info info;
-          const std::string_view t = buffer_text(text, info);
           int32_t start = 0;
           std::vector<Token> accept, edges;
-          JsonTokens reader(t.data(), t.data() + t.size());
-          return reader.token_dfa(hi, eos, cons::kMaxStates, max_ids, &start, &accept, &edges) &&
+          return json_reader(text, info).token_dfa(hi, eos, cons::kMaxStates, max_ids, &start, &accept, &edges) &&
                  cons::deterministic(edges);
         },
         py::arg("text"), py::arg("hi"), py::arg("eos"), py::arg("max_ids"),
@@ -421,11 +419,10 @@ PYBIND11_MODULE(_native, m) {
   m.def("compile_token_dfa_json",
         [unconst](int32_t vocab, int32_t eos, const py::buffer& text, int64_t max_ids) -> py::object {
           py::buffer_info info;
-          const std::string_view t = buffer_text(text, info);
           int32_t start = 0;
           std::vector<Token> accept, edges;
-          JsonTokens reader(t.data(), t.data() + t.size());
-          if (!reader.token_dfa(vocab, eos, cons::kMaxStates, max_ids, &start, &accept, &edges)) return py::none();
+          if (!json_reader(text, info).token_dfa(vocab, eos, cons::kMaxStates, max_ids, &start, &accept, &edges))
+            return py::none();
           try {
             return py::cast(unconst(cons::compile_token_dfa(vocab, eos, start, accept, edges)));
           } catch (const std::invalid_argument&) {
