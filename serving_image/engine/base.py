@@ -66,11 +66,23 @@ class SamplingSpec:
 
 
 @dataclass(frozen=True)
+class PromptText:
+    """The text a front-end tokenized into a request's ids, and how: `encode(text, add_special_tokens=
+    special_tokens_added)` gave them. An engine that takes text (Triton's vLLM backend) sends this text instead of
+    decoding the ids back (a decode per request, and decode(encode(text)) need not be the text), so that it tokenizes
+    exactly what the front-end counted."""
+
+    text: str
+    special_tokens_added: bool
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     request_id: str
     prompt: str | list[int]  # text, or token ids already rendered by the front-end
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     add_special_tokens: bool = True  # False for chat prompts: the chat template already holds BOS
+    source: PromptText | None = None  # where token ids came from, when the front-end tokenized text
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from serving_image.engine.base import (
     EngineUnavailableError,
     ModelInfo,
     OutputTotals,
+    PromptText,
     context_window_error,
 )
 from serving_image.openai_api import translate
@@ -110,20 +111,21 @@ def engine_requests(engine: Engine, body: ChatCompletionRequest | CompletionRequ
     try:
         if chat:
             text = engine.render_chat(translate.chat_messages(body))
-            prompts = [engine.encode_prompt(text, add_special_tokens=False)]  # the chat template holds BOS already
+            # the chat template holds BOS already
+            prompts = [(engine.encode_prompt(text, add_special_tokens=False), PromptText(text, False))]
         else:
             prompts = _completion_prompts(engine, body)
     except EngineInputError as exc:
         raise bad_request(str(exc), param=exc.param) from exc
     max_tokens_field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
     requests = []
-    for i, ids in enumerate(prompts):
+    for i, (ids, source) in enumerate(prompts):
         prompt_field = "messages" if chat else _prompt_field(i, len(prompts))
         if error := context_window_error(len(ids), spec.max_tokens, model.max_model_len, prompt_field=prompt_field,
                                          max_tokens_field=max_tokens_field):
             raise bad_request(str(error), param=error.param, code="context_length_exceeded")
         engine_request_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-        requests.append(EngineRequest(engine_request_id, ids, spec, add_special_tokens=False))
+        requests.append(EngineRequest(engine_request_id, ids, spec, add_special_tokens=False, source=source))
     return requests
 
 
@@ -131,8 +133,9 @@ def _prompt_field(i: int, count: int) -> str:
     return f"prompt[{i}]" if count > 1 else "prompt"
 
 
-def _completion_prompts(engine: Engine, body: CompletionRequest) -> list[list[int]]:
-    """`prompt` as token ids per prompt: a string, a list of token ids, or a list of either."""
+def _completion_prompts(engine: Engine, body: CompletionRequest) -> list[tuple[list[int], PromptText | None]]:
+    """`prompt` as token ids per prompt, with the text they came from: a string, a list of token ids (no text), or
+    a list of either."""
     raw = body.prompt
     items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw
     vocab_size = engine.info.vocab_size
@@ -144,11 +147,11 @@ def _completion_prompts(engine: Engine, body: CompletionRequest) -> list[list[in
             if bad:
                 raise bad_request(f"{name}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})",
                                   param=name)
-            prompts.append(list(item))
+            prompts.append((list(item), None))
         elif item == "":
             raise bad_request(f"{name} is empty", param=name)
         else:
-            prompts.append(engine.encode_prompt(item, add_special_tokens=True))
+            prompts.append((engine.encode_prompt(item, add_special_tokens=True), PromptText(item, True)))
     return prompts
 
 

@@ -93,9 +93,14 @@ class RequestRecord:
     metadata_fields: dict[str, Any] = field(default_factory=dict)  # those of METADATA_FIELDS the request gave
 
     def to_json(self) -> str:
-        record = dataclasses.asdict(self)
-        metadata_fields = record.pop("metadata_fields")
-        return json.dumps({**record, **metadata_fields})
+        # The fields read directly: dataclasses.asdict deep-copies each value on its way, a quarter of a record's
+        # cost, on the event loop, for every request (the values are strings, numbers and None)
+        record = {name: getattr(self, name) for name in _RECORD_FIELDS}
+        record.update(self.metadata_fields)
+        return json.dumps(record)
+
+
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord) if f.name != "metadata_fields")
 
 
 class RequestScope:

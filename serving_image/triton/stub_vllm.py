@@ -284,9 +284,10 @@ class MessageDispatcher:
             if error := context_window_error(len(prompt_ids), params.max_tokens, info.max_model_len,
                                              prompt_field="text_input", max_tokens_field=f"{root}.max_tokens"):
                 raise error
-            # Logged once the request is past its checks and on its way into the engine: from here a cancellation
-            # aborts it in the engine (the log is what a cancellation test waits for before cancelling).
-            log.info("request %s (client id %r) submitted to the engine", request_id, message.get("client_id", ""))
+            # Logged (at DEBUG: engine_in_stub.STUB_LOG_LEVEL_ENV) once the request is past its checks and on its way
+            # into the engine: from here a cancellation aborts it in the engine (the line is what a cancellation test
+            # waits for before cancelling).
+            log.debug("request %s (client id %r) submitted to the engine", request_id, message.get("client_id", ""))
             async for output in self.engine.generate_params(request_id, prompt_ids, params):
                 # per choice: index, new text, new token count, finish reason, and the new tokens' log-probabilities
                 # in the backend's `logprobs` form (None when the request asked for none)

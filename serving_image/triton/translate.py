@@ -91,18 +91,22 @@ def triton_prompt(request: EngineRequest, decode: Callable[[list[int]], str] | N
                   tokenizer_adds_bos: bool) -> str:
     """The text to send as text_input: Triton's vLLM backend takes text and always tokenizes it with special tokens.
 
-    Token-id prompts (what the OpenAI front-end renders) are decoded back to text with their special tokens, and a
-    leading BOS is dropped when the tokenizer adds one itself, so the model does not see two BOS tokens that a
-    vLLM engine given the token ids never sees. The backend re-tokenizes the text; for text that came out of the
-    same tokenizer this gives the same ids (tests/serving/test_triton_remote.py checks the outputs against raw KServe
-    calls)."""
+    Token-id prompts (what the OpenAI front-end renders) go as the text the front-end tokenized into them
+    (`request.source`), or else are decoded back to text with their special tokens. Where that text already holds
+    its special tokens, a leading BOS is dropped when the tokenizer adds one itself, so the model does not see two
+    BOS tokens that a vLLM engine given the token ids never sees. The backend tokenizes the text again: from the
+    source text, exactly as the front-end did; from decoded ids, the same ids for text that came out of the same
+    tokenizer (tests/serving/test_triton_remote.py checks the outputs against raw KServe calls)."""
     prompt = request.prompt
     if not isinstance(prompt, str):
-        if decode is None:
+        if request.source is not None:  # no decode: the text itself, tokenized as the front-end did
+            prompt, special_applied = request.source.text, not request.source.special_tokens_added
+        elif decode is None:
             raise ClientTranslationError("token-id prompts cannot be sent to Triton's vLLM backend without a "
                                          "tokenizer to turn them into text_input", "prompt")
-        prompt = decode(list(prompt))
-        special_applied = True  # ids rendered by a front-end already hold whatever special tokens they need
+        else:
+            prompt = decode(list(prompt))
+            special_applied = True  # ids rendered by a front-end already hold whatever special tokens they need
     else:
         special_applied = not request.add_special_tokens
     if special_applied and tokenizer_adds_bos and bos_token and prompt.startswith(bos_token):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from serving_image.triton.backends.vllm.engine_in_stub import ENGINE_NICE_ENV
+from serving_image.triton.backends.vllm.engine_in_stub import ENGINE_NICE_ENV, STUB_LOG_LEVEL_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,6 +39,9 @@ REPO = Path(__file__).resolve().parents[2]
 # `lock_exception`, exit -6), taking the shared openai_server with it: seen in a fresh clone's make test, the demo
 # ranker's stub, while the other worker ran the seeded-preemption test. A production pod's cores are its own.
 os.environ.setdefault(ENGINE_NICE_ENV, "10")
+# Their stubs log each request's way into the engine (DEBUG; production's default is INFO, without that line): the
+# cancellation tests wait for it, so that the request is in the held engine before its client leaves.
+os.environ.setdefault(STUB_LOG_LEVEL_ENV, "DEBUG")
 EXAMPLE = REPO / "examples" / "ticket_triage"
 # float32: see docs/local-environment.md (this VM SIGILLs in vLLM's bf16 AMX attention kernel).
 TRITON_ENGINE_ARGS = {"max_model_len": 2048, "kv_cache_memory_bytes": 128 * 1024 * 1024, "dtype": "float32"}

@@ -150,3 +150,56 @@ def test_triton_prompt_decodes_ids_and_avoids_a_second_bos():
     assert triton_prompt(chat_text, decode, "<s>", tokenizer_adds_bos=True) == "Hi"
     plain = EngineRequest("id", "<s>Hi", add_special_tokens=True)
     assert triton_prompt(plain, decode, "<s>", tokenizer_adds_bos=True) == "<s>Hi"
+
+
+def test_triton_prompt_sends_the_text_the_front_end_tokenized_without_decoding():
+    """Ids the front-end tokenized from text go as that text (`source`): no decode. A completion's text was
+    tokenized with special tokens, as the backend will; a chat rendering holds its BOS, which is dropped where the
+    tokenizer adds one."""
+    from serving_image.engine.base import PromptText
+    from serving_image.triton.translate import triton_prompt
+
+    def decode(ids):
+        raise AssertionError(f"decoded {ids}")
+
+    completion = EngineRequest("id", [1, 5, 6], add_special_tokens=False, source=PromptText("Hi  there", True))
+    assert triton_prompt(completion, decode, "<s>", tokenizer_adds_bos=True) == "Hi  there"
+    chat = EngineRequest("id", [1, 5], add_special_tokens=False, source=PromptText("<s>Hi", False))
+    assert triton_prompt(chat, decode, "<s>", tokenizer_adds_bos=True) == "Hi"
+    assert triton_prompt(chat, decode, "<s>", tokenizer_adds_bos=False) == "<s>Hi"
+    assert triton_prompt(chat, None, None, tokenizer_adds_bos=False) == "<s>Hi"  # no tokenizer needed either
+
+
+def test_the_backend_tokenizes_the_sent_text_into_the_ids_the_front_end_counted(demo_model_dir):
+    """The seam with the real tokenizer: what the OpenAI front-end renders (engine_requests: a completion's text, a
+    chat's template), sent as text_input and tokenized as Triton's vLLM backend does (with special tokens), gives
+    exactly the ids the front-end counted, and the context window was checked on."""
+    from transformers import AutoTokenizer
+
+    from serving_image.engine.base import HFTokenizerMixin, ModelInfo
+    from serving_image.openai_api.generation import engine_requests
+    from serving_image.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+    from serving_image.triton.translate import triton_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(str(demo_model_dir))
+
+    class Tokenizing(HFTokenizerMixin):
+        info = ModelInfo(name="demo-tiny", version="1", max_model_len=2048, vocab_size=len(tokenizer),
+                         eos_token_id=tokenizer.eos_token_id)
+        _tokenizer = tokenizer
+
+    adds_bos = tokenizer.bos_token_id is not None and tokenizer.encode("a")[:1] == [tokenizer.bos_token_id]
+    bodies = [CompletionRequest(model="demo-tiny", prompt="Hello  world ,  again !", max_tokens=4),
+              CompletionRequest(model="demo-tiny", prompt=["one  two", " three"], max_tokens=4),
+              CompletionRequest(model="demo-tiny", prompt=[5, 6, 7], max_tokens=4),
+              ChatCompletionRequest(model="demo-tiny", messages=[{"role": "user", "content": "Hi  there"}])]
+    sent = 0
+    for body in bodies:
+        for request in engine_requests(Tokenizing(), body, "r"):
+            if request.source is None:  # token ids from the client: no text to send, decoded as before
+                assert request.prompt == [5, 6, 7]
+                continue
+            text = triton_prompt(request, None, tokenizer.bos_token, adds_bos)
+            assert tokenizer.encode(text, add_special_tokens=True) == list(request.prompt), (body, text)
+            sent += 1
+    assert sent == 4

@@ -159,6 +159,21 @@ def test_the_engine_thread_takes_the_niceness_it_is_given_and_its_processes_inhe
         assert "$LLM_SERVING_ENGINE_NICE" in done.stderr and "1 to 19" in done.stderr, bad
 
 
+def test_the_stub_log_level_is_read_from_its_variable_and_a_bad_one_is_named():
+    """$LLM_SERVING_STUB_LOG_LEVEL sets the level of the project's loggers in the stub (INFO when unset: a request's
+    way into the engine, logged at DEBUG, is then not written); anything but DEBUG/INFO/WARNING/ERROR is refused,
+    naming the variable."""
+    import logging
+
+    from serving_image.triton.backends.vllm.engine_in_stub import StubEnvironmentError, stub_log_level
+
+    assert stub_log_level(None) == stub_log_level("") == stub_log_level("INFO") == logging.INFO
+    assert stub_log_level("DEBUG") == logging.DEBUG and stub_log_level("ERROR") == logging.ERROR
+    for bad in ("debug", "TRACE", "10"):
+        with pytest.raises(StubEnvironmentError, match=rf"\$LLM_SERVING_STUB_LOG_LEVEL='{bad}': one of DEBUG, INFO"):
+            stub_log_level(bad)
+
+
 def test_a_bad_niceness_stops_the_engine_before_vllm_starts():
     """With a bad $LLM_SERVING_ENGINE_NICE the in-stub engine reports itself failed, naming the variable, and starts
     no vLLM: the stand-in's initialize raises that failure as "[vllm] Failed to start engine: ...", so the model

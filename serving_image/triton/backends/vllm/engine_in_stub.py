@@ -64,6 +64,12 @@ ENGINE_PYTHON_ENV = "LLM_SERVING_ENGINE_PYTHON"
 # inherited by the processes it starts: the engine's thread takes it before vLLM spawns its processes; the stub's main
 # thread keeps its own.
 ENGINE_NICE_ENV = "LLM_SERVING_ENGINE_NICE"
+# The level of this project's loggers (`llm_serving.*`) in the stub: DEBUG, INFO (the default), WARNING or ERROR.
+# A request's way into the engine is logged at DEBUG: the front-end's request record is the request log, and a line
+# per request here cost the engine's thread 60-80 µs a request (a 32-request wave's admission is all on one core).
+# The test suite's servers run at DEBUG (tests/serving/conftest.py): their cancellation tests wait for that line.
+STUB_LOG_LEVEL_ENV = "LLM_SERVING_STUB_LOG_LEVEL"
+STUB_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 log = logging.getLogger("llm_serving.triton.engine_in_stub")
 
@@ -135,6 +141,15 @@ def lower_priority(value: str | None) -> None:
     os.setpriority(os.PRIO_PROCESS, 0, int(value))  # 0: the calling thread (Linux)
 
 
+def stub_log_level(value: str | None) -> int:
+    """The logging level `value` names ($LLM_SERVING_STUB_LOG_LEVEL; unset or empty: INFO)."""
+    if not value:
+        return logging.INFO
+    if value not in STUB_LOG_LEVELS:
+        raise StubEnvironmentError(f"${STUB_LOG_LEVEL_ENV}={value!r}: one of {', '.join(STUB_LOG_LEVELS)}")
+    return getattr(logging, value)
+
+
 ERROR_CODES = ("INVALID_ARG", "UNAVAILABLE")  # the engine's codes a model answers as they are; anything else INTERNAL
 
 
@@ -154,10 +169,12 @@ class InStubEngine:
     """One vLLM engine in this process, on a thread and loop of its own (see the module's docstring)."""
 
     def __init__(self, python: str, model_json: str, model_name: str, model_version: str):
+        level = stub_log_level(os.environ.get(STUB_LOG_LEVEL_ENV))
         prepare_environment(python)
         if not logging.getLogger().handlers:  # the stub configures no logging: our lines go to Triton's stderr
             logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                                 format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("llm_serving").setLevel(level)
         self.pid = os.getpid()
         self.first: dict | None = None
         self._model_json, self._model_name, self._model_version = model_json, model_name, model_version
