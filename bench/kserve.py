@@ -24,7 +24,7 @@ import statistics
 import time
 import uuid
 
-from bench.local_server import publish_demo, start_server
+from bench.local_server import ENGINE_SPIN_S, publish_demo, start_server
 from bench.report import demo_model, main, percentile, ratio_plot, ratio_table, ratios, result
 from llm_serving.kserve_stream import is_final
 from llm_serving.ports import free_port
@@ -255,11 +255,6 @@ async def _with_cpu(side: str, coro, metrics_url: str | None = None) -> tuple[di
 # 7, not 5: one round's ratio moved 0.68-1.01 on this shared machine (2026-12-06, the direct side's own speed moving
 # as much as the subjects'), and the median of five moved 0.76-0.87 between runs of the same code
 ROUNDS = 7
-# vLLM's CPU worker busy-polls for a second after its last message (shm_broadcast's SpinCondition, busy_loop_s = 1)
-# before it sleeps, on the core every worker here is pinned to (VLLM_CPU_OMP_THREADS_BIND=auto: core 0). Measured
-# right after another side, a side's worker shared that core with the previous side's spinning worker for the first
-# second of its ~2 s measurement: each side waits that spin out first.
-ENGINE_SPIN_S = 1.5
 
 
 def _median(runs: list[dict]) -> dict:

@@ -25,6 +25,12 @@ START_TIMEOUT_S = 600  # generous: CI machines are small and shared
 # float32: vLLM's bf16 CPU attention dies with SIGILL now and then on the VMs seen here (AMX reported but not
 # usable), which would make tests flaky; the demo model's weights are float32 anyway.
 ENGINE_ARGS = {"max_model_len": 2048, "kv_cache_memory_bytes": 128 * 1024 * 1024, "dtype": "float32"}
+# vLLM's CPU worker busy-polls for a second after its last message (shm_broadcast's SpinCondition, busy_loop_s = 1)
+# before it sleeps, on the core every worker here is pinned to (VLLM_CPU_OMP_THREADS_BIND=auto: core 0). A benchmark
+# that keeps several engines up and measures one after another waits that spin out before each measurement: right
+# after another side, a side's worker shared that core with the previous side's spinning worker for the first second
+# of a ~2 s measurement (bench.kserve, bench.openai_frontend).
+ENGINE_SPIN_S = 1.5
 
 
 @dataclass

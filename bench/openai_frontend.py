@@ -1,8 +1,11 @@
 """This platform's OpenAI front-end over Triton embedded in its process against vLLM's own OpenAI server, same
 model, same engine arguments, same load (issue #28).
 
-Each round starts both servers one after the other (ours, vLLM's; ours, vLLM's; ...: on a shared machine the load
-drifts, and a single pair would charge the drift to whichever ran second) and drives each with vLLM's own serving
+Both servers are up at once, and every load is measured on one and then on the other, seconds apart (each side
+first in every other round; the idle one's vLLM engine has stopped its busy-poll before the other is measured): on
+this shared machine one server's speed moves by 20-40 % within minutes (docs/kserve.md, "Paired rounds"), so the two
+measurements of a ratio must be close in time. Half of the rounds run with ours started first, half with vLLM's
+started first (the server started first measured 3-5 % slower at concurrency 1). The load is vLLM's own serving
 benchmark (`vllm.benchmarks.serve`: random dataset, 64 input and 64 output tokens, greedy, so both produce the same
 tokens) at three concurrencies: 1 (per-token latency), 32 (the headline) and 128 (saturation). Ours is the real
 entrypoint in the `openai` mode: the startup procedure, the OpenAI front-end, Triton (the local 2.51) in its process
@@ -23,18 +26,23 @@ bench's own goal stays 1.1x) and CPU per output token of all processes <= 1.25x;
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import statistics
 import tempfile
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from bench.local_server import publish_demo, start_server
+from bench.local_server import ENGINE_SPIN_S, publish_demo, start_server
 from bench.report import demo_model, main, pyplot, ratio_plot, ratio_table, ratios, result, save_figure
 from bench.vllm_server import start_vllm_server, stop_vllm_server
 from serving_image.cpu_placement import describe, keep_front_off_engine_cores
 
 INPUT_LEN = OUTPUT_LEN = 64
-ROUNDS = 3
+# Six, in two blocks of three (ours started first, then vLLM's): with both servers up, a round costs no engine start,
+# and the p99 TTFT at 32 is one wave of 32 requests a round, the figure that moves most between rounds
+ROUNDS = 6
 SERVERS = ("llm-serving", "vllm")
 KINDS = ("server process", "backend stub", "engine core", "worker")
 METRICS = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
@@ -121,32 +129,60 @@ def _measured(pid: int, base_url: str, model_dir: pathlib.Path, label: str, load
     return outcome
 
 
-def _drive(pid: int, url: str, model_dir: pathlib.Path, label: str) -> dict[str, dict]:
-    _bench(url, model_dir, "warm-up", Load(32, 64))  # first-batch kernel warm-up, unmeasured
-    return {load.name: _measured(pid, url, model_dir, label, load) for load in LOADS}
+@dataclass(frozen=True)
+class Side:
+    pid: int  # the server's own process: its children are the rest of its kind (cpu_by_kind)
+    url: str
+
+
+@contextlib.contextmanager
+def both_servers(package: pathlib.Path, model_dir: pathlib.Path, workdir: pathlib.Path,
+                 order: tuple[str, ...]) -> Iterator[dict[str, Side]]:
+    """Ours and vLLM's server, started in `order`, both placed off the cores vLLM's worker bound itself to, each
+    warmed up; stopped on the way out."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    sides: dict[str, Side] = {}
+    with contextlib.ExitStack() as stack:
+        for name in order:
+            if name == "llm-serving":
+                # In this process's session, with the benchmark client: one scheduling group for every side. Each in
+                # a session of its own (a group shared with its own pinned, spinning CPU engine), ours delivered
+                # tokens in bursts (median TPOT 0.00 ms at concurrency 1) and both varied 3x between rounds.
+                ours = start_server(package, workdir / "ours", own_session=False)
+                stack.callback(ours.stop)
+                sides[name] = Side(ours.proc.pid, ours.url)
+            else:
+                proc, url = start_vllm_server(model_dir, workdir)
+                stack.callback(stop_vllm_server, proc)
+                # vLLM's API server off its worker's bound cores, as our startup procedure places our server's
+                # processes (serving_image/cpu_placement.py): the same placement on both sides
+                print(describe(keep_front_off_engine_cores(proc.pid)), flush=True)
+                sides[name] = Side(proc.pid, url)
+        for name in order:
+            _bench(sides[name].url, model_dir, "warm-up", Load(32, 64))  # first-batch kernel warm-up, unmeasured
+        yield sides
 
 
 def measure(model_dir: pathlib.Path, workdir: pathlib.Path, rounds: int = ROUNDS) -> dict[str, list[dict]]:
-    """Per server, one {load name: outcome} a round; the servers alternate."""
+    """Per server, one {load name: outcome} a round; within a round each load is measured on both servers in turn."""
     results: dict[str, list[dict]] = {name: [] for name in SERVERS}
     package = publish_demo(model_dir, workdir, version="bench")
-    for i in range(rounds):
-        # Both servers in this process's session, with the benchmark client: one scheduling group for every side.
-        # Each in a session of its own (a group shared with its own pinned, spinning CPU engine), ours delivered
-        # tokens in bursts (median TPOT 0.00 ms at concurrency 1) and both varied 3x between rounds (docs/kserve.md).
-        ours = start_server(package, workdir / f"ours-{i}", own_session=False)
-        try:
-            results["llm-serving"].append(_drive(ours.proc.pid, ours.url, model_dir, "llm-serving"))
-        finally:
-            ours.stop()
-        proc, url = start_vllm_server(model_dir, workdir)
-        try:
-            # vLLM's API server off its worker's bound cores, as our startup procedure places our server's
-            # processes (serving_image/cpu_placement.py): the same placement on both sides
-            print(describe(keep_front_off_engine_cores(proc.pid)), flush=True)
-            results["vllm"].append(_drive(proc.pid, url, model_dir, "vllm"))
-        finally:
-            stop_vllm_server(proc)
+    done = 0
+    for block, order in enumerate((SERVERS, SERVERS[::-1])):
+        block_rounds = (rounds + 1 - block) // 2  # the first block takes the odd round
+        if block_rounds == 0:
+            continue
+        with both_servers(package, model_dir, workdir / f"block-{block}", order) as sides:
+            for _ in range(block_rounds):
+                outcomes: dict[str, dict] = {name: {} for name in SERVERS}
+                for load in LOADS:
+                    for name in SERVERS if done % 2 == 0 else SERVERS[::-1]:
+                        time.sleep(ENGINE_SPIN_S)  # the other server's engine has stopped spinning
+                        side = sides[name]
+                        outcomes[name][load.name] = _measured(side.pid, side.url, model_dir, name, load)
+                for name in SERVERS:
+                    results[name].append(outcomes[name])
+                done += 1
     return results
 
 
@@ -213,7 +249,8 @@ def run(out_dir: pathlib.Path, rounds: int = ROUNDS) -> dict:
     summary = summarise(results)
     lines = [
         f"vLLM's serving benchmark, random dataset, {INPUT_LEN} in / {OUTPUT_LEN} out, greedy, on the demo model; "
-        f"the two servers alternate, {rounds} rounds each, medians shown. Ours: the OpenAI front-end over the "
+        f"both servers up at once, each load measured on one and then the other, {rounds} rounds (half with ours "
+        "started first), medians shown. Ours: the OpenAI front-end over the "
         "embedded Triton, vLLM in the Python backend stub.",
     ]
     for load in LOADS:
@@ -223,13 +260,18 @@ def run(out_dir: pathlib.Path, rounds: int = ROUNDS) -> dict:
         lines += ["", f"**Concurrency {load.concurrency}, {load.num_prompts} prompts** (request throughput of each "
                   f"round, req/s: {per_round})", "",
                   *ratio_table(ours, base, ("llm-serving", "vLLM's server", "ratio (ours / vLLM)"))]
-    verdicts = []
+    verdicts, paired = [], []
     for target in TARGETS:
         value = summary[target.load][2][target.metric]
         verdicts.append(f"{target}: **{'met' if target.holds(value) else 'missed'}** ({value:.3f})")
+        # The two sides of a round were measured seconds apart: each round's own ratio says how steady the result is
+        per_round = [ours[target.load][target.metric] / base[target.load][target.metric]
+                     for ours, base in zip(results["llm-serving"], results["vllm"], strict=True)]
+        paired.append(f"{target.load} {target.metric} " + ", ".join(f"{r:.2f}" for r in per_round))
     lines += ["", "CPU rows: µs of CPU per output token of each kind of process (the server process holds "
               "Triton's core in ours; the backend stub holds vLLM's AsyncLLM in ours, which vLLM's server runs in "
-              "its server process).", "", "Targets: " + "; ".join(verdicts) + "."]
+              "its server process).", "", "Each round's ratio (ours / vLLM's, the two measured seconds apart): "
+              + "; ".join(paired) + ".", "", "Targets: " + "; ".join(verdicts) + "."]
     plots = [ratio_plot({f"{name} {m}": summary[name][2][m] for name in ("c1", "c32", "c128")
                          for m in ("request_throughput", "p99_ttft_ms", "median_tpot_ms", "cpu_us_per_token")},
                         out_dir, "openai_frontend.png", height=5,
