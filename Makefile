@@ -17,7 +17,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-NATIVE_SOURCES := native/CMakeLists.txt $(wildcard native/src/* native/include/* native/triton/*)
+NATIVE_SOURCES := native/CMakeLists.txt $(wildcard native/src/* native/include/* native/triton/*.?pp native/triton/protos/*)
 
 .PHONY: up check-up-modes check-batch test test-fast plan bench fuse rehearse lint serving-env infra-env checkov-env triton-env crd-validate-env clean
 
@@ -113,6 +113,12 @@ $(SERVING)/.stamp: pyproject.toml $(NATIVE_SOURCES)
 	@# wheel and setuptools: --no-build-isolation also builds the sdist-only dependencies (fusepy) in this venv,
 	@# which a fresh venv cannot do without them (pip's cache hides that on a machine that built them once).
 	$(SERVING)/bin/pip install -q scikit-build-core pybind11 setuptools wheel
+	@# grpc++ and protobuf (Debian's) for the embedded Triton's KServe gRPC front-end, which the native build compiles
+	@# (native/triton/kserve_grpc.cpp); the image's build stage installs the same packages (serving_image/Dockerfile).
+	command -v protoc >/dev/null && command -v grpc_cpp_plugin >/dev/null && pkg-config --exists grpc++ protobuf || \
+	  ($(if $(filter 0,$(shell id -u)),,sudo) apt-get update -q && \
+	  $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q pkg-config \
+	  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev)
 	$(SERVING)/bin/pip install -q --no-build-isolation -e '.[serving,local,test]'
 	$(SERVING)/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(SERVING)/bin/python -c "import transformers, vllm, tritonclient.grpc, serving_image.constraints._native"

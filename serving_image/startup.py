@@ -175,7 +175,7 @@ class Started:
     companions: list[VerifiedPackage] = field(default_factory=list)
     servers: list = field(default_factory=list)  # objects with .stop() (threads) or uvicorn servers
     uvicorn_servers: list = field(default_factory=list)
-    grpc_servers: list = field(default_factory=list)  # grpc.aio servers (stopped with a grace period)
+    grpc_servers: list = field(default_factory=list)  # KServe gRPC servers (stopped with a grace period)
     tasks: list = field(default_factory=list)
     draining: bool = False
 

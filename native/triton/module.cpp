@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "kserve_grpc.hpp"
 #include "response_path.hpp"
 
 namespace py = pybind11;
@@ -52,6 +53,7 @@ struct Library {
     resolve(api.InferenceResponseOutput, "TRITONSERVER_InferenceResponseOutput");
     resolve(api.InferenceResponseParameterCount, "TRITONSERVER_InferenceResponseParameterCount");
     resolve(api.InferenceResponseParameter, "TRITONSERVER_InferenceResponseParameter");
+    resolve(api.ServerModelTransactionProperties, "TRITONSERVER_ServerModelTransactionProperties");
   }
 
   template <typename F>
@@ -100,6 +102,60 @@ py::tuple record_tuple(const rp::Record& r) {
   return py::make_tuple(r.key, r.released, r.final, r.empty, std::move(error), std::move(outputs),
                         std::move(parameters));
 }
+
+py::object optional_text(bool present, const std::string& text) {
+  return present ? py::object(py::str(text)) : py::object(py::none());
+}
+
+// The front-end's hooks, calling Python with the GIL taken (they run on gRPC's threads). An exception of
+// `open_call` is the call's refusal (its text); one of `control` is answered as UNKNOWN, as grpc's Python server
+// answers a handler's exception.
+kg::Hooks python_hooks(py::function open_call, py::function control) {
+  auto open = std::make_shared<py::function>(std::move(open_call));
+  auto answer = std::make_shared<py::function>(std::move(control));
+  kg::Hooks hooks;
+  hooks.open_call = [open](const kg::Metadata& metadata) {
+    py::gil_scoped_acquire gil;
+    kg::CallContext call;
+    try {
+      py::list pairs;
+      for (const auto& kv : metadata) pairs.append(py::make_tuple(kv.first, py::bytes(kv.second)));
+      auto result = (*open)(pairs).cast<py::tuple>();
+      if (!result[0].is_none()) call.has_trace = true, call.trace_id = result[0].cast<std::string>();
+      if (!result[1].is_none()) call.has_experiment = true, call.experiment = result[1].cast<std::string>();
+    } catch (py::error_already_set& e) {
+      call.error = py::str(e.value());
+    }
+    return call;
+  };
+  hooks.control = [answer](const std::string& method, const std::string& request) {
+    py::gil_scoped_acquire gil;
+    kg::ControlAnswer out;
+    try {
+      auto result = (*answer)(method, py::bytes(request)).cast<py::tuple>();
+      out.code = result[0].cast<int>();
+      out.message = result[1].cast<std::string>();
+      out.response = result[2].cast<std::string>();
+    } catch (py::error_already_set& e) {
+      out.code = static_cast<int>(grpc::StatusCode::UNKNOWN);
+      out.message = std::string("Unexpected error in ") + method + ": " + std::string(py::str(e.value()));
+    }
+    return out;
+  };
+  return hooks;
+}
+
+// Shut down with the GIL released (its shutdown waits for gRPC's threads, which may be waiting for the GIL in a
+// hook), then deleted with it held (the hooks hold Python callables). pybind11 drops objects with the GIL held.
+struct FrontendDeleter {
+  void operator()(kg::Frontend* frontend) const {
+    {
+      py::gil_scoped_release unlocked;
+      frontend->shutdown(0);
+    }
+    delete frontend;
+  }
+};
 
 }  // namespace
 
@@ -192,4 +248,39 @@ PYBIND11_MODULE(_response_path, m) {
       .def("in_flight", &rp::Queue::in_flight)
       .def("waiting", &rp::Queue::waiting)
       .def("close", &rp::Queue::close);
+
+  py::class_<kg::Frontend, std::unique_ptr<kg::Frontend, FrontendDeleter>>(m, "KServeGrpc")
+      .def(py::init([](std::shared_ptr<Library> library, uintptr_t server, const std::string& address,
+                       py::function open_call, py::function control, size_t capacity) {
+             kg::Hooks hooks = python_hooks(std::move(open_call), std::move(control));
+             py::gil_scoped_release unlocked;
+             return std::unique_ptr<kg::Frontend, FrontendDeleter>(
+                 new kg::Frontend(library->api, reinterpret_cast<void*>(server), address, std::move(hooks),
+                                  capacity));
+           }),
+           py::arg("library"), py::arg("server"), py::arg("address"), py::arg("open_call"), py::arg("control"),
+           py::arg("capacity"), py::keep_alive<1, 2>())
+      .def_property_readonly("port", &kg::Frontend::port)
+      .def_property_readonly("records_fd", &kg::Frontend::records_fd)
+      .def(
+          "drain_records",
+          [](kg::Frontend& f) {
+            std::vector<kg::RequestRecord> records;
+            {
+              py::gil_scoped_release unlocked;
+              records = f.drain_records();
+            }
+            py::list out;
+            for (const kg::RequestRecord& r : records) {
+              py::object first = r.first_response_s < 0 ? py::object(py::none()) : py::float_(r.first_response_s);
+              py::object last = r.last_response_s < 0 ? py::object(py::none()) : py::float_(r.last_response_s);
+              out.append(py::make_tuple(r.rpc, r.request_id, r.model, r.model_version,
+                                        optional_text(r.call && r.call->has_trace, r.call ? r.call->trace_id : ""),
+                                        optional_text(r.call && r.call->has_experiment,
+                                                      r.call ? r.call->experiment : ""),
+                                        r.status, r.duration_s, std::move(first), std::move(last)));
+            }
+            return out;
+          })
+      .def("shutdown", &kg::Frontend::shutdown, py::arg("grace_s"), py::call_guard<py::gil_scoped_release>());
 }

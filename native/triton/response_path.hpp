@@ -82,6 +82,9 @@ struct Api {
   Error* (*InferenceResponseParameterCount)(void* response, uint32_t* count);
   Error* (*InferenceResponseParameter)(void* response, uint32_t index, const char** name, int* kind,
                                        const void** value);
+  // Not called by the response path itself: the C++ KServe front-end's decoupled check (kserve_grpc.hpp).
+  Error* (*ServerModelTransactionProperties)(void* server, const char* model, int64_t version, uint32_t* txn_flags,
+                                             void** voidp);
 };
 
 // A TRITONSERVER_Error raised where the caller gets it (submit): Triton's code and message.

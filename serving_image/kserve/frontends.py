@@ -16,7 +16,7 @@ GRACE_S = 30
 
 @dataclass
 class RunningKServe:
-    grpc_server: object
+    grpc_server: object  # kserve/triton_grpc.py TritonGrpcServer (C++)
     grpc_port: int
     http_server: object
     http_task: asyncio.Task

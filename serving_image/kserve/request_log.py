@@ -4,7 +4,8 @@ and per infer / generate / generate_stream request (HTTP, `HttpRecordMiddleware`
 
 It carries the caller's trace id (from the `traceparent` gRPC metadata) and experiment arm, so a caller's trace
 joins this record as it joins the OpenAI one (docs/clients.md, "Traces and per-stage records"), and its own
-stages: when the first and the last response left Triton. It never holds tensors.
+stages: when the first and the last response left Triton. It never holds tensors. The gRPC front-end (C++,
+native/triton/kserve_grpc.cpp) measures a request's times itself and hands its fields over when it ends.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ class KServeRecord:
 
     def close(self) -> None:
         self.duration_s = round(time.perf_counter() - self._started, 4)
+        self.write()
+
+    def write(self) -> None:
+        """The record's line and its experiment count, as the fields stand (the C++ gRPC front-end measures its own
+        times: kserve/triton_grpc.py `write_records`)."""
         # the fields as they are (plain values): asdict's deep copy cost more than the rest of a record
         record = {k: v for k, v in vars(self).items() if not k.startswith("_")}
         log_record(request_log, json.dumps(record))

@@ -1,27 +1,31 @@
 """llm_serving.kserve_stream: reading a ModelStreamInfer stream up to the final response (no server: tritonclient's
-own response messages, as the server builds them)."""
+own response messages, with the final flag as the servers set it; what the embedded server's C++ front-end writes
+is read through tritonclient in tests/serving/test_openai_embedded.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import queue
 
-import numpy as np
 import pytest
-from tritonclient.grpc import InferResult
+from tritonclient.grpc import InferResult, service_pb2
 
-from llm_serving.kserve_stream import is_final, until_final, until_final_async
-from serving_image.kserve.triton_grpc import infer_response
-from serving_image.triton.capi import TritonError
+from llm_serving.kserve_stream import FINAL_PARAMETER, is_final, until_final, until_final_async
+
+
+def infer_response(model: str, version: str, request_id: str, final: bool) -> service_pb2.ModelInferResponse:
+    response = service_pb2.ModelInferResponse(model_name=model, model_version=version, id=request_id)
+    response.parameters[FINAL_PARAMETER].bool_param = final
+    return response
 
 
 def _result(request_id: str, final: bool) -> InferResult:
-    return InferResult(infer_response("m", "1", request_id, {}, final))
+    return InferResult(infer_response("m", "1", request_id, final))
 
 
 def test_is_final_reads_the_parameter_of_a_result_or_a_bare_response():
     assert is_final(_result("a", True)) and not is_final(_result("a", False))
-    assert is_final(infer_response("m", "1", "a", {}, True))
+    assert is_final(infer_response("m", "1", "a", True))
 
 
 def test_until_final_stops_after_the_final_response_and_leaves_the_rest():
@@ -52,15 +56,3 @@ def test_until_final_async_stops_at_the_final_response_of_an_open_stream():
         return [r.get_response().id for r, _ in [pair async for pair in until_final_async(stream())]]
 
     assert asyncio.run(asyncio.wait_for(read(), 10)) == ["a", "a"]
-
-
-def test_a_response_carries_tritons_bytes_as_tritonclient_reads_them():
-    raw = {"text_output": ("BYTES", (1,), [b"hello \xe2\x9c\x93"]),
-           "scores": ("FP32", (2, 2), np.arange(4, dtype=np.float32).tobytes()),
-           "flat": ("INT64", (5,), np.arange(3, dtype=np.int64).tobytes())}  # a shape that does not hold 3 elements
-    result = InferResult(infer_response("m", "1", "a", raw, None))
-    assert result.as_numpy("text_output").tolist() == [b"hello \xe2\x9c\x93"]
-    assert result.as_numpy("scores").tolist() == [[0.0, 1.0], [2.0, 3.0]]
-    assert result.as_numpy("flat").tolist() == [0, 1, 2]  # sent flat, its element count as the shape
-    with pytest.raises(TritonError, match="output 'x': datatype INVALID"):
-        infer_response("m", "1", "a", {"x": ("INVALID", (1,), b"")}, None)

@@ -149,7 +149,9 @@ _library = None
 _library_lock = threading.Lock()
 
 
-def _native_library(lib):
+def native_library(lib):
+    """The C API as the native module resolved it from the loaded libtritonserver (one per process): the response
+    queues' and the C++ KServe gRPC front-end's."""
     global _library
     with _library_lock:
         if _library is None:
@@ -167,7 +169,7 @@ class _Delivery:
         from serving_image.triton.capi import _response_path
 
         self.loop = loop
-        self.queue = _response_path.ResponseQueue(_native_library(lib), QUEUE_CAPACITY)
+        self.queue = _response_path.ResponseQueue(native_library(lib), QUEUE_CAPACITY)
         self.streams: dict[int, InferenceStream] = {}
         loop.add_reader(self.queue.fd, self.drain)
 
