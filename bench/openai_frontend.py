@@ -265,7 +265,9 @@ def run(out_dir: pathlib.Path, rounds: int = ROUNDS) -> dict:
         value = summary[target.load][2][target.metric]
         verdicts.append(f"{target}: **{'met' if target.holds(value) else 'missed'}** ({value:.3f})")
         # The two sides of a round were measured seconds apart: each round's own ratio says how steady the result is
-        per_round = [ratios(ours_round[target.load], base_round[target.load])[target.metric]
+        # only the target's metric: a round's results also hold vLLM's benchmark's text fields (its backend, ...)
+        per_round = [ratios({target.metric: ours_round[target.load][target.metric]},
+                            {target.metric: base_round[target.load][target.metric]})[target.metric]
                      for ours_round, base_round in zip(results["llm-serving"], results["vllm"], strict=True)]
         paired.append(f"{target.load} {target.metric} " + ", ".join(f"{r:.2f}" for r in per_round))
     lines += ["", "CPU rows: µs of CPU per output token of each kind of process (the server process holds "

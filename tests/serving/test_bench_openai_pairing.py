@@ -68,3 +68,18 @@ def test_half_of_the_rounds_start_each_server_first_and_every_start_is_stopped(r
 def test_one_round_starts_only_the_first_block(recorded, tmp_path):
     bench.measure(tmp_path / "model", tmp_path, rounds=1)
     assert [event for event in recorded if event[0] == "start"] == [("start", bench.SERVERS)]
+
+
+def test_the_report_gives_each_rounds_ratio_of_every_target_beside_vllms_text_fields(monkeypatch, tmp_path):
+    """A round's results hold vLLM's benchmark's own fields too, text among them (its backend, its label): the
+    report's per-round ratios read only each target's metric (a division of every field crashed a whole run once)."""
+    def round_of(scale: float) -> dict:
+        values = {metric: 10.0 * scale for metric in (*bench.METRICS, *bench.CPU_METRICS)}
+        return {load.name: {**values, "backend": "openai", "label": "x"} for load in bench.LOADS}
+
+    results = {"llm-serving": [round_of(1.0), round_of(2.0)], "vllm": [round_of(1.0), round_of(4.0)]}
+    monkeypatch.setattr(bench, "measure", lambda model_dir, workdir, rounds: results)
+    monkeypatch.setattr(bench, "demo_model", lambda: tmp_path / "model")
+    markdown = bench.run(tmp_path, rounds=2)["markdown"]
+    assert "c32 request_throughput 1.00, 0.50" in markdown
+    assert "c1 median_tpot_ms 1.00, 0.50" in markdown
