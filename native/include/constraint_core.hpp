@@ -75,6 +75,8 @@ MachinePtr compile_choice_sequence(int32_t vocab, Token eos, const std::vector<s
                                    const std::vector<Token>& separator, int32_t min_items,
                                    int32_t max_items /* < 0: unbounded */, bool unique);
 MachinePtr compile_allowed_tokens(int32_t vocab, Token eos, const std::vector<Token>& tokens);
+// The same machine from the set packed as bits (bit t % 8 of byte t / 8; docs/architecture.md §3.5).
+MachinePtr compile_allowed_packed(int32_t vocab, Token eos, const uint8_t* bytes, size_t n);
 
 // The state of one request, a function of its generated tokens alone.
 struct RowState {

@@ -192,6 +192,32 @@ MachinePtr compile_allowed_tokens(int32_t vocab, Token eos, const std::vector<To
   return m;
 }
 
+MachinePtr compile_allowed_packed(int32_t vocab, Token eos, const uint8_t* bytes, size_t n) {
+  check_vocab(vocab, eos);
+  auto m = std::make_shared<Machine>();
+  m->kind = Kind::AllowedTokens;
+  m->vocab = vocab;
+  m->words = (vocab + 31) / 32;
+  m->eos = eos;
+  // Straight into the row's words (bit t % 8 of byte t / 8 is bit t % 32 of word t / 32 on a little-endian host,
+  // assembled byte by byte here so that the layout does not depend on the host), then the sorted list from them.
+  std::vector<uint32_t> words(static_cast<size_t>(m->words), 0u);
+  for (size_t i = 0; i < n; ++i) {
+    if (bytes[i] == 0) continue;
+    if (static_cast<int64_t>(8 * i) + 31 - __builtin_clz(bytes[i]) >= vocab)
+      fail("allowed token id " + std::to_string(8 * i + 31 - __builtin_clz(bytes[i])) + " outside the vocabulary");
+    words[i / 4] |= static_cast<uint32_t>(bytes[i]) << (8 * (i % 4));
+  }
+  words[static_cast<size_t>(eos >> 5)] |= 1u << (eos & 31);
+  std::vector<Token> tokens;
+  for (int32_t w = 0; w < m->words; ++w)
+    for (uint32_t bits = words[static_cast<size_t>(w)]; bits != 0; bits &= bits - 1)
+      tokens.push_back(w * 32 + __builtin_ctz(bits));
+  if (static_cast<int64_t>(tokens.size()) * 8 > m->words) m->allowed.dense = std::move(words);  // make_set's rule
+  m->allowed.sparse = std::move(tokens);
+  return m;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 void RowState::reset(MachinePtr machine) {
   m = std::move(machine);

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstring>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -322,6 +323,47 @@ bool read_token_ids(py::handle values, int64_t hi, int64_t exclude, std::vector<
 
 using cons::JsonTokens;
 
+// The packed form of an allowed_tokens set (docs/architecture.md §3.5): bit t % 8 of byte t / 8 is set when token t
+// is allowed (on a little-endian host the same bytes as the core's int32 bitmask words). A quarter of a 32k
+// vocabulary is 4 KB packed against 48 KB as a JSON list, and no process on the way reads it id by id.
+struct PackedTokens {
+  int64_t count = 0;       // bits set
+  int64_t first_out = -1;  // the first set bit at or above `hi`, -1 when none
+};
+
+PackedTokens read_packed(const uint8_t* bytes, size_t n, int64_t hi) {
+  PackedTokens r;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {  // eight bytes at a time: a 32k vocabulary is 4 KB
+    uint64_t word;
+    std::memcpy(&word, bytes + i, 8);
+    r.count += __builtin_popcountll(word);
+  }
+  for (; i < n; ++i) r.count += __builtin_popcount(bytes[i]);
+  if (hi >= 0)
+    for (size_t j = static_cast<size_t>(hi / 8); j < n && r.first_out < 0; ++j)
+      for (unsigned b = bytes[j]; b != 0; b &= b - 1)
+        if (static_cast<int64_t>(8 * j) + __builtin_ctz(b) >= hi) {
+          r.first_out = static_cast<int64_t>(8 * j) + __builtin_ctz(b);
+          break;
+        }
+  return r;
+}
+
+std::vector<Token> packed_ids(const uint8_t* bytes, size_t n) {
+  std::vector<Token> ids;
+  for (size_t i = 0; i < n; ++i)
+    for (unsigned b = bytes[i]; b != 0; b &= b - 1) ids.push_back(static_cast<Token>(8 * i + __builtin_ctz(b)));
+  return ids;
+}
+
+// The bytes of a bytes-like object (GIL held while they are read: a bytearray could change under a released read).
+std::string_view byte_view(const py::buffer& buf, py::buffer_info& info) {
+  info = buf.request();
+  if (info.ndim != 1 || info.itemsize != 1) throw py::type_error("a bytes-like object expected");
+  return {static_cast<const char*>(info.ptr), static_cast<size_t>(info.size)};
+}
+
 // A reader over a bytes-like object's text; `info` keeps the buffer alive and must outlive the reader.
 JsonTokens json_reader(const py::buffer& text, py::buffer_info& info) {
   info = text.request();
@@ -332,7 +374,7 @@ JsonTokens json_reader(const py::buffer& text, py::buffer_info& info) {
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "llm-serving native constraint engine";
-  m.attr("ABI_VERSION") = 3;
+  m.attr("ABI_VERSION") = 4;
   m.def("hardware_threads", []() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); },
         "Number of hardware threads the engine's thread pool may use.");
 
@@ -392,6 +434,62 @@ PYBIND11_MODULE(_native, m) {
         "(count, start, end) of the token array when `text` is exactly an allowed_tokens spec whose ids are plain "
         "integers in [0, hi) (hi < 0: below 2^31), at least one (any order of its two members, JSON whitespace); "
         "(-1, 0, 0) otherwise.");
+  m.def("json_allowed_tokens_packed",
+        [](const py::buffer& text, int32_t vocab) -> py::tuple {
+          py::buffer_info info;
+          std::vector<Token> ids;
+          size_t start = 0, stop = 0;
+          const int64_t count = json_reader(text, info).allowed_tokens(vocab, &start, &stop, &ids);
+          if (count < 0) return py::make_tuple(-1, 0, 0, py::none());
+          const size_t nbytes = (static_cast<size_t>(vocab) + 7) / 8;
+          if (4 * ((nbytes + 2) / 3) >= stop - start)  // base64's length against the list's: pack only when shorter
+            return py::make_tuple(count, static_cast<int64_t>(start), static_cast<int64_t>(stop), py::none());
+          std::string packed(nbytes, '\0');
+          for (Token t : ids) packed[static_cast<size_t>(t) >> 3] |= static_cast<char>(1u << (t & 7));
+          return py::make_tuple(count, static_cast<int64_t>(start), static_cast<int64_t>(stop), py::bytes(packed));
+        },
+        py::arg("text"), py::arg("vocab"),
+        "json_allowed_tokens(text, vocab) and, when its base64 is shorter than the token array's text, the set "
+        "packed (bit t % 8 of byte t / 8, ceil(vocab / 8) bytes): (count, start, end, packed or None); "
+        "(-1, 0, 0, None) for any other text.");
+  m.def("pack_token_ids",
+        [](py::handle values, int32_t vocab) -> py::object {
+          std::vector<Token> ids;
+          if (!read_token_ids(values, vocab, -1, &ids)) return py::none();
+          std::string packed((static_cast<size_t>(vocab) + 7) / 8, '\0');
+          for (Token t : ids) packed[static_cast<size_t>(t) >> 3] |= static_cast<char>(1u << (t & 7));
+          return py::bytes(packed);
+        },
+        py::arg("values"), py::arg("vocab"),
+        "The packed set of `values` (a list or tuple of ints in [0, vocab)), ceil(vocab / 8) bytes; None when one is "
+        "not such an int.");
+  m.def("packed_tokens",
+        [](const py::buffer& packed, int64_t hi) {
+          py::buffer_info info;
+          const std::string_view b = byte_view(packed, info);
+          const PackedTokens r = read_packed(reinterpret_cast<const uint8_t*>(b.data()), b.size(), hi);
+          return std::make_tuple(r.count, r.first_out);
+        },
+        py::arg("packed"), py::arg("hi"),
+        "(bits set, the first set bit at or above hi or -1) of a packed set; hi < 0: no bound.");
+  m.def("packed_token_ids",
+        [](const py::buffer& packed) {
+          py::buffer_info info;
+          const std::string_view b = byte_view(packed, info);
+          return packed_ids(reinterpret_cast<const uint8_t*>(b.data()), b.size());
+        },
+        py::arg("packed"), "The token ids of a packed set, ascending.");
+  m.def("compile_allowed_packed",
+        [unconst](int32_t vocab, int32_t eos, const py::buffer& packed) -> py::object {
+          py::buffer_info info;
+          const std::string_view b = byte_view(packed, info);
+          const auto* bytes = reinterpret_cast<const uint8_t*>(b.data());
+          const PackedTokens r = read_packed(bytes, b.size(), vocab);
+          if (r.count == 0 || r.first_out >= 0) return py::none();
+          return py::cast(unconst(cons::compile_allowed_packed(vocab, eos, bytes, b.size())));
+        },
+        py::arg("vocab"), py::arg("eos"), py::arg("packed"),
+        "The machine of a packed allowed_tokens set (at least one bit, none at or above vocab); None otherwise.");
   m.def("compile_allowed_tokens_json",
         [unconst](int32_t vocab, int32_t eos, const py::buffer& text, int64_t max_ids) -> py::object {
           py::buffer_info info;

@@ -72,7 +72,7 @@ int main() {
     }
     if (!batch) die("BATCH must come first");
     const int32_t vocab = batch->vocab();
-    if (op == "DFA" || op == "CHOICE" || op == "ALLOWED") {
+    if (op == "DFA" || op == "CHOICE" || op == "ALLOWED" || op == "PACKED") {
       const auto row = next<int32_t>(in);
       const auto eos = next<int32_t>(in);
       cons::MachinePtr m;
@@ -92,8 +92,17 @@ int main() {
         const auto mx = next<int32_t>(in);
         const int unique = next<int>(in);
         m = cons::compile_choice_sequence(vocab, eos, choices, sep, mn, mx, unique != 0);
-      } else {
+      } else if (op == "ALLOWED") {
         m = cons::compile_allowed_tokens(vocab, eos, read_list(in));
+      } else {  // the same list, packed as bits into a buffer of exactly its size (ASan sees a read past it)
+        const auto ids = read_list(in);
+        int32_t top = vocab - 1;  // an id beyond the vocabulary gets its byte: the compiler must refuse it
+        for (int32_t t : ids) top = std::max(top, t);
+        std::vector<uint8_t> bits(static_cast<size_t>(top) / 8 + 1, 0);
+        for (int32_t t : ids) bits.at(static_cast<size_t>(t) / 8) |= static_cast<uint8_t>(1u << (t % 8));
+        const std::unique_ptr<uint8_t[]> exact(new uint8_t[bits.size()]);
+        std::copy(bits.begin(), bits.end(), exact.get());
+        m = cons::compile_allowed_packed(vocab, eos, exact.get(), bits.size());
       }
       batch->set(row, m);
       machines[static_cast<size_t>(row)] = m;

@@ -20,6 +20,7 @@ from serving_image.constraints.spec import (
     ChoiceSequenceSpec,
     ConstraintSpec,
     TokenDfaSpec,
+    plain_bitmask,
 )
 
 if TYPE_CHECKING:
@@ -59,6 +60,10 @@ def compile_plain_text(text: str, vocab_size: int, eos_token_id: int) -> _native
     machine = _native.compile_allowed_tokens_json(vocab_size, eos_token_id, raw, MAX_TOKEN_IDS)
     if machine is None:
         machine = _native.compile_token_dfa_json(vocab_size, eos_token_id, raw, MAX_TOKEN_IDS)
+    if machine is None:
+        packed = plain_bitmask(raw)  # the packed allowed_tokens the front-ends hand on (spec.checked_plain_text)
+        if packed is not None:
+            machine = _native.compile_allowed_packed(vocab_size, eos_token_id, packed)
     return machine
 
 

@@ -100,7 +100,9 @@ def script_line(row: int, spec: ConstraintSpec, eos: int) -> str:
         mx = -1 if spec.max_items is None else spec.max_items
         return f"CHOICE {row} {eos} {len(spec.choices)} {ch} {sep} {spec.min_items} {mx} {int(spec.unique)}"
     assert isinstance(spec, AllowedTokensSpec)
-    return f"ALLOWED {row} {eos} {len(spec.tokens)} {' '.join(map(str, spec.tokens))}"
+    # Every other set by its id parity packed (compile_allowed_packed), the rest listed (compile_allowed_tokens)
+    op = "PACKED" if sum(spec.tokens) % 2 else "ALLOWED"
+    return f"{op} {row} {eos} {len(spec.tokens)} {' '.join(map(str, spec.tokens))}"
 
 
 def known_prefix(tokens: list[int]) -> list[int]:

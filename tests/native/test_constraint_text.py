@@ -1,10 +1,12 @@
 """A constraint read from its JSON text (`constraint_text` on a `json_text.JSONText`) gives what reading it into Python
-values and `validate_constraint` give: the same checked text for a good spec, the same ConstraintError (field and
+values and `validate_constraint` give: the same checked spec for a good one, the same ConstraintError (field and
 message) for a bad one. The one-pass read of an allowed_tokens list, and the native helpers under it, are checked
-against plain Python on the edges of the JSON number grammar."""
+against plain Python on the edges of the JSON number grammar. An allowed_tokens set is handed on packed when that is
+shorter (its `bitmask` form): the same set, checked the same way."""
 
 from __future__ import annotations
 
+import base64
 import json
 import random
 
@@ -13,6 +15,7 @@ import pytest
 from serving_image.constraints import _native
 from serving_image.constraints.spec import (
     MAX_TOKEN_IDS,
+    AllowedTokensSpec,
     ConstraintError,
     checked_plain_text,
     constraint_text,
@@ -22,6 +25,15 @@ from serving_image.json_text import JSONText
 
 VOCAB, EOS = 1024, 2
 ALLOWED = '{"kind":"allowed_tokens","tokens":[5,7,9]}'
+
+
+def packed(ids, nbytes=VOCAB // 8) -> str:
+    """An allowed_tokens set's bitmask as a client writes it: bit t % 8 of byte t / 8, standard base64."""
+    bits = bytearray(nbytes)
+    for t in ids:
+        bits[t // 8] |= 1 << (t % 8)
+    return base64.b64encode(bytes(bits)).decode()
+
 
 GOOD = [
     ALLOWED,
@@ -38,6 +50,10 @@ GOOD = [
     '{"kind":"token_dfa","start":3,"accept":[3],"edges":[]}',
     '{"kind":"token_dfa","start":0,"accept":[1048575],"edges":[[0,7,1048575]]}',
     '{"kind":"token_dfa","start":0,"accept":[1],"edges":[[0,5,-0]]}',  # -0: read in full, accepted
+    # allowed_tokens packed: ids 0 and the vocabulary's last (1023), a shorter mask than the vocabulary, whitespace
+    '{"kind":"allowed_tokens","bitmask":"' + packed([0, 5, 1023]) + '"}',
+    '{ "bitmask" : "' + packed([7], 1) + '" , "kind":"allowed_tokens" }',
+    '{"kind":"allowed_tokens","bitmask":"' + packed(random.Random(2).sample(range(VOCAB), 500)) + '"}',
 ]
 BAD = [
     '{"kind":"allowed_tokens","tokens":[]}',
@@ -74,12 +90,29 @@ BAD = [
     '{"kind":"token_dfa","start":0,"accept":[1],"edges":[[0,5,1]],"edges":[[0,5,1],[0,5,2]]}',  # the last one counts
     '{"kind":"token_dfa","start":0,"accept":1,"edges":[]}',
     '{"kind":"token_dfa","start":0,"accept":[1],"edges":[0,5,1]}',
+    '{"kind":"allowed_tokens","bitmask":"' + packed([5, 1024], 129) + '"}',  # a bit beyond the vocabulary
+    '{"kind":"allowed_tokens","bitmask":"' + packed([], 16) + '"}',  # no bit set
+    '{"kind":"allowed_tokens","bitmask":""}',
+    '{"kind":"allowed_tokens","bitmask":"AQ"}',  # unpadded
+    '{"kind":"allowed_tokens","bitmask":"AQ==\\n"}',  # a character outside the alphabet
+    '{"kind":"allowed_tokens","bitmask":[1]}',
+    '{"kind":"allowed_tokens","bitmask":null}',
+    '{"kind":"allowed_tokens","bitmask":"AQ==","tokens":[0]}',
+    '{"kind":"allowed_tokens","bitmask":"AQ==","colour":1}',
+    '{"kind":"allowed_tokens","bitmask":"' + "A" * (4 * (MAX_TOKEN_IDS // 8 // 3 + 1) + 4) + '"}',  # over 2^20 ids
 ]
 
 
-def _outcome(call):
+def meaning(text: str, vocab=VOCAB, eos=EOS):
+    """What a checked text asks for: its typed spec, an allowed_tokens set as a set (a list and its packed form hold
+    the same ids, in another order and without repeats)."""
+    spec = validate_constraint(json.loads(text), vocab, eos)
+    return frozenset(spec.tokens) if isinstance(spec, AllowedTokensSpec) else spec
+
+
+def _outcome(call, vocab, eos):
     try:
-        return "ok", json.loads(call())
+        return "ok", meaning(call(), vocab, eos)
     except ConstraintError as exc:
         return "error", exc.field, str(exc)
 
@@ -87,8 +120,8 @@ def _outcome(call):
 @pytest.mark.parametrize("text", GOOD + BAD)
 @pytest.mark.parametrize(("vocab", "eos"), [(VOCAB, EOS), (None, EOS), (None, None)])
 def test_the_text_and_the_value_give_the_same_outcome(text, vocab, eos):
-    from_text = _outcome(lambda: constraint_text(JSONText(text.encode()), vocab, eos))
-    from_value = _outcome(lambda: constraint_text(json.loads(text), vocab, eos))
+    from_text = _outcome(lambda: constraint_text(JSONText(text.encode()), vocab, eos), vocab, eos)
+    from_value = _outcome(lambda: constraint_text(json.loads(text), vocab, eos), vocab, eos)
     assert from_text == from_value
     if vocab is not None:  # without a vocabulary (or eos), ids above it (or eos on an edge) are fine
         assert from_text[0] == ("ok" if text in GOOD else "error")
@@ -100,8 +133,8 @@ def test_the_plain_form_is_read_natively_only_when_the_full_read_accepts_it(text
     for vocab, eos in ((VOCAB, EOS), (None, None)):
         fast = checked_plain_text(text.encode(), vocab, eos)
         if fast is not None:
-            assert json.loads(fast) == json.loads(text)
-            validate_constraint(json.loads(text), vocab, eos)  # raises if the native read was wrong
+            # raises if the native read was wrong
+            assert meaning(fast, vocab, eos) == meaning(text, vocab, eos)
 
 
 def test_a_checked_text_is_what_validate_constraint_accepts():
@@ -262,6 +295,80 @@ def test_a_plain_token_dfa_text_compiles_in_one_pass_to_the_parsed_values_machin
     (GOOD[10], True),
     (GOOD[11], True),
     (GOOD[12], False),  # -0
+    (GOOD[13], True),  # packed
+    (GOOD[14], True),
 ])
 def test_which_good_specs_take_the_native_read(text, native):
     assert (checked_plain_text(text.encode(), VOCAB, EOS) is not None) is native
+
+
+def test_a_long_allowed_list_is_handed_on_packed_and_a_short_one_as_its_list():
+    """Packed when its base64 is shorter than the list (a quarter of a 32k vocabulary: 5.4 KB against 48 KB), by the
+    native read and by the full one alike; without a vocabulary the list stays a list."""
+    vocab = 32000
+    ids = random.Random(4).sample(range(vocab), vocab // 4)
+    for sent in (json.dumps({"kind": "allowed_tokens", "tokens": ids}),
+                 json.dumps({"tokens": ids, "kind": "allowed_tokens"}, indent=1)):  # not the plain reader's layout
+        for value in (JSONText(sent.encode()), json.loads(sent)):
+            text = constraint_text(value, vocab, EOS)
+            assert json.loads(text).keys() == {"kind", "bitmask"}
+            assert len(text) < len(sent) // 8
+            assert validate_constraint(json.loads(text), vocab, EOS).tokens == tuple(sorted(ids))
+    short = json.dumps({"kind": "allowed_tokens", "tokens": ids[:40]})
+    assert json.loads(constraint_text(JSONText(short.encode()), vocab, EOS))["tokens"] == ids[:40]
+    assert json.loads(constraint_text(json.loads(short), vocab, EOS))["tokens"] == ids[:40]
+    long = json.dumps({"kind": "allowed_tokens", "tokens": ids})
+    assert json.loads(constraint_text(JSONText(long.encode()), None, None))["tokens"] == ids
+
+
+@pytest.mark.parametrize(("text", "field", "reason"), [
+    ('{"kind":"allowed_tokens","bitmask":"' + packed([5, 1030], 129) + '"}', "constraint.bitmask",
+     "token id 1030 is outside the vocabulary (0..1023)"),
+    ('{"kind":"allowed_tokens","bitmask":"AAAA"}', "constraint.bitmask",
+     "allows no token: at least one bit must be set"),
+    ('{"kind":"allowed_tokens","bitmask":""}', "constraint.bitmask", "must not be empty"),
+    ('{"kind":"allowed_tokens","bitmask":7}', "constraint.bitmask", "must be a base64 string, got int"),
+    ('{"kind":"allowed_tokens"}', "constraint.tokens",
+     "is required for kind allowed_tokens (or bitmask, its packed form)"),
+    ('{"kind":"allowed_tokens","bitmask":"AQ==","tokens":[0]}', "constraint.bitmask",
+     "give the set once: tokens, or bitmask (its packed form), not both"),
+])
+def test_a_bad_bitmask_is_refused_naming_it(text, field, reason):
+    with pytest.raises(ConstraintError) as caught:
+        constraint_text(JSONText(text.encode()), VOCAB, EOS)
+    assert (caught.value.field, caught.value.reason) == (field, reason)
+    with pytest.raises(ConstraintError, match="^constraint.bitmask: is not base64"):
+        constraint_text({"kind": "allowed_tokens", "bitmask": "AQ"}, VOCAB, EOS)
+
+
+@pytest.mark.parametrize(("bits", "hi", "expected"), [
+    (b"", 10, (0, -1)),
+    (b"\x01", 10, (1, -1)),
+    (b"\x00\x04", 10, (1, 10)),  # bit 2 of byte 1 is id 10: at the bound
+    (b"\x00\x02", 10, (1, -1)),  # id 9
+    (b"\xff" * 9 + b"\x80", 79, (73, 79)),  # the first at or above the bound, past whole words
+    (b"\xff" * 9 + b"\x80", -1, (73, -1)),
+    (b"\x80\x00", 7, (1, 7)),
+])
+def test_packed_tokens_counts_the_bits_and_finds_the_first_beyond_the_bound(bits, hi, expected):
+    assert _native.packed_tokens(bits, hi) == expected
+    assert _native.packed_tokens(bytearray(bits), hi) == expected
+
+
+def test_a_packed_set_compiles_to_the_lists_machine():
+    from serving_image.constraints.engine import compile_plain_text
+
+    ids = random.Random(6).sample(range(VOCAB), 600)  # dense
+    few = ids[:9]  # sparse: the machine keeps a list
+    for chosen in (ids, few, [VOCAB - 1]):
+        text = json.dumps({"kind": "allowed_tokens", "bitmask": packed(chosen)})
+        listed = _native.compile_allowed_tokens(VOCAB, EOS, chosen)
+        machine = compile_plain_text(text, VOCAB, EOS)
+        assert machine is not None and machine.kind == "allowed_tokens"
+        for prefix in ([], [chosen[0]], [chosen[0], EOS]):
+            [a], [b] = _masks_along(machine, [prefix]), _masks_along(listed, [prefix])
+            assert (a == b).all()
+    for bad in (packed([5, 1024], 129), packed([], 8), "AQ", "AQ=\u00e9"):
+        assert compile_plain_text(json.dumps({"kind": "allowed_tokens", "bitmask": bad}), VOCAB, EOS) is None
+    assert _native.compile_allowed_packed(VOCAB, EOS, b"\x00" * 128 + b"\x01") is None  # id 1024
+    assert _native.compile_allowed_packed(VOCAB, EOS, b"\x00" * 128) is None  # none

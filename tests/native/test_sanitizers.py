@@ -99,6 +99,7 @@ def test_sanitized_core_rejects_malformed_machines(driver: Path):
         "BATCH 64 2 1\nDFA 0 0 0 1 0 1 0 99 0\n",  # token outside the vocabulary
         "BATCH 64 2 1\nCHOICE 0 0 1 1 5 1 5 1 -1 0\n",  # separator's first token inside a choice
         "BATCH 64 2 1\nALLOWED 5 0 1 3\n",  # row outside the batch
+        "BATCH 64 2 1\nPACKED 0 0 2 3 99\n",  # a packed id outside the vocabulary
     ):
         run = subprocess.run([str(driver)], input=bad, capture_output=True, text=True, timeout=60, env=_driver_env())
         assert run.returncode != 0
