@@ -350,6 +350,13 @@ PackedTokens read_packed(const uint8_t* bytes, size_t n, int64_t hi) {
   return r;
 }
 
+// The packed set of `ids` (each in [0, vocab)): ceil(vocab / 8) bytes.
+std::string pack_ids(const std::vector<Token>& ids, int32_t vocab) {
+  std::string packed((static_cast<size_t>(vocab) + 7) / 8, '\0');
+  for (Token t : ids) packed[static_cast<size_t>(t) >> 3] |= static_cast<char>(1u << (t & 7));
+  return packed;
+}
+
 std::vector<Token> packed_ids(const uint8_t* bytes, size_t n) {
   std::vector<Token> ids;
   for (size_t i = 0; i < n; ++i)
@@ -444,9 +451,8 @@ PYBIND11_MODULE(_native, m) {
           const size_t nbytes = (static_cast<size_t>(vocab) + 7) / 8;
           if (4 * ((nbytes + 2) / 3) >= stop - start)  // base64's length against the list's: pack only when shorter
             return py::make_tuple(count, static_cast<int64_t>(start), static_cast<int64_t>(stop), py::none());
-          std::string packed(nbytes, '\0');
-          for (Token t : ids) packed[static_cast<size_t>(t) >> 3] |= static_cast<char>(1u << (t & 7));
-          return py::make_tuple(count, static_cast<int64_t>(start), static_cast<int64_t>(stop), py::bytes(packed));
+          return py::make_tuple(count, static_cast<int64_t>(start), static_cast<int64_t>(stop),
+                                py::bytes(pack_ids(ids, vocab)));
         },
         py::arg("text"), py::arg("vocab"),
         "json_allowed_tokens(text, vocab) and, when its base64 is shorter than the token array's text, the set "
@@ -456,9 +462,7 @@ PYBIND11_MODULE(_native, m) {
         [](py::handle values, int32_t vocab) -> py::object {
           std::vector<Token> ids;
           if (!read_token_ids(values, vocab, -1, &ids)) return py::none();
-          std::string packed((static_cast<size_t>(vocab) + 7) / 8, '\0');
-          for (Token t : ids) packed[static_cast<size_t>(t) >> 3] |= static_cast<char>(1u << (t & 7));
-          return py::bytes(packed);
+          return py::bytes(pack_ids(ids, vocab));
         },
         py::arg("values"), py::arg("vocab"),
         "The packed set of `values` (a list or tuple of ints in [0, vocab)), ceil(vocab / 8) bytes; None when one is "
