@@ -9,9 +9,11 @@ One server for the session (tests/serving/conftest.py, `triton_standalone`): not
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import queue
+import re
 import time
 from pathlib import Path
 
@@ -294,6 +296,28 @@ def test_constraint_rides_in_extra_args(triton_standalone):
     assert text and {tokenizer.decode([t]) for t in ids} <= allowed_text | {""}, (text, ids)
 
 
+def test_a_packed_constraint_rides_in_extra_args(triton_standalone):
+    """A client's packed allowed_tokens set (docs/architecture.md §3.5) through tritonserver: the stub checks its
+    bits, vLLM's worker compiles it from them."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(triton_standalone.workdir.parent / "demo-tiny" / "weights"))
+    allowed = [5, 7, 9, 600]
+    bits = bytearray(76)  # ids below 608: shorter than the 624-token vocabulary is fine
+    for t in allowed:
+        bits[t // 8] |= 1 << (t % 8)
+    results, errors = _run(_stream(_grpc_url(triton_standalone), _inputs(
+        grpcaio, "Allowed tokens only", exclude=True,
+        params={"max_tokens": 8, "temperature": 1.0, "ignore_eos": True,
+                "extra_args": {"constraint": {"kind": "allowed_tokens",
+                                              "bitmask": base64.b64encode(bytes(bits)).decode()}}})))
+    assert not errors, errors
+    text = _texts(results)[0]
+    assert int(results[0].as_numpy("num_output_tokens")[0]) == 8
+    pieces = "|".join(re.escape(tokenizer.decode([t])) for t in allowed)
+    assert re.fullmatch(f"(?:{pieces})+", text), text  # nothing but the allowed tokens' text
+
+
 # -- errors ---------------------------------------------------------------------------------------------------
 
 BAD = [
@@ -314,6 +338,8 @@ BAD = [
      "sampling_parameters.constraint"),
     ("bad constraint", {"params": {"extra_args": {"constraint": {"kind": "allowed_tokens", "tokens": [99999999]}}}},
      "sampling_parameters.extra_args.constraint.tokens[0]"),
+    ("bad packed constraint", {"params": {"extra_args": {"constraint": {"kind": "allowed_tokens", "bitmask": "AQ"}}}},
+     "sampling_parameters.extra_args.constraint.bitmask"),
     ("max_tokens beyond the context", {"params": {"max_tokens": 100000}}, "sampling_parameters.max_tokens"),
     ("streaming with the prompt", {"stream": True, "exclude": False}, "exclude_input_in_output"),
     ("not UTF-8", {"text": b"\xff\xfe"}, "text_input"),

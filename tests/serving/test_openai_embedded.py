@@ -9,6 +9,7 @@ on one embedded Triton). Its drain on SIGTERM is test_server_lifecycle.py's.
 
 from __future__ import annotations
 
+import base64
 import json
 import queue
 import socket
@@ -30,6 +31,7 @@ from bench.local_server import Server
 from examples import kserve_client
 from llm_serving.kserve_stream import is_final, until_final
 from llm_serving_cli.demo_packages import FEATURES_ID, PIPELINE_ID, RANKER_ID, RELEVANCE_ID
+from serving_image.constraints.spec import constraint_text
 from tests.serving import embed_score_reference as reference
 from tests.serving.conftest import OPENAI_AUTH
 from tests.serving.engine_hold import EngineProcesses
@@ -114,6 +116,36 @@ def test_constraint_extension(client, tokenizer):
                                        extra_body={"constraint": {"kind": "token_dfa", "start": 0, "accept": [1],
                                                                   "edges": [[0, 999999, 1]]}})
     assert info.value.body["param"].startswith("constraint.edges[0]")
+
+
+def _letter_tokens(tokenizer, letters: set[str]) -> list[int]:
+    """The ids of every token that decodes to letters of `letters` only (44 of the demo model's 624 for a to m)."""
+    return [i for i in range(len(tokenizer)) if (text := tokenizer.decode([i])) and set(text) <= letters]
+
+
+def test_a_long_allowed_set_travels_packed_and_constrains_as_its_list(client, tokenizer):
+    """A set whose bitmask is shorter than its list is handed on packed (docs/architecture.md §3.5): through the
+    embedded Triton, the stub and vLLM's worker it allows what the list allows. A client may send it packed too,
+    and a bad bitmask is refused naming it."""
+    letters = set("abcdefghijklm")
+    allowed = _letter_tokens(tokenizer, letters)
+    vocab = len(tokenizer)
+    assert "bitmask" in constraint_text({"kind": "allowed_tokens", "tokens": allowed}, vocab, None)  # packed
+    bits = bytearray((vocab + 7) // 8)
+    for t in allowed:
+        bits[t // 8] |= 1 << (t % 8)
+    for constraint in ({"kind": "allowed_tokens", "tokens": allowed},
+                       {"kind": "allowed_tokens", "bitmask": base64.b64encode(bytes(bits)).decode()}):
+        response = client.completions.create(model=MODEL, prompt="letters", max_tokens=24, temperature=1.0, seed=5,
+                                             extra_body={"constraint": constraint, "ignore_eos": True})
+        text = response.choices[0].text
+        assert response.usage.completion_tokens == 24 and set(text) <= letters, text
+    beyond = bytes(bits) + b"\x80"  # one more byte, its top bit id 631: beyond the 624-token vocabulary
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="bad", extra_body={"constraint": {
+            "kind": "allowed_tokens", "bitmask": base64.b64encode(beyond).decode()}})
+    assert info.value.body["param"] == "constraint.bitmask"
+    assert "token id 631 is outside the vocabulary (0..623)" in info.value.body["message"]
 
 
 def test_errors_name_the_field(client):
