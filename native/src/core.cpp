@@ -27,11 +27,14 @@ void check_token(const char* what, Token t, int32_t vocab, Token eos) {
   if (t == eos) fail(std::string(what) + ": token id " + std::to_string(t) + " is the end-of-sequence token");
 }
 
-// Sparse while setting its bits is cheaper than copying a whole row; dense beyond that. Kept in both forms when
-// dense: membership tests use the sorted list. Callers have checked every id against the vocabulary.
+// Sparse while setting its bits is cheaper than copying a whole row; dense beyond that.
+bool dense_set(size_t tokens, int32_t words) { return static_cast<int64_t>(tokens) * 8 > words; }
+
+// Kept in both forms when dense: membership tests use the sorted list. Callers have checked every id against the
+// vocabulary.
 TokenSet make_set(std::vector<Token> tokens, int32_t words) {
   TokenSet s;
-  if (static_cast<int64_t>(tokens.size()) * 8 > words) {
+  if (dense_set(tokens.size(), words)) {
     // The bits first, the sorted list read back from them: linear whatever the order. Sorting instead cost 365 us
     // for 8k ids, because compile_allowed_tokens appends eos to a list clients send sorted, which sends introsort's
     // median-of-three into its heapsort fallback.
@@ -213,7 +216,7 @@ MachinePtr compile_allowed_packed(int32_t vocab, Token eos, const uint8_t* bytes
   for (int32_t w = 0; w < m->words; ++w)
     for (uint32_t bits = words[static_cast<size_t>(w)]; bits != 0; bits &= bits - 1)
       tokens.push_back(w * 32 + __builtin_ctz(bits));
-  if (static_cast<int64_t>(tokens.size()) * 8 > m->words) m->allowed.dense = std::move(words);  // make_set's rule
+  if (dense_set(tokens.size(), m->words)) m->allowed.dense = std::move(words);
   m->allowed.sparse = std::move(tokens);
   return m;
 }

@@ -442,21 +442,19 @@ PYBIND11_MODULE(_native, m) {
         "integers in [0, hi) (hi < 0: below 2^31), at least one (any order of its two members, JSON whitespace); "
         "(-1, 0, 0) otherwise.");
   m.def("json_allowed_tokens_packed",
-        [](const py::buffer& text, int32_t vocab) -> py::tuple {
+        [](const py::buffer& text, int32_t vocab, int64_t pack_above) -> py::tuple {
           py::buffer_info info;
           std::vector<Token> ids;
           size_t start = 0, stop = 0;
           const int64_t count = json_reader(text, info).allowed_tokens(vocab, &start, &stop, &ids);
           if (count < 0) return py::make_tuple(-1, 0, 0, py::none());
-          const size_t nbytes = (static_cast<size_t>(vocab) + 7) / 8;
-          if (4 * ((nbytes + 2) / 3) >= stop - start)  // base64's length against the list's: pack only when shorter
-            return py::make_tuple(count, static_cast<int64_t>(start), static_cast<int64_t>(stop), py::none());
-          return py::make_tuple(count, static_cast<int64_t>(start), static_cast<int64_t>(stop),
-                                py::bytes(pack_ids(ids, vocab)));
+          const auto s0 = static_cast<int64_t>(start), s1 = static_cast<int64_t>(stop);
+          if (s1 - s0 <= pack_above) return py::make_tuple(count, s0, s1, py::none());
+          return py::make_tuple(count, s0, s1, py::bytes(pack_ids(ids, vocab)));
         },
-        py::arg("text"), py::arg("vocab"),
-        "json_allowed_tokens(text, vocab) and, when its base64 is shorter than the token array's text, the set "
-        "packed (bit t % 8 of byte t / 8, ceil(vocab / 8) bytes): (count, start, end, packed or None); "
+        py::arg("text"), py::arg("vocab"), py::arg("pack_above"),
+        "json_allowed_tokens(text, vocab) and, when the token array's text is longer than `pack_above` characters, "
+        "the set packed (bit t % 8 of byte t / 8, ceil(vocab / 8) bytes): (count, start, end, packed or None); "
         "(-1, 0, 0, None) for any other text.");
   m.def("pack_token_ids",
         [](py::handle values, int32_t vocab) -> py::object {

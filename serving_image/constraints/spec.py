@@ -336,6 +336,13 @@ def decode_bitmask(value: Any, field: str) -> bytes:
     return packed
 
 
+def packed_chars(vocab_size: int) -> int:
+    """The length of a packed set's base64 (ceil(vocab_size / 8) bytes). A set is handed on packed when its token
+    array's JSON is longer than this (8k ids of a 32k vocabulary: 48 KB against 5.4 KB), by the native read of the
+    list (`json_allowed_tokens_packed`'s `pack_above`) and by `spec_text` alike."""
+    return 4 * (((vocab_size + 7) // 8 + 2) // 3)
+
+
 def bitmask_text(packed: bytes) -> str:
     """The JSON text of an allowed_tokens set in its packed form."""
     return '{"kind":"allowed_tokens","bitmask":"' + base64.b64encode(packed).decode() + '"}'
@@ -367,9 +374,9 @@ def checked_plain_text(text: bytes, vocab_size: int | None, eos_token_id: int | 
     The plain forms are what clients write: an object with exactly its kind's required members, in any order, each
     once, with integers written as plain digits (no sign, fraction or exponent) and JSON whitespace.
       - allowed_tokens as a list: written back packed when the vocabulary is known and its bitmask's base64 is
-        shorter than the list (8k ids of a 32k vocabulary: 5.5 KB against 48 KB, so the stub and vLLM's processes
-        carry and read a tenth of it), else compactly around the token array as sent (8k ids: 30 us, against 250 to
-        read them into Python ints and check them);
+        shorter than the list (`packed_chars`; 8k ids of a 32k vocabulary: 5.4 KB against 48 KB, so the stub and
+        vLLM's processes carry and read a ninth of it), else compactly around the token array as sent (8k ids:
+        30 us, against 250 to read them into Python ints and check them);
       - allowed_tokens packed (`kind` and `bitmask` only): the text as sent, once its bits are checked;
       - token_dfa: the text as sent, once its states, edge tokens (not eos) and determinism are checked (256 edges:
         about 10 us, against 300 for the Python walk, which the worker ran for every request on the engine's path).
@@ -379,7 +386,8 @@ def checked_plain_text(text: bytes, vocab_size: int | None, eos_token_id: int | 
         count, start, stop = json_allowed_tokens(text, -1)
         packed = None
     else:
-        count, start, stop, packed = json_allowed_tokens_packed(text, vocab_size)  # eos is allowed
+        # eos is allowed; packed when its array is longer than the packed text
+        count, start, stop, packed = json_allowed_tokens_packed(text, vocab_size, packed_chars(vocab_size))
     if 0 < count <= MAX_TOKEN_IDS:
         if packed is not None:
             return bitmask_text(packed)
@@ -399,7 +407,7 @@ def spec_text(spec: ConstraintSpec, vocab_size: int | None) -> str:
     text = dumps_spec(spec_to_json(spec))
     if isinstance(spec, AllowedTokensSpec) and vocab_size is not None:
         listed = len(text) - len('{"kind":"allowed_tokens","tokens":}')  # the token array's text, as the native read
-        if 4 * (((vocab_size + 7) // 8 + 2) // 3) < listed:  # base64 of ceil(vocab / 8) bytes
+        if listed > packed_chars(vocab_size):
             packed = pack_token_ids(spec.tokens, vocab_size)
             if packed is not None:
                 return bitmask_text(packed)

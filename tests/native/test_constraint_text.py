@@ -372,3 +372,18 @@ def test_a_packed_set_compiles_to_the_lists_machine():
         assert compile_plain_text(json.dumps({"kind": "allowed_tokens", "bitmask": bad}), VOCAB, EOS) is None
     assert _native.compile_allowed_packed(VOCAB, EOS, b"\x00" * 128 + b"\x01") is None  # id 1024
     assert _native.compile_allowed_packed(VOCAB, EOS, b"\x00" * 128) is None  # none
+
+
+def test_the_native_read_and_the_full_read_pack_at_the_same_length():
+    """One rule (`packed_chars`): a list is packed exactly when its array's text is longer than the packed text, by
+    whichever read checked it. Around the bound for this vocabulary (172 characters), each length either way."""
+    from serving_image.constraints.spec import packed_chars
+
+    bound = packed_chars(VOCAB)
+    for n in range(30, 60):
+        ids = list(range(100, 100 + n))  # three digits and a comma each
+        sent = json.dumps({"kind": "allowed_tokens", "tokens": ids}, separators=(",", ":"))
+        listed = len(json.dumps(ids, separators=(",", ":")))
+        forms = {"bitmask" in constraint_text(value, VOCAB, EOS)
+                 for value in (JSONText(sent.encode()), json.loads(sent))}
+        assert forms == {listed > bound}, (n, listed, bound)
