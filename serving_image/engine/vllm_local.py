@@ -138,6 +138,7 @@ def to_sampling_params(spec: SamplingSpec, *, default_max_tokens: int,
         # processor parses either form.
         extra_args={"constraint": spec.constraint} if spec.constraint is not None else None,
         output_kind=RequestOutputKind.DELTA,
+        skip_clone=True,  # made for one request: AsyncLLM need not deep-copy it (as vLLM's own server makes them)
     )
 
 

@@ -102,7 +102,10 @@ def install_openapi(app: FastAPI, endpoints: Iterable[Endpoint]) -> None:
                     "properties": {"data": {"type": "string", "contentMediaType": "application/json",
                                             "description": "a chunk object as JSON; the last event's data is [DONE]"},
                                    "event": {"type": "string"}, "id": {"type": "string"}}}}
-            operation = spec["paths"][endpoint.path]["post"]
+            # The POST endpoints are plain Starlette routes (app.py, POST_HANDLERS): described here, from ENDPOINTS
+            operation = spec.setdefault("paths", {}).setdefault(endpoint.path, {}).setdefault("post", {
+                "summary": endpoint.path.removeprefix("/v1/").replace("/", " ").replace("_", " ").title(),
+                "operationId": f"{endpoint.path.strip('/').replace('/', '_')}_post"})
             body = _schema(endpoint.body, components)
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
             operation["responses"] = {"200": {"description": "OK", "content": ok}, **{

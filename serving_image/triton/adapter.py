@@ -308,7 +308,7 @@ class EmbeddedTritonEngine(TritonEngine):
         from serving_image.triton.capi import TritonError
         from serving_image.triton.capi.inference import Input, infer
 
-        inputs = [Input.from_numpy(name, array) for name, array in tensor_arrays(tensors).items()]
+        inputs = [Input.from_values(t.name, t.datatype, t.shape, t.values) for t in tensors]
         try:
             stream = infer(self.triton.server, model or self._model_name, inputs, request_id=request_id)
         except TritonError as exc:

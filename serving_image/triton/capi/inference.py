@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import struct
 import threading
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -62,6 +63,21 @@ class Input:
         if datatype is None:
             raise ValueError(f"input '{name}': numpy dtype {array.dtype} has no Triton datatype")
         return cls(name, datatype, tuple(array.shape), np.ascontiguousarray(array).tobytes())
+
+    @classmethod
+    def from_values(cls, name: str, datatype: str, shape: tuple[int, ...], values: Iterable[Any]) -> Input:
+        """An input from its flat values in row-major order (bytes or str for BYTES, Python numbers or booleans
+        otherwise), packed without numpy: the OpenAI front-end's few small tensors per request cost more through
+        numpy arrays than their packing does."""
+        if datatype == "BYTES":
+            return cls.from_bytes(name, values, shape)
+        fmt = _CAST_FORMATS.get(datatype)
+        if fmt is None:  # FP16, BF16: numpy knows their layout
+            return cls.from_numpy(name, np.array(list(values), dtype=NUMPY_DTYPES[datatype]).reshape(shape))
+        values = list(values)
+        if len(values) != math.prod(shape):
+            raise ValueError(f"input '{name}': {len(values)} values for shape {list(shape)}")
+        return cls(name, datatype, tuple(shape), struct.pack(f"<{len(values)}{fmt}", *values))
 
     @classmethod
     def from_bytes(cls, name: str, values: Iterable[bytes | str], shape: Iterable[int] | None = None) -> Input:
