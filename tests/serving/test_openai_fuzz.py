@@ -140,3 +140,33 @@ def test_the_fake_engine_answers_in_the_shape_asked(path):
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == 2
     assert response.json()["usage"]["completion_tokens"] == 4
+
+
+def test_each_post_endpoint_is_described_once_and_refuses_other_methods_in_openais_shape():
+    """The POST endpoints are plain Starlette routes (app.py POST_HANDLERS), described in the document from
+    ENDPOINTS: each has one operation with its request body and every error status, and another method on its
+    path is a 405 with OpenAI's error object."""
+    import asyncio
+
+    import httpx
+
+    from serving_image.openai_api.openapi import ERROR_STATUSES
+    from serving_image.openai_api.protocol import ENDPOINTS
+
+    app = create_app(ShapedEngine())
+    spec = app.openapi()
+    operation_ids = [op["operationId"] for path in spec["paths"].values() for op in path.values()]
+    assert len(operation_ids) == len(set(operation_ids))
+    for endpoint in ENDPOINTS:
+        assert set(spec["paths"][endpoint.path]) == {"post"}
+        operation = spec["paths"][endpoint.path]["post"]
+        assert operation["requestBody"]["content"]["application/json"]["schema"]
+        assert set(operation["responses"]) == {"200", *ERROR_STATUSES}
+
+    async def call():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://server") as client:
+            return [await client.get(endpoint.path) for endpoint in ENDPOINTS]
+
+    for response in asyncio.run(call()):
+        assert response.status_code == 405, response.text
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
