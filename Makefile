@@ -31,7 +31,7 @@ check-up-modes: serving-env triton-env
 	$(SERVING)/bin/python bench/scripts/make_up_modes.py
 
 # A 1,000-line batch through the official `openai` client against `make up`, its worker killed and the server
-# restarted mid-batch (bench/scripts/check_batch.py; logs and summary.json under .cache/check-batch; issue #32).
+# restarted mid-batch (bench/scripts/check_batch.py; logs and summary.json under .cache/check-batch).
 # Not part of `make test` (its time budget): a check of its own, on a clone. Uses `make up`'s fixed ports.
 check-batch: serving-env triton-env
 	$(SERVING)/bin/python bench/scripts/check_batch.py

@@ -15,6 +15,8 @@ before its first commit; `.venv*`, `node_modules`, `build`, `.cache` and the oth
   docstrings and string literals as in documents) must name a heading of that document, or a bold paragraph label
   (`**Python dependencies.** ...`), by its whole title or by its first words ("Regions" for "Regions: one build, one
   digest"; a section number and code spans do not count).
+- Every `make` target and every `llm-serving` subcommand that README.md, CHANGELOG.md and docs/ name (in code spans
+  and code blocks) exists: a rule of the Makefile, a subcommand of the command's parsers.
 - Every relative link in a Markdown file resolves to a file or directory inside the repository, and its `#anchor`,
   if any, to a heading of the target (GitHub's anchors: lower case, punctuation dropped, spaces as hyphens, `-1`,
   `-2` for repeated titles); so does a `docs/x.md#anchor` written as plain text anywhere (a code comment).
@@ -25,6 +27,7 @@ to fix.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -82,7 +85,13 @@ def repository_files() -> tuple[Path, ...]:
             files.update(Path(root) / name for name in names)
     # The two documents are checked even before they are first committed.
     files.update((ARCHITECTURE, LOCAL_ENVIRONMENT))
-    return tuple(sorted(f for f in files if f.is_file() and not f.is_symlink()))
+    return tuple(sorted(f for f in files if f.is_file() and not f.is_symlink() and not generated(f)))
+
+
+def generated(path: Path) -> bool:
+    """Inside a tree the setup generates (a virtual environment git does not yet ignore, a build directory)."""
+    return any(part in GENERATED or part.startswith(".venv") or part.endswith(".egg-info")
+               for part in path.relative_to(REPO).parts[:-1])
 
 
 @cache
@@ -383,3 +392,106 @@ def test_the_checks_recognise_what_they_check():
     assert names_a_title("Regions", {"Regions: one build, one digest"})
     assert not names_a_title("Region", {"Regions: one build, one digest"})
     assert names_a_title("Outputs beyond text_output", title_forms("Outputs beyond `text_output`:"))
+
+
+# --- `make` targets and `llm-serving` subcommands named by the reader-facing documents -----------------------------
+
+MAKEFILE = REPO / "Makefile"
+# A rule's targets: `name other:` at a line's start, not a recipe (a tab), not an assignment (`X := ...`).
+MAKE_RULE = re.compile(r"^([A-Za-z0-9_.%/-]+(?:[ \t]+[A-Za-z0-9_.%/-]+)*)[ \t]*::?(?!=)", re.MULTILINE)
+# `make up`, `make up MODE=standalone`, `make STACK=x rehearse`: the first word that is not an assignment.
+MAKE_CALL = re.compile(r"(?:^|[;&|(]\s*|\$\s+)make[ \t]+(?:[A-Z_]+=\S*[ \t]+)*(?P<target>[a-z][\w.-]*)")
+CLI_CALL = re.compile(r"(?:^|[;&|(/]\s*|\$\s+|\s)llm-serving[ \t]+(?P<sub>[a-z][\w-]*)"
+                      r"(?:[ \t]+(?P<action>[a-z][\w-]*(?:\\?\|[a-z][\w-]*)*)(?![\w./-]))?")
+# The parsers a subcommand hands its arguments to: their own subcommands, or the choices of their first positional.
+NESTED_PARSERS = {"batch": REPO / "llm_serving_cli" / "batch.py", "rollout": REPO / "infra" / "rollout" / "cli.py"}
+
+
+def reader_documents() -> list[tuple[Path, str]]:
+    named = {REPO / "README.md", REPO / "CHANGELOG.md"}
+    return [(path, text) for path, text in markdown_files()
+            if path in named or path.parent == REPO / "docs"]
+
+
+def code_of(text: str) -> list[tuple[int, str]]:
+    """(offset, code) of every inline code span and every line of a fenced block, its shell comment dropped."""
+    result, offset, fence = [], 0, None
+    for line in text.splitlines(keepends=True):
+        marker = FENCE.match(line)
+        if fence is None and marker:
+            fence = marker.group(1)
+        elif fence is not None and marker and marker.group(1) == fence:
+            fence = None
+        elif fence is not None:
+            result.append((offset, re.sub(r"(^|\s)#.*", "", line.rstrip("\n"))))
+        else:
+            result.extend((offset + m.start(), m.group(0).strip("`").strip()) for m in INLINE_CODE.finditer(line))
+        offset += len(line)
+    return result
+
+
+@cache
+def make_targets() -> frozenset[str]:
+    return frozenset(name for m in MAKE_RULE.finditer(MAKEFILE.read_text()) for name in m.group(1).split())
+
+
+def parser_names(path: Path) -> set[str]:
+    """`add_parser("name")` subcommands, and the choices of a positional `add_argument` (`action`, `command`)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args):
+            continue
+        first = node.args[0]
+        if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+            continue
+        if node.func.attr == "add_parser":
+            names.add(first.value)
+        elif node.func.attr == "add_argument" and not first.value.startswith("-"):
+            for keyword in node.keywords:
+                if keyword.arg == "choices" and isinstance(keyword.value, (ast.List, ast.Tuple)):
+                    names.update(e.value for e in keyword.value.elts if isinstance(e, ast.Constant))
+    return names
+
+
+@cache
+def cli_subcommands() -> dict[str, frozenset[str]]:
+    """Each `llm-serving` subcommand with the subcommands of the parser it hands its arguments to (none: empty)."""
+    top = parser_names(REPO / "llm_serving_cli" / "main.py")
+    return {name: frozenset(parser_names(NESTED_PARSERS[name]) if name in NESTED_PARSERS else ()) for name in top}
+
+
+def test_every_make_target_and_cli_subcommand_named_in_the_docs_exists():
+    targets, commands = make_targets(), cli_subcommands()
+    offending = []
+    for path, text in reader_documents():
+        for offset, code in code_of(text):
+            for m in MAKE_CALL.finditer(code):
+                if m.group("target") not in targets:
+                    offending.append(f"{where(path, text, offset)}: `make {m.group('target')}`: no such target in "
+                                     f"the Makefile")
+            for m in CLI_CALL.finditer(code):
+                sub, action = m.group("sub"), m.group("action")
+                if sub not in commands:
+                    offending.append(f"{where(path, text, offset)}: `llm-serving {sub}`: no such subcommand "
+                                     f"(llm_serving_cli/main.py has {', '.join(sorted(commands))})")
+                elif action and commands[sub]:
+                    for name in re.split(r"\\?\|", action):
+                        if name not in commands[sub]:
+                            offending.append(f"{where(path, text, offset)}: `llm-serving {sub} {name}`: no such "
+                                             f"subcommand ({sub} has {', '.join(sorted(commands[sub]))})")
+    assert not offending, "commands the docs name that do not exist:\n" + "\n".join(offending)
+
+
+def test_the_command_checks_recognise_what_they_check():
+    assert {"up", "test", "bench", "rehearse", "serving-env"} <= make_targets()
+    assert "SERVING" not in make_targets()  # an assignment (`SERVING := ...`), not a rule
+    assert {"package", "publish", "up", "rollout", "rehearse", "batch"} <= set(cli_subcommands())
+    assert {"start", "advance", "abort", "status"} <= cli_subcommands()["rollout"]
+    assert {"submit", "status", "results"} <= cli_subcommands()["batch"]
+    calls = [m.group("target") for code in ("make up MODE=standalone", "make STACK=dev rehearse", "cd x && make test",
+                                            "$ make plan") for m in MAKE_CALL.finditer(code)]
+    assert calls == ["up", "rehearse", "test", "plan"]
+    found = [(m.group("sub"), m.group("action")) for m in CLI_CALL.finditer(
+        "llm-serving rollout start\\|advance MODEL; .venv-serving/bin/llm-serving up --model DIR; "
+        "llm-serving publish my-model-1.2.0.tar.gz")]
+    assert found == [("rollout", "start\\|advance"), ("up", None), ("publish", None)]
