@@ -1,14 +1,13 @@
-"""One Triton adapter behind the engine interface, over two ways of reaching Triton:
+"""The Triton adapter behind the engine interface: Triton in this process through the C API binding
+(serving_image/triton/capi, started by serving_image/triton/embedded.py), the `openai` serving mode, in the image (the
+release's libtritonserver and NVIDIA's vllm backend) and locally (nvidia-pytriton's libtritonserver and the stand-in
+vllm backend).
 
-- embedded: Triton in this process through the C API binding (serving_image/triton/capi, started by
-  serving_image/triton/embedded.py): the `openai` serving mode, in the image (the release's libtritonserver and
-  NVIDIA's vllm backend) and locally (nvidia-pytriton's libtritonserver and the stand-in vllm backend);
-- remote: a Triton (or any KServe v2 server) over gRPC `ModelStreamInfer` with tritonclient.
-
-What both share is here once: the tokenizer (the front-ends render chat templates and count prompt tokens
-themselves; Triton's vLLM model takes text), the request's tensors (the shared pure translation in
-`serving_image.triton.translate`: text prompt, streaming on, prompt excluded, every extra output on), reading the
-streamed responses back into engine deltas, and mapping Triton's errors onto the engine's:
+`TritonEngine` holds what does not depend on how Triton is reached, and `EmbeddedTritonEngine` its transport. Here
+once: the tokenizer (the front-ends render chat templates and count prompt tokens themselves; Triton's vLLM model
+takes text), the request's tensors (the shared pure translation in `serving_image.triton.translate`: text prompt,
+streaming on, prompt excluded, every extra output on), reading the streamed responses back into engine deltas, and
+mapping Triton's errors onto the engine's:
 
 | Triton                                    | engine error                        | OpenAI / KServe front-end     |
 | ----------------------------------------- | ----------------------------------- | ----------------------------- |
@@ -34,7 +33,6 @@ from typing import Any
 
 import numpy as np
 
-from llm_serving.kserve_stream import is_final
 from serving_image.engine.base import (
     CandidateScore,
     Embedding,
@@ -338,105 +336,3 @@ class EmbeddedTritonEngine(TritonEngine):
         """Cancel nothing: stopping the server lets in-flight requests finish (up to its exit timeout)."""
         self._stopped = True
         await self.triton.stop()
-
-
-class RemoteTritonEngine(TritonEngine):
-    """A Triton server reached over KServe v2 gRPC (`ModelStreamInfer` with tritonclient): the image's tritonserver
-    or any other Triton serving the vLLM model."""
-
-    def __init__(self, client, info: ModelInfo, tokenizer, structured_key: str, model_name: str):
-        super().__init__(info, tokenizer, structured_key, model_name)
-        self._client = client
-        self._ready = True
-
-    @classmethod
-    async def connect(cls, *, url: str, model_name: str, version: str, tokenizer_path: Path,
-                      structured_key: str | None = None, max_model_len: int | None = None) -> RemoteTritonEngine:
-        import tritonclient.grpc.aio as grpcaio
-
-        client = grpcaio.InferenceServerClient(url)
-        try:
-            if not await client.is_model_ready(model_name):
-                raise EngineUnavailableError(f"model {model_name} is not ready on Triton at {url}")
-            await client.get_model_metadata(model_name)
-        except Exception:
-            await client.close()
-            raise
-        tokenizer = cls._load_tokenizer(tokenizer_path)
-        config_len = getattr(tokenizer, "model_max_length", None)
-        info = ModelInfo(name=model_name, version=version,
-                         max_model_len=max_model_len or (config_len if config_len and config_len < 10**7 else 4096),
-                         vocab_size=model_vocab_size(tokenizer_path, tokenizer), eos_token_id=tokenizer.eos_token_id)
-        return cls(client, info, tokenizer, cls._structured(structured_key), model_name)
-
-    def is_ready(self) -> bool:
-        return self._ready
-
-    @property
-    def dead_reason(self) -> str | None:
-        return None if self._ready else "disconnected from Triton"
-
-    async def _stream(self, request_id: str, tensors: list[Tensor],
-                      model: str | None = None) -> AsyncIterator[list[tuple[dict[str, list], bool]]]:
-        import grpc
-        import tritonclient.grpc.aio as grpcaio
-        from tritonclient.utils import InferenceServerException
-
-        inputs = []
-        for name, array in tensor_arrays(tensors).items():
-            item = grpcaio.InferInput(name, list(array.shape), next(t.datatype for t in tensors if t.name == name))
-            item.set_data_from_numpy(array)
-            inputs.append(item)
-        done = asyncio.Event()
-
-        async def requests():
-            yield {"model_name": model or self._model_name, "inputs": inputs, "request_id": request_id}
-            await done.wait()  # keep the request side open until the last response arrived
-
-        stream = self._client.stream_infer(requests())
-        try:
-            async for result, error in stream:
-                if error is not None:
-                    # An error on the stream is about this request (Triton sends it as the stream's error_message)
-                    message = error.message() if isinstance(error, InferenceServerException) else str(error)
-                    raise engine_error(None, message)
-                response = result.get_response()
-                outputs = {o.name: result.as_numpy(o.name) for o in response.outputs}
-                yield [(flat_outputs(outputs), is_final(response))]
-        except grpc.aio.AioRpcError as exc:
-            raise EngineUnavailableError(f"Triton stream failed: {exc.code().name}: {exc.details()}") from exc
-        finally:
-            done.set()
-            if hasattr(stream, "cancel"):
-                stream.cancel()  # closing the stream cancels the request on the server
-
-    async def abort(self, request_id: str) -> None:
-        return None  # closing the stream (generate's finally) cancels the request on the server
-
-    async def _one_answer(self, request_id: str, tensors: list[Tensor], model: str) -> dict[str, list]:
-        """The scoring model is not decoupled: call it with unary ModelInfer, as any KServe client would. (The
-        pooling model is NVIDIA's decoupled one, streamed like the LLM.)"""
-        if model != self._score_model:
-            return await super()._one_answer(request_id, tensors, model)
-        import grpc
-        import tritonclient.grpc.aio as grpcaio
-        from tritonclient.utils import InferenceServerException
-
-        inputs = []
-        for tensor in tensors:
-            item = grpcaio.InferInput(tensor.name, list(tensor.shape), tensor.datatype)
-            item.set_data_from_numpy(tensor_arrays([tensor])[tensor.name])
-            inputs.append(item)
-        try:
-            result = await self._client.infer(model, inputs, request_id=request_id)
-        except InferenceServerException as exc:
-            code = "INVALID_ARG" if "INVALID_ARGUMENT" in str(exc.status()) else None
-            raise engine_error(code, exc.message()) from exc
-        except grpc.aio.AioRpcError as exc:
-            raise EngineUnavailableError(f"Triton call failed: {exc.code().name}: {exc.details()}") from exc
-        response = result.get_response()
-        return flat_outputs({o.name: result.as_numpy(o.name) for o in response.outputs})
-
-    async def shutdown(self) -> None:
-        self._ready = False
-        await self._client.close()

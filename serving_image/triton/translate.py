@@ -96,7 +96,7 @@ def triton_prompt(request: EngineRequest, decode: Callable[[list[int]], str] | N
     its special tokens, a leading BOS is dropped when the tokenizer adds one itself, so the model does not see two
     BOS tokens that a vLLM engine given the token ids never sees. The backend tokenizes the text again: from the
     source text, exactly as the front-end did; from decoded ids, the same ids for text that came out of the same
-    tokenizer (tests/serving/test_triton_remote.py checks the outputs against raw KServe calls)."""
+    tokenizer (tests/serving/test_kserve_translate.py checks the seam with the demo model's tokenizer)."""
     prompt = request.prompt
     if not isinstance(prompt, str):
         if request.source is not None:  # no decode: the text itself, tokenized as the front-end did

@@ -54,10 +54,11 @@ async def test_a_result_waits_at_most_max_wait_s_before_it_is_stored(tmp_path):
 
 
 async def test_adding_waits_while_a_full_chunk_waits_behind_a_slow_store(tmp_path):
-    release = threading.Event()
+    putting, release = threading.Event(), threading.Event()
     storage = BatchStorage(DirectoryStore(tmp_path))
 
     def slow_put(chunk: list[LineResult]) -> None:
+        putting.set()
         release.wait(timeout=60)
         storage.put_results(BATCH, chunk)
 
@@ -65,10 +66,10 @@ async def test_adding_waits_while_a_full_chunk_waits_behind_a_slow_store(tmp_pat
                           max_wait_s=3600)
     await writer.add(_result(0))
     first_chunk = asyncio.create_task(writer.add(_result(1)))  # full: this add writes the chunk (held by the store)
-    await asyncio.sleep(0)
+    await asyncio.to_thread(putting.wait, 60)  # the first chunk is in the store, and stays there until released
     await writer.add(_result(2))  # one waiting: returns at once
     blocked = asyncio.create_task(writer.add(_result(3)))  # a full chunk again: waits for the first to be stored
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0)  # one turn of the loop: `blocked` runs until it waits (an add that did not wait is done)
     assert not first_chunk.done() and not blocked.done()
     release.set()
     await asyncio.gather(first_chunk, blocked)
@@ -104,8 +105,8 @@ async def test_close_finishes_the_chunk_the_timer_is_writing(tmp_path):
     await asyncio.to_thread(writing.wait, 60)  # the timer has taken [0] and is writing its cache entry
     await writer.add(_result(1))  # waiting behind it
     closing = asyncio.create_task(writer.close())
-    await asyncio.sleep(0.05)
-    assert not closing.done()  # close waits for the chunk in flight; it does not cancel it
+    await asyncio.sleep(0)  # one turn of the loop: close runs until it waits for the chunk the timer holds
+    assert not closing.done() and not release.is_set()  # close waits for the chunk in flight; it does not cancel it
     release.set()
     await closing
     assert storage.done_indexes(BATCH) == {0, 1}

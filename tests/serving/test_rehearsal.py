@@ -214,8 +214,9 @@ def test_probe_thresholds():
 
 
 _SERVER = textwrap.dedent('''
-    import http.server, signal, sys, time
+    import http.server, os, signal, sys, time
     delay, mode = float(sys.argv[2]), sys.argv[3]
+    gate = sys.argv[4] if len(sys.argv) > 4 else None  # Ready only once this file exists (the test opens it)
     started = time.monotonic()
     if mode == "crash":
         sys.exit(3)
@@ -225,7 +226,9 @@ _SERVER = textwrap.dedent('''
         signal.signal(signal.SIGTERM, lambda *a: (print("SIGTERM: bye", flush=True), sys.exit(0)))
     class H(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            ok = time.monotonic() - started > delay
+            ok = os.path.exists(gate) if gate else time.monotonic() - started > delay
+            if not ok:
+                print("answered 503", flush=True)
             self.send_response(200 if ok else 503)
             self.end_headers()
         def log_message(self, *a):
@@ -234,11 +237,13 @@ _SERVER = textwrap.dedent('''
 ''')
 
 
-def _plan(port: int, mode: str, delay: float = 0.5, grace: float = 2, prestop: float = 0.3) -> PodPlan:
+def _plan(port: int, mode: str, delay: float = 0.5, grace: float = 2, prestop: float = 0.3,
+          gate: Path | None = None) -> PodPlan:
     probe = dict(port=port, period_s=0.1, timeout_s=2)
     return PodPlan(
         name=f"pod-{mode}", deployment="d", namespace="ns", labels={"app": "x"},
-        argv=[sys.executable, "-c", _SERVER, str(port), str(delay), mode], env={}, rendered_env={}, mounts=[],
+        argv=[sys.executable, "-c", _SERVER, str(port), str(delay), mode, *([str(gate)] if gate else [])],
+        env={}, rendered_env={}, mounts=[],
         uid=0, gid=0, groups=[], read_only_root=False, no_new_privs=False, workdir="/", ports={"http": port},
         probes={"startup": Probe("startup", "/", failure_threshold=600, **probe),  # 60 s: a loaded machine
                 "readiness": Probe("readiness", "/", failure_threshold=2, **probe),
@@ -259,12 +264,16 @@ async def _until(predicate, timeout: float = 60) -> None:
 
 
 async def test_a_pod_is_ready_only_by_its_probes_and_terminates_with_sigterm(tmp_path):
-    runner = PodRunner(_plan(free_port(), "ok", delay=0.6), "127.0.0.1", _launch, tmp_path)
+    gate = tmp_path / "ready"
+    runner = PodRunner(_plan(free_port(), "ok", gate=gate), "127.0.0.1", _launch, tmp_path)
     task = asyncio.create_task(runner.run())
-    await _until(lambda: runner.status.phase in ("Running", "Ready"))
-    assert not runner.status.ready or runner.status.ready_after_s >= 0.6
+    log = tmp_path / f"{runner.plan.name}.0.log"  # the first container's log
+    await _until(lambda: log.is_file() and "answered 503" in log.read_text())  # the probes reach the server
+    assert not runner.status.ready and runner.status.phase in ("Starting", "Running")  # answering 503: not Ready
+    opened = time.monotonic()
+    gate.touch()
     await _until(lambda: runner.status.ready)
-    assert runner.status.ready_after_s >= 0.6 and runner.status.restarts == 0
+    assert runner.status.ready_after_s >= opened - runner.status.created and runner.status.restarts == 0
     await runner.stop()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)  # its probe loops end with it
