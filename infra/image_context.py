@@ -141,3 +141,13 @@ def context_hash(context: Path, dockerfile: Path) -> str:
         h.update(path.read_bytes())
         h.update(b"\0")
     return h.hexdigest()
+
+
+def image_tag(context: Path, dockerfile: Path, build_args: dict[str, str], prefix: str) -> str:
+    """The image's tag: `prefix` and a hash of everything that decides its bytes, the build context's files and
+    the build arguments (the base images among them), so the same inputs always get the same tag and a tag never
+    names two different images (ECR's tags are immutable; `make image` reuses a tag it finds)."""
+    h = hashlib.sha256(context_hash(context, dockerfile).encode())
+    for key, value in sorted(build_args.items()):
+        h.update(f"\0{key}={value}".encode())
+    return f"{prefix}-{h.hexdigest()[:16]}"

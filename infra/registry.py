@@ -19,7 +19,7 @@ import pulumi_aws as aws
 import pulumi_docker_build as docker_build
 
 from infra.config import TritonPin
-from infra.image_context import context_hash
+from infra.image_context import image_tag
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONTEXT = "."  # the repository root: what serving_image/Dockerfile's COPY instructions expect
@@ -78,14 +78,15 @@ class ServingImage(pulumi.ComponentResource):
             self.register_outputs({"repositoryUrl": self.repository_url, "imageRef": self.image_ref})
             return
 
-        tag = f"triton-{args.triton.release}-{context_hash(REPO_ROOT / CONTEXT, REPO_ROOT / DOCKERFILE)[:16]}"
+        build_args = {"TRITON_IMAGE": args.triton.image}
+        tag = image_tag(REPO_ROOT / CONTEXT, REPO_ROOT / DOCKERFILE, build_args, prefix=f"triton-{args.triton.release}")
         auth = aws.ecr.get_authorization_token_output(registry_id=repo.registry_id)
         image = docker_build.Image(
             name,
             context={"location": from_workdir(CONTEXT)},
             dockerfile={"location": from_workdir(DOCKERFILE)},
             platforms=["linux/amd64"],
-            build_args={"TRITON_IMAGE": args.triton.image},
+            build_args=build_args,
             push=True,
             tags=[repo.repository_url.apply(lambda url: f"{url}:{tag}")],
             registries=[{"address": repo.repository_url, "username": auth.user_name, "password": auth.password}],

@@ -113,12 +113,25 @@ class Local:
 
 
 @dataclass(frozen=True)
+class StandIn:
+    """[stand_in]: the bases `make image` builds from Debian's and PyPI's packages in place of NGC's, the
+    Dockerfile's build arguments they need (every other argument keeps its production default), and every way they
+    differ from NGC's images."""
+
+    debian_suite: str
+    python: str
+    build_args: Mapping[str, str]
+    differences: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Compat:
     """The whole file."""
 
     schema: int
     triton: Triton
     local: Local
+    stand_in: StandIn
     history: tuple[TritonRelease, ...]  # [[history]]: earlier releases this project's code knows
     source: Path
 
@@ -252,6 +265,13 @@ def _local(table: _Table) -> Local:
     return local
 
 
+def _stand_in(table: _Table) -> StandIn:
+    stand_in = StandIn(debian_suite=table.string("debian_suite"), python=table.string("python"),
+                       build_args=table.versions("build_args"), differences=table.strings("differences"))
+    table.done()
+    return stand_in
+
+
 @lru_cache(maxsize=16)
 def _parse(source: Path, text: str) -> Compat:
     try:
@@ -267,7 +287,9 @@ def _parse(source: Path, text: str) -> Compat:
     for entry in root.tables("history"):
         history.append(_release(entry))
         entry.done()
-    compat = Compat(schema=schema, triton=triton, local=local, history=tuple(history), source=source)
+    stand_in = _stand_in(root.table("stand_in"))
+    compat = Compat(schema=schema, triton=triton, local=local, stand_in=stand_in, history=tuple(history),
+                    source=source)
     root.done()
     return compat
 

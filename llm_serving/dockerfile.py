@@ -111,3 +111,38 @@ def final_stage(text: str) -> ImageFacts:
 
 def read(path: Path) -> ImageFacts:
     return final_stage(Path(path).read_text())
+
+
+def from_image_config(config: dict) -> ImageFacts:
+    """The same facts read from a built image's configuration (`podman image inspect`'s `Config`)."""
+    env = {}
+    for item in config.get("Env") or []:
+        key, _, value = item.partition("=")
+        env[key] = value
+    exposed = tuple(sorted(int(p.split("/")[0]) for p in (config.get("ExposedPorts") or {})))
+    return ImageFacts(env, config.get("User") or None, config.get("WorkingDir") or None, exposed,
+                      tuple(config.get("Entrypoint") or ()), tuple(config.get("Cmd") or ()), ())
+
+
+def pod_contract_problems(facts: ImageFacts) -> list[str]:
+    """Where an image's runtime facts differ from the pod contract (llm_serving/pod_contract.py): its ENTRYPOINT
+    and CMD, the ENV the contract fixes, its user, its ports, and every directory it writes being on a writable
+    volume. Empty when they agree."""
+    from llm_serving import pod_contract as pc
+
+    problems = []
+    if facts.entrypoint != pc.ENTRYPOINT:
+        problems.append(f"ENTRYPOINT is {list(facts.entrypoint)}, the pod contract's is {list(pc.ENTRYPOINT)}")
+    if facts.cmd:
+        problems.append(f"CMD is {list(facts.cmd)}: the package comes from the Deployment's env, never from CMD")
+    for name, value in {**pc.IMAGE_ENV, **pc.CACHE_ENV}.items():
+        if facts.env.get(name) != value:
+            problems.append(f"ENV {name} is {facts.env.get(name)!r}, the pod contract's is {value!r}")
+    if facts.user != str(pc.RUN_AS_UID):
+        problems.append(f"USER is {facts.user!r}, the pod contract's is {pc.RUN_AS_UID}")
+    if set(facts.exposed) != set(pc.PORTS.values()):
+        problems.append(f"EXPOSE is {sorted(facts.exposed)}, the pod contract's ports are {sorted(pc.PORTS.values())}")
+    for path in (*pc.CACHE_ENV.values(), pc.MULTIPROC_DIR, pc.WORK_DIR, facts.workdir or "/"):
+        if not any(path == m or path.startswith(m + "/") for m in pc.WRITABLE_MOUNTS):
+            problems.append(f"{path} is on the read-only root file system (no writable volume holds it)")
+    return problems

@@ -19,11 +19,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from llm_serving.compat import load_compat
 from llm_serving.python_deps import DependencyError, StubPins, load_stub_pins
 from serving_image.triton.pins import PinError, Pins, check_vllm, load_pins
 
@@ -55,36 +57,65 @@ def constraints_lines() -> list[str]:
     return lines
 
 
-def _import_names(dist: importlib.metadata.Distribution, name: str) -> list[str]:
-    top = (dist.read_text("top_level.txt") or "").split()
-    return [m for m in top if not m.startswith("_")] or [name.replace("-", "_")]
+# Run by the stub's own interpreter (the one the Python backend stub embeds): which of the pinned distributions it
+# finds on its path followed by the backend's directory, at which version, and whether each imports.
+_STUB_SIDE = """
+import importlib.metadata, json, sys
+backend, pins = sys.argv[1], json.loads(sys.argv[2])
+sys.path.append(backend)
+found, failed = {}, []
+for name in pins:
+    dist = next(iter(importlib.metadata.distributions(name=name, path=sys.path)), None)
+    if dist is None:
+        continue
+    found[name] = dist.version
+    top = [m for m in (dist.read_text("top_level.txt") or "").split() if not m.startswith("_")]
+    for module in top or [name.replace("-", "_")]:
+        try:
+            __import__(module)
+        except Exception as exc:
+            failed.append(f"{module} ({type(exc).__name__}: {exc})")
+print(json.dumps({"found": found, "failed": failed}))
+"""
 
 
-def check_stub(stub: StubPins, backend_dir: Path) -> list[str]:
-    """Problems with the stub's environment: a pinned distribution missing or at another version where the stub
-    looks (the first one on its path wins, so one the base shadows is caught), or one that fails to import."""
-    search = [*sys.path, str(backend_dir)]
-    problems, modules = [], []
-    for name, version in sorted({**stub.base, **stub.install}.items()):
-        found = next(iter(importlib.metadata.distributions(name=name, path=search)), None)
+def stub_pins_of(section: str, compat: Path | None = None) -> StubPins:
+    """The stub's pins from compat.toml: `triton.stub` (NGC's image) or `local.triton` (the 2.51 stub of the stand-in
+    base, whose numpy comes with the base and whose xgboost and scipy the Dockerfile installs, as for NGC's)."""
+    if section == "triton.stub":
+        return load_stub_pins(compat)
+    if section == "local.triton":
+        local = load_compat(compat).local.triton
+        return StubPins(python=local.python_backend_stub, base={"numpy": local.stub_numpy},
+                        install={"xgboost": local.stub_xgboost, "scipy": local.stub_scipy},
+                        backend_directory="")
+    raise DependencyError(f"--stub-pins {section!r}: compat.toml sections with stub pins are triton.stub and "
+                          "local.triton")
+
+
+def check_stub(stub: StubPins, backend_dir: Path, python: str | None = None) -> list[str]:
+    """Problems with the stub's environment as the stub's interpreter `python` sees it: a pinned distribution missing
+    or at another version (the first one on its path wins, so one the base shadows is caught), or one that fails to
+    import."""
+    pins = {**stub.base, **stub.install}
+    # A fresh interpreter with the stub's path (no PYTHONPATH, which the stub ignores).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([python or sys.executable, "-c", _STUB_SIDE, str(backend_dir), json.dumps(sorted(pins))],
+                          env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        return [f"the Python backend stub's interpreter {python or sys.executable} failed: "
+                f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"]
+    seen = json.loads(done.stdout)
+    problems = []
+    for name, version in sorted(pins.items()):
         origin = "the base image" if name in stub.base else f"the build's install into {backend_dir}"
-        if found is None:
-            problems.append(f"the Python backend stub has no {name} (compat.toml [triton.stub] pins {version}, "
-                            f"from {origin})")
-        elif found.version != version:
-            problems.append(f"the Python backend stub sees {name} {found.version} but compat.toml [triton.stub] "
-                            f"pins {version} (from {origin})")
-        else:
-            modules += _import_names(found, name)
-    if modules:
-        # A fresh interpreter with the stub's path (no PYTHONPATH, which the stub ignores), importing each module.
-        code = (f"import sys; sys.path.append({str(backend_dir)!r})\n"
-                f"for m in {modules!r}:\n    __import__(m)")
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            problems.append(f"the Python backend stub cannot import {', '.join(modules)}: "
-                            f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+        if name not in seen["found"]:
+            problems.append(f"the Python backend stub has no {name} (compat.toml pins {version}, from {origin})")
+        elif seen["found"][name] != version:
+            problems.append(f"the Python backend stub sees {name} {seen['found'][name]} but compat.toml pins "
+                            f"{version} (from {origin})")
+    if seen["failed"]:
+        problems.append(f"the Python backend stub cannot import {', '.join(seen['failed'])}")
     return problems
 
 
@@ -111,11 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-stub-requirements", type=Path, default=None,
                         help="write compat.toml [triton.stub] install as name==version lines (what the build installs)")
     parser.add_argument("--stub-backend", type=Path, default=None,
-                        help="also check [triton.stub] as the Python backend stub in this directory sees it")
+                        help="also check the stub's pins as the Python backend stub in this directory sees it")
+    parser.add_argument("--stub-python", default=None,
+                        help="the interpreter the stub embeds (default: this one)")
+    parser.add_argument("--stub-pins", default="triton.stub", choices=("triton.stub", "local.triton"),
+                        help="the compat.toml section pinning the stub's packages")
     args = parser.parse_args(argv)
     pins = load_pins(args.compat)
     try:
-        stub = load_stub_pins(args.compat)
+        stub = stub_pins_of(args.stub_pins, args.compat)
     except DependencyError as exc:
         print(f"probe: {exc}", file=sys.stderr)
         return 1
@@ -125,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         args.write_stub_requirements.write_text("\n".join(stub.install_requirements()) + "\n")
     problems = probe(args.runtime, pins)
     if args.stub_backend is not None:
-        problems += check_stub(stub, args.stub_backend)
+        problems += check_stub(stub, args.stub_backend, args.stub_python)
     for problem in problems:
         print(f"probe: {problem}", file=sys.stderr)
     if not problems:
