@@ -14,7 +14,8 @@ import pathlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from llm_serving.repository import REPO_ROOT as REPO  # noqa: E402  the one definition; bench modules import it from here
+
 RESULTS = REPO / "bench" / "results"
 
 

@@ -67,10 +67,10 @@ def worker_deployment_spec(cfg: StackConfig, model: ModelConfig, image: str, buc
     profile requires, on the system nodes (it needs no GPU: the model's pods do the work)."""
     name = worker_name(model.id)
     labels = {"app.kubernetes.io/name": name, **platform_labels(BATCH_COMPONENT)}
-    env = {"LLM_SERVING_BATCH_KMS_KEY_ID": kms_key_arn, "AWS_REGION": cfg.region, "HOME": "/tmp",
+    env = {pc.ENV_BATCH_KMS_KEY: kms_key_arn, "AWS_REGION": cfg.region, "HOME": "/tmp",
            # The key the worker sends to the model's front-end, as a file from a Secret the platform team creates
            # per model (optional: a front-end without keys needs none).
-           "LLM_SERVING_BATCH_WORKER_API_KEY_FILE": f"{API_KEY_DIR}/api-key"}
+           pc.ENV_BATCH_WORKER_API_KEY_FILE: f"{API_KEY_DIR}/api-key"}
     container = {
         "name": "worker",
         "image": image,
@@ -154,8 +154,8 @@ class BatchStore(pulumi.ComponentResource):
     def serving_env(self, model: ModelConfig) -> dict[str, pulumi.Input[str]]:
         """What the model's own pods need to serve the Files and Batches API on its prefix (serving_image/batch/
         config.py): the store, and the key its objects are written with (the bucket's own)."""
-        return {"LLM_SERVING_BATCH_STORE": store_uri(batch_bucket_name(self.args.config), model.id),
-                "LLM_SERVING_BATCH_KMS_KEY_ID": self.kms_key_arn}
+        return {pc.ENV_BATCH_STORE: store_uri(batch_bucket_name(self.args.config), model.id),
+                pc.ENV_BATCH_KMS_KEY: self.kms_key_arn}
 
     def grant_serving(self, serving_role_arn: pulumi.Input[str], models: list[ModelConfig]) -> None:
         """The model servers' role (one for every model, infra/serving_platform.py) may use the LLMs' prefixes of

@@ -70,10 +70,10 @@ def cronjob_spec(cfg: StackConfig, image: str, bucket: str, file_system_id: str,
     """The CronJob's spec: the serving image's warmer module on the model cache (read-only: reading a file is what
     loads it), on the untainted system nodes, hardened as the namespace's restricted Pod Security requires."""
     env = {
-        "LLM_SERVING_CACHE_BUCKET": bucket,
-        "LLM_SERVING_CACHE_REGION": cfg.region,
-        "LLM_SERVING_CACHE_MODEL_PREFIX": cfg.model_storage.model_prefix,
-        "LLM_SERVING_CACHE_FILE_SYSTEM_ID": file_system_id,
+        pc.ENV_CACHE_BUCKET: bucket,
+        pc.ENV_CACHE_REGION: cfg.region,
+        pc.ENV_CACHE_MODEL_PREFIX: cfg.model_storage.model_prefix,
+        pc.ENV_CACHE_FILE_SYSTEM_ID: file_system_id,
         "HOME": "/tmp",
     }
     labels = {"app.kubernetes.io/name": WARMER_NAME, **platform_labels("model-cache-warmer")}

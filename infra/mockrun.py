@@ -31,7 +31,8 @@ from typing import Any
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from llm_serving.repository import REPO_ROOT
+
 STACKS_DIR = REPO_ROOT / "stacks"
 ORGANIZATION = "organization"  # what StackReference names carry under the mock runtime
 EXIT_CONFIG_ERROR = 3

@@ -18,7 +18,6 @@ import pulumi
 from infra.image_context import context_hash
 
 ACCOUNT_ID = "123456789012"
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _short_hash(*parts: str, length: int = 17) -> str:

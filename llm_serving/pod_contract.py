@@ -274,3 +274,17 @@ def visible_gpu_count(value: str | None) -> int | None:
     if value is None or value.strip().lower() in ("", "all", "void", "none"):
         return None
     return len([d for d in value.split(",") if d.strip()])
+
+
+# The batch path: the model server's batch store (serving_image/batch/config.py) and the batch worker's Deployment
+# (infra/batch.py renders it, serving_image/batch/worker.py reads it).
+ENV_BATCH_STORE = "LLM_SERVING_BATCH_STORE"  # a directory or s3://bucket/prefix (llm_serving/object_store.py)
+ENV_BATCH_KMS_KEY = "LLM_SERVING_BATCH_KMS_KEY_ID"  # SSE-KMS key for S3; without it SSE-S3
+ENV_BATCH_WORKER_API_KEY = "LLM_SERVING_BATCH_WORKER_API_KEY"  # the worker's key for the model's front-end
+ENV_BATCH_WORKER_API_KEY_FILE = "LLM_SERVING_BATCH_WORKER_API_KEY_FILE"  # the same from a file (a Secret); wins
+
+# The model cache warmer's Job (infra/cache_warmer.py renders it, serving_image/cache_warmer.py reads it).
+ENV_CACHE_BUCKET = "LLM_SERVING_CACHE_BUCKET"
+ENV_CACHE_REGION = "LLM_SERVING_CACHE_REGION"
+ENV_CACHE_MODEL_PREFIX = "LLM_SERVING_CACHE_MODEL_PREFIX"
+ENV_CACHE_FILE_SYSTEM_ID = "LLM_SERVING_CACHE_FILE_SYSTEM_ID"

@@ -26,10 +26,10 @@ from pathlib import Path
 
 from llm_serving.manifest import Backend, ServingMode
 from llm_serving.package import PackageSpec, build_package
+from llm_serving.repository import REPO_ROOT
 from llm_serving_cli.local_versions import CONTENT_VERSION, build_local_package
 
-REPO = Path(__file__).resolve().parents[1]
-RANKER_EXAMPLE = REPO / "examples" / "ranker"
+RANKER_EXAMPLE = REPO_ROOT / "examples" / "ranker"
 RANKER_ID = "ranker"
 FEATURES_ID = "ranker-features"
 RELEVANCE_ID = "ranker-relevance"

@@ -42,10 +42,6 @@ log = logging.getLogger("llm_serving.cache_warmer")
 READ_CHUNK = 8 << 20
 READERS = 8  # files read at once: FSx serves each file's lazy load from S3 in parallel
 
-ENV_BUCKET = "LLM_SERVING_CACHE_BUCKET"
-ENV_REGION = "LLM_SERVING_CACHE_REGION"
-ENV_MODEL_PREFIX = "LLM_SERVING_CACHE_MODEL_PREFIX"
-ENV_FILE_SYSTEM_ID = "LLM_SERVING_CACHE_FILE_SYSTEM_ID"
 
 
 class WarmError(RuntimeError):
@@ -185,15 +181,16 @@ def run_once(store: Store, region: str, model_prefix: str, file_system_id: str, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Make requested model packages resident on this region's FSx")
-    parser.add_argument("--bucket", default=os.environ.get(ENV_BUCKET))
-    parser.add_argument("--region", default=os.environ.get(ENV_REGION))
-    parser.add_argument("--model-prefix", default=os.environ.get(ENV_MODEL_PREFIX, "models/"))
-    parser.add_argument("--file-system-id", default=os.environ.get(ENV_FILE_SYSTEM_ID))
+    parser.add_argument("--bucket", default=os.environ.get(pc.ENV_CACHE_BUCKET))
+    parser.add_argument("--region", default=os.environ.get(pc.ENV_CACHE_REGION))
+    parser.add_argument("--model-prefix", default=os.environ.get(pc.ENV_CACHE_MODEL_PREFIX, "models/"))
+    parser.add_argument("--file-system-id", default=os.environ.get(pc.ENV_CACHE_FILE_SYSTEM_ID))
     parser.add_argument("--models-root", type=Path,
                         default=Path(pc.MODEL_CACHE_MOUNT) / pc.FSX_MODELS_PATH.lstrip("/"))
     parser.add_argument("--endpoint-url", default=None, help="an S3-compatible endpoint (tests, local stores)")
     args = parser.parse_args(argv)
-    for flag, env in (("bucket", ENV_BUCKET), ("region", ENV_REGION), ("file_system_id", ENV_FILE_SYSTEM_ID)):
+    for flag, env in (("bucket", pc.ENV_CACHE_BUCKET), ("region", pc.ENV_CACHE_REGION),
+                      ("file_system_id", pc.ENV_CACHE_FILE_SYSTEM_ID)):
         if not getattr(args, flag):
             parser.error(f"--{flag.replace('_', '-')} (or ${env}) is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -31,8 +31,9 @@ from pathlib import Path
 import httpx
 from make_up_modes import OPENAI_PORT, CheckFailed, _busy_ports, stop, wait_ready
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from llm_serving.repository import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT))
 from llm_serving.batch_cache import ResultCache  # noqa: E402
 from llm_serving.object_store import DirectoryStore  # noqa: E402
 from serving_image.batch.storage import BatchStorage  # noqa: E402
@@ -43,7 +44,7 @@ LINES = 1000
 KILL_AT = 300
 RESTART_AT = 600
 URL = f"http://127.0.0.1:{OPENAI_PORT}"
-PID_FILE = REPO / ".cache" / "llm-serving" / "batch-worker.pid"
+PID_FILE = REPO_ROOT / ".cache" / "llm-serving" / "batch-worker.pid"
 BAD_KINDS = {  # custom_id prefix -> (how the line is spoiled, the field its error must name)
     "bad-tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     "bad-temperature": ({"temperature": 7}, "temperature"),
@@ -79,7 +80,7 @@ def start_up(out: Path, store: Path, index: int, command: list[str]) -> tuple[su
     log = out / f"up-{index}.log"
     env = dict(os.environ, COLUMNS="240", LLM_SERVING_BATCH_STORE=str(store))
     with open(log, "w") as handle:
-        proc = subprocess.Popen(command, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=handle, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
     wait_ready(proc, "openai", log, 1800)
     return proc, log
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     import openai
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / ".cache" / "check-batch")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / ".cache" / "check-batch")
     parser.add_argument("--up", default="make up",
                         help="the command that serves (default `make up`; e.g. `.venv-serving/bin/llm-serving up` "
                              "where the environments are current)")

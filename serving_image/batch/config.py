@@ -10,8 +10,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-ENV_STORE = "LLM_SERVING_BATCH_STORE"  # a directory or s3://bucket/prefix (llm_serving/object_store.py)
-ENV_KMS_KEY = "LLM_SERVING_BATCH_KMS_KEY_ID"  # SSE-KMS key for S3; without it SSE-S3
+from llm_serving.pod_contract import ENV_BATCH_KMS_KEY, ENV_BATCH_STORE
+
 ENV_ADMIN_KEYS = "LLM_SERVING_BATCH_ADMIN_KEYS"  # comma-separated keys that see every batch and file
 ENV_LIMITS = {
     "max_file_bytes": "LLM_SERVING_BATCH_MAX_FILE_BYTES",
@@ -35,7 +35,7 @@ class BatchConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> BatchConfig | None:
-        uri = environ.get(ENV_STORE, "").strip()
+        uri = environ.get(ENV_BATCH_STORE, "").strip()
         if not uri:
             return None
         limits = {}
@@ -46,4 +46,4 @@ class BatchConfig:
                     raise ValueError(f"{variable}={value!r}: expected a positive integer")
                 limits[field] = int(value)
         admin = tuple(k.strip() for k in environ.get(ENV_ADMIN_KEYS, "").split(",") if k.strip())
-        return cls(store_uri=uri, kms_key_id=environ.get(ENV_KMS_KEY) or None, admin_keys=admin, **limits)
+        return cls(store_uri=uri, kms_key_id=environ.get(ENV_BATCH_KMS_KEY) or None, admin_keys=admin, **limits)

@@ -34,6 +34,7 @@ from datetime import timedelta
 
 from llm_serving.batch_cache import CacheSource, ResultCache
 from llm_serving.object_store import open_object_store
+from llm_serving.pod_contract import ENV_BATCH_KMS_KEY, ENV_BATCH_WORKER_API_KEY, ENV_BATCH_WORKER_API_KEY_FILE
 from serving_image.batch import metrics
 from serving_image.batch.endpoint import AiohttpEndpoint, Answer, Endpoint, EndpointUnreachable
 from serving_image.batch.lines import BadLine, RequestLine, error_line, output_line, parse_line, request_lines
@@ -54,8 +55,6 @@ from serving_image.openai_api.admission import PRIORITY_HEADER
 
 log = logging.getLogger("llm_serving.batch")
 
-ENV_API_KEY = "LLM_SERVING_BATCH_WORKER_API_KEY"
-ENV_API_KEY_FILE = "LLM_SERVING_BATCH_WORKER_API_KEY_FILE"  # the same from a file (a Secret's volume); wins if present
 # Test hook: the worker SIGKILLs itself right after storing this many results (tests/serving/test_batch_api.py
 # forces a kill at an exact point this way instead of racing a timer).
 ENV_KILL_AFTER = "LLM_SERVING_BATCH_WORKER_KILL_AFTER"
@@ -357,13 +356,13 @@ def _retry_after(answer: Answer, default: float) -> float:
 
 
 def _api_key() -> str | None:
-    """The key for the model's front-end: ENV_API_KEY_FILE's content when that file exists (an optional Secret that
-    is absent leaves no file: no key), else ENV_API_KEY."""
-    path = os.environ.get(ENV_API_KEY_FILE)
+    """The key for the model's front-end: ENV_BATCH_WORKER_API_KEY_FILE's content when that file exists (an optional
+    Secret that is absent leaves no file: no key), else ENV_BATCH_WORKER_API_KEY."""
+    path = os.environ.get(ENV_BATCH_WORKER_API_KEY_FILE)
     if path and os.path.isfile(path):
         with open(path) as handle:
             return handle.read().strip() or None
-    return os.environ.get(ENV_API_KEY) or None
+    return os.environ.get(ENV_BATCH_WORKER_API_KEY) or None
 
 
 async def _run(worker: BatchWorker, exit_when_idle: bool) -> None:
@@ -396,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         from prometheus_client import start_http_server
 
         start_http_server(args.metrics_port)
-    storage = BatchStorage(open_object_store(args.store, kms_key_id=os.environ.get("LLM_SERVING_BATCH_KMS_KEY_ID")))
+    storage = BatchStorage(open_object_store(args.store, kms_key_id=os.environ.get(ENV_BATCH_KMS_KEY)))
     try:
         asyncio.run(_run(BatchWorker(storage, config), exit_when_idle=args.exit_when_idle))
     except KeyboardInterrupt:  # Ctrl-C (make up) or SIGINT: lines in flight are sent again by the next run

@@ -24,10 +24,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from llm_serving.repository import REPO_ROOT
 from serving_image.triton.pins import load_pins
 
 HOME_ENV = "LLM_SERVING_TRITON_HOME"
-REPO_ROOT = Path(__file__).resolve().parents[2]
+
 DEFAULT_HOME = REPO_ROOT / ".venv-triton"
 STAND_IN_BACKENDS = Path(__file__).resolve().parent / "backends"  # python-based backends written by this project
 HOW_TO_INSTALL = ("run `make triton-env` (part of `make up` and `make test`), which installs PyPI's nvidia-pytriton "

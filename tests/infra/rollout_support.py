@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-STACKS = REPO / "stacks"
+from llm_serving.repository import REPO_ROOT
+
+STACKS = REPO_ROOT / "stacks"
 
 
 def copy_stacks(dest: Path) -> Path:
@@ -37,6 +38,7 @@ class Health:
     requests: float = 1000.0
     error_ratio: float = 0.0
     latency_s: float = 1.5
+    scraped: bool = True  # its targets up and its request counter present for the whole window (the idle proof)
 
 
 @dataclass
@@ -65,6 +67,8 @@ class CannedPrometheus:
                 health = canned.series.get((stack, name, version))
                 if health is None:
                     value = 0.0 if "vector(0)" in promql and "/" not in promql else None
+                elif promql.startswith("min_over_time("):  # the idle proof's coverage (gate.scraped_query ...)
+                    value = 1.0 if health.scraped else 0.0
                 elif promql.startswith("histogram_quantile"):
                     value = health.latency_s
                 elif "increase(" in promql:

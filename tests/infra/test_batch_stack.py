@@ -8,12 +8,10 @@ The worker cannot run here (no cluster): its rendered form is checked against wh
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from infra.batch import WORKER_MODULE, batch_bucket_name, worker_name
 from llm_serving import pod_contract as pc
-
-REPO = Path(__file__).resolve().parents[2]
+from llm_serving.repository import REPO_ROOT
 
 
 def test_the_batch_bucket_is_protected_and_never_replicated(stack):
@@ -37,7 +35,7 @@ def test_each_llm_has_a_worker_on_its_own_route(stack):
     run, cfg = stack
     llms = [m for m in cfg.models if m.kind == "vllm"]
     deployments = {r.inputs["metadata"]["name"]: r for r in run.of_type("kubernetes:apps/v1:Deployment")}
-    assert (REPO / (WORKER_MODULE.replace(".", "/") + ".py")).is_file()  # the module the serving image runs
+    assert (REPO_ROOT / (WORKER_MODULE.replace(".", "/") + ".py")).is_file()  # the module the serving image runs
     for model in llms:
         spec = deployments[worker_name(model.id)].inputs["spec"]
         assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}  # no lease yet: never two

@@ -8,14 +8,12 @@ tests/serving/test_cache_warmer.py against moto's S3 and a directory standing in
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from infra.cache_warmer import WARMER_MODULE, WARMER_NAME
 from infra.serving_platform import MODEL_CACHE_PVC
 from llm_serving import cache_state
 from llm_serving import pod_contract as pc
-
-REPO = Path(__file__).resolve().parents[2]
+from llm_serving.repository import REPO_ROOT
 
 
 def _statements(policy: str) -> dict[str, dict]:
@@ -30,7 +28,7 @@ def test_each_region_runs_a_warmer_on_the_model_cache_it_serves_from(stack):
     pod = spec["jobTemplate"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["command"] == ["python3", "-m", WARMER_MODULE]
-    assert (REPO / (WARMER_MODULE.replace(".", "/") + ".py")).is_file()  # the module the serving image runs
+    assert (REPO_ROOT / (WARMER_MODULE.replace(".", "/") + ".py")).is_file()  # the module the serving image runs
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["LLM_SERVING_CACHE_REGION"] == cfg.region
     assert env["LLM_SERVING_CACHE_BUCKET"] == cfg.bucket_name()

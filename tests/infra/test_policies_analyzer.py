@@ -13,11 +13,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
+from llm_serving.repository import REPO_ROOT
 from policies.compat import DEFAULT_PATH as DEFAULT_COMPAT
-
-REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = r'''
 import json, os, sys
@@ -78,10 +76,10 @@ print(json.dumps({"analyzer": sorted(found), "offline": sorted(offline)}))
 
 
 def test_analyzer_and_offline_runner_agree():
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     for key in ("PULUMI_CONFIG", "PULUMI_STACK", "PULUMI_PROJECT"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import runpy
-from pathlib import Path
 
 import pulumi_policy
 import pytest
@@ -14,11 +13,11 @@ from pulumi_policy import EnforcementLevel, ResourceValidationPolicy, StackValid
 from rich.console import Console
 
 from infra.mockrun import MockedResource, StackRun
+from llm_serving.repository import REPO_ROOT
 from policies import offline
 from policies.catalog import ALL_POLICIES, by_name
 from tests.infra.policy_support import compliant_stack, fired, inputs_of, messages, write_compat
 
-REPO = Path(__file__).resolve().parents[2]
 ISSUE_MANDATORY = {
     "s3-bucket-encryption", "s3-bucket-versioning", "s3-public-access-block", "s3-tls-only",
     "fsx-persistent-2-in-prod", "fsx-encryption", "fsx-lustre-ports-only",
@@ -45,7 +44,9 @@ EXTRA_MANDATORY = {"iam-irsa-trust-scoped", "serving-update-timeout", "rollout-g
                    # Issue 31 (the caller's side): experiments allocate 100% to versions that are served.
                    "experiments-arms-served",
                    # Issue 32 (the batch path): client data stays in its region, each worker in its model's prefix.
-                   "batch-store-isolated"}
+                   "batch-store-isolated",
+                   # Fail-safe defaults: every engine a package starts has its share of the GPUs' memory.
+                   "serving-engine-memory-budgeted"}
 
 
 @pytest.fixture
@@ -78,15 +79,15 @@ def test_pack_main_builds_the_pack_from_the_catalog(monkeypatch):
             built.update(name=name, level=enforcement_level, policies=policies)
 
     monkeypatch.setattr(pulumi_policy, "PolicyPack", RecordingPack)
-    runpy.run_path(str(REPO / "policies" / "__main__.py"), run_name="__main__")
+    runpy.run_path(str(REPO_ROOT / "policies" / "__main__.py"), run_name="__main__")
     assert built["name"] == "llm-serving"
     assert built["policies"] == ALL_POLICIES
 
 
 def test_policy_yaml():
-    doc = yaml.safe_load((REPO / "policies" / "PulumiPolicy.yaml").read_text())
+    doc = yaml.safe_load((REPO_ROOT / "policies" / "PulumiPolicy.yaml").read_text())
     assert doc["runtime"]["name"] == "python"
-    assert (REPO / "policies" / doc["runtime"]["options"]["virtualenv"]).resolve() == REPO / ".venv-infra"
+    assert (REPO_ROOT / "policies" / doc["runtime"]["options"]["virtualenv"]).resolve() == REPO_ROOT / ".venv-infra"
 
 
 @pytest.mark.parametrize("stack_name", ["dev-us-east-1", "prod-us-east-1", "prod-eu-west-1"])
@@ -308,6 +309,6 @@ def test_kms_rotation_advice(compat):
 
 
 def test_readme_lists_every_policy_with_its_enforcement():
-    text = (REPO / "policies" / "README.md").read_text()
+    text = (REPO_ROOT / "policies" / "README.md").read_text()
     for policy in ALL_POLICIES:
         assert f"| `{policy.name}` | {policy.enforcement_level.value} |" in text, policy.name

@@ -6,14 +6,13 @@ pass it in test_policies_stacks.py (every mandatory policy on every shipped stac
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
 from infra.config import ModelConfig
+from llm_serving.repository import REPO_ROOT
 from tests.infra.policy_support import COMPAT_TOML, compliant_stack, fired, messages, model, write_compat
 
-REPO = Path(__file__).resolve().parents[2]
 POLICY = "serving-python-dependencies-in-image"
 RANKER = ["numpy>=1.24", "xgboost==3.0.5", "scipy==1.13.1"]
 
@@ -21,7 +20,7 @@ RANKER = ["numpy>=1.24", "xgboost==3.0.5", "scipy==1.13.1"]
 @pytest.fixture
 def compat(tmp_path):
     # The real pins: the policy checks against what the image build installs.
-    return write_compat(tmp_path, (REPO / "serving_image" / "compat.toml").read_text())
+    return write_compat(tmp_path, (REPO_ROOT / "serving_image" / "compat.toml").read_text())
 
 
 def _stack(dependencies):

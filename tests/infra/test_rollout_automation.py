@@ -22,7 +22,7 @@ from infra.rollout.cli import main
 from infra.rollout.runner import AutomationRunner, RunnerUnavailable, StackUnavailable, cli_failure
 from infra.rollout.stackfile import StackFile
 from tests.infra.fake_pulumi import FakePulumi
-from tests.infra.rollout_support import REPO, copy_stacks
+from tests.infra.rollout_support import REPO_ROOT, copy_stacks
 
 STACK = "prod-us-east-1"
 MODEL = "chat-large"  # at 25% of a red-black rollout 2.3.0 -> 2.4.0 in the shipped prod-us-east-1
@@ -57,9 +57,9 @@ def project(tmp_path) -> Path:
     """A copy of the Pulumi project: its Pulumi.yaml, copies of the shipped stack files, the real policy pack."""
     root = tmp_path / "project"
     root.mkdir()
-    shutil.copy(REPO / "Pulumi.yaml", root / "Pulumi.yaml")
+    shutil.copy(REPO_ROOT / "Pulumi.yaml", root / "Pulumi.yaml")
     copy_stacks(root / "stacks")
-    (root / "policies").symlink_to(REPO / "policies")
+    (root / "policies").symlink_to(REPO_ROOT / "policies")
     return root
 
 

@@ -13,7 +13,7 @@ import pytest
 from infra.rollout.cli import main
 from infra.rollout.stackfile import StackFile, StackFileError, version_entry
 from llm_serving.tensor_contract import VLLM_IO_FINGERPRINT
-from tests.infra.rollout_support import REPO, copy_stacks
+from tests.infra.rollout_support import REPO_ROOT, copy_stacks
 
 FP = VLLM_IO_FINGERPRINT  # the LLM versions in stacks/ (llm_serving/tensor_contract.py computes it)
 V240 = version_entry("2.4.0", "s3://acme-llm-prod-us-east-1/models/model-cache/chat-large/2.4.0/", FP, 132)
@@ -121,14 +121,14 @@ def test_llm_serving_rollout_status_through_the_main_cli(stacks, tmp_path):
     cmd = [sys.executable, "-c", "from llm_serving_cli.main import main; main()", "rollout", "status", "chat-large",
            "--stacks", "prod-us-east-1,prod-us-west-2", "--runner", "mock", "--config-dir", str(stacks),
            "--state-dir", str(tmp_path / "state"), "--json"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     assert [r["stack"] for r in rows] == ["prod-us-east-1", "prod-us-west-2"]
     assert rows[0]["config"] == "2.3.0 75% | 2.4.0 25%" and rows[0]["next"] == "weight 50"
     assert rows[0]["planned"] == {"2.3.0": {"replicas": 3, "weight": 75}, "2.4.0": {"replicas": 1, "weight": 25}}
     assert rows[1]["next"] == "start" and rows[1]["deployed"] is None  # nothing recorded for the mock runner yet
-    help_proc = subprocess.run([*cmd[:3], "rollout", "--help"], cwd=REPO, capture_output=True, text=True,
+    help_proc = subprocess.run([*cmd[:3], "rollout", "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
                                timeout=60)
     assert help_proc.returncode == 0 and "--stacks" in help_proc.stdout
 
@@ -138,8 +138,8 @@ def test_automation_runner_without_the_pulumi_cli_fails_before_editing(tmp_path,
     (docs/local-environment.md, "Pulumi offline"), and the command says so before touching any file."""
     project = tmp_path / "project"
     copy_stacks(project / "stacks")
-    (project / "Pulumi.yaml").write_text((REPO / "Pulumi.yaml").read_text())
-    (project / "policies").symlink_to(REPO / "policies")  # the pack every automation update runs
+    (project / "Pulumi.yaml").write_text((REPO_ROOT / "Pulumi.yaml").read_text())
+    (project / "policies").symlink_to(REPO_ROOT / "policies")  # the pack every automation update runs
     before = {p.name: p.read_text() for p in (project / "stacks").glob("*.yaml")}
     assert main(["advance", "chat-large", "--stacks", "prod-us-east-1", "--project", str(project), "--no-gate"]) == 2
     assert "there is no `pulumi` on PATH" in " ".join(capsys.readouterr().err.split())

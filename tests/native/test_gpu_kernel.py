@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 import torch
 
+from llm_serving.repository import REPO_ROOT
 from serving_image.constraints import _native, gpu
 from serving_image.constraints.engine import apply_bitmask_torch
 
-REPO = Path(__file__).resolve().parents[2]
-NATIVE = REPO / "native"
+NATIVE = REPO_ROOT / "native"
 REQUIRE_ENV = "LLM_SERVING_REQUIRE_NVCC"
 MIN_CHUNK, MAX_CHUNK, BLOCK = 4096, 65536, 256
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-NATIVE = REPO / "native"
+from llm_serving.repository import REPO_ROOT
+
+NATIVE = REPO_ROOT / "native"
 
 
 def _flags(*packages: str, kind: str) -> list[str]:

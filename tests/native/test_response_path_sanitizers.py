@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-NATIVE = REPO / "native"
+from llm_serving.repository import REPO_ROOT
+
+NATIVE = REPO_ROOT / "native"
 
 
 def _env() -> dict[str, str]:

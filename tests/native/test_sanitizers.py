@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from llm_serving.repository import REPO_ROOT
 from tests.native.gen import BatchModel, next_token, random_batch_op, random_vocab, script_line
 
-REPO = Path(__file__).resolve().parents[2]
-NATIVE = REPO / "native"
+NATIVE = REPO_ROOT / "native"
 
 
 def _driver_env() -> dict[str, str]:

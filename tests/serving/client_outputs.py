@@ -5,17 +5,15 @@ serves (tests/serving/conftest.py), as a stack would render them, and two experi
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
+from llm_serving.repository import REPO_ROOT
 from llm_serving.tensor_contract import io_fingerprint, pbtxt_io
-
-REPO = Path(__file__).resolve().parents[2]
 
 LLM = "demo-tiny"
 RANKER = "ranker"
 PIPELINE = "ranker-pipeline"
 FEATURES = "ranker-features"  # the pipeline's first step, a numpy-only Python model: marked inProcess here
-FEATURES_SOURCE = REPO / "examples" / "ranker" / "pipeline" / "features"
+FEATURES_SOURCE = REPO_ROOT / "examples" / "ranker" / "pipeline" / "features"
 FEATURES_FINGERPRINT = io_fingerprint(*pbtxt_io((FEATURES_SOURCE / "config.pbtxt").read_text()))
 DOMAIN = "llm.dev.internal.acme.example"
 

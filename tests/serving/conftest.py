@@ -28,9 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from llm_serving.repository import REPO_ROOT
 from serving_image.triton.backends.vllm.engine_in_stub import ENGINE_NICE_ENV, STUB_LOG_LEVEL_ENV
-
-REPO = Path(__file__).resolve().parents[2]
 
 # The engines of every server this suite starts run at niceness 10, as the rehearsal's pods' engines do and for the
 # same reason (docs/rehearsal.md, "A new pod's model load and Triton's stub handshake"): the two xdist workers' servers
@@ -42,7 +41,7 @@ os.environ.setdefault(ENGINE_NICE_ENV, "10")
 # Their stubs log each request's way into the engine (DEBUG; production's default is INFO, without that line): the
 # cancellation tests wait for it, so that the request is in the held engine before its client leaves.
 os.environ.setdefault(STUB_LOG_LEVEL_ENV, "DEBUG")
-EXAMPLE = REPO / "examples" / "ticket_triage"
+EXAMPLE = REPO_ROOT / "examples" / "ticket_triage"
 # float32: see docs/local-environment.md (this VM SIGILLs in vLLM's bf16 AMX attention kernel).
 TRITON_ENGINE_ARGS = {"max_model_len": 2048, "kv_cache_memory_bytes": 128 * 1024 * 1024, "dtype": "float32"}
 

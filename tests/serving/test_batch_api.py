@@ -22,8 +22,9 @@ import pytest
 
 from llm_serving.batch_cache import ResultCache
 from llm_serving.object_store import DirectoryStore
+from llm_serving.pod_contract import ENV_BATCH_WORKER_API_KEY
 from serving_image.batch.storage import BatchStorage
-from serving_image.batch.worker import ENV_API_KEY, ENV_KILL_AFTER
+from serving_image.batch.worker import ENV_KILL_AFTER
 from tests.serving.conftest import OPENAI_KEY, OPENAI_KEYS
 
 pytestmark = pytest.mark.slow
@@ -54,7 +55,8 @@ def _jsonl(lines: list[dict]) -> bytes:
 
 def _run_worker(server, *, kill_after: int | None = None) -> int:
     # The pod's metrics directory: the proxy merges the worker's counters into the server's /metrics.
-    env = dict(os.environ, **{ENV_API_KEY: OPENAI_KEY, "PROMETHEUS_MULTIPROC_DIR": str(server.multiproc_dir)})
+    env = dict(os.environ, **{ENV_BATCH_WORKER_API_KEY: OPENAI_KEY,
+                              "PROMETHEUS_MULTIPROC_DIR": str(server.multiproc_dir)})
     env.pop(ENV_KILL_AFTER, None)
     if kill_after is not None:
         env[ENV_KILL_AFTER] = str(kill_after)

@@ -181,11 +181,12 @@ def storage_ids_refuse_paths() -> bool:
 
 
 def test_the_workers_key_comes_from_its_secret_file_when_there_is_one(tmp_path, monkeypatch):
-    from serving_image.batch.worker import ENV_API_KEY, ENV_API_KEY_FILE, _api_key
+    from llm_serving.pod_contract import ENV_BATCH_WORKER_API_KEY, ENV_BATCH_WORKER_API_KEY_FILE
+    from serving_image.batch.worker import _api_key
 
-    monkeypatch.setenv(ENV_API_KEY, "from-env")
-    monkeypatch.setenv(ENV_API_KEY_FILE, str(tmp_path / "absent"))  # an optional Secret that is not there
+    monkeypatch.setenv(ENV_BATCH_WORKER_API_KEY, "from-env")
+    monkeypatch.setenv(ENV_BATCH_WORKER_API_KEY_FILE, str(tmp_path / "absent"))  # an optional Secret that is not there
     assert _api_key() == "from-env"
     (tmp_path / "api-key").write_text("from-file\n")
-    monkeypatch.setenv(ENV_API_KEY_FILE, str(tmp_path / "api-key"))
+    monkeypatch.setenv(ENV_BATCH_WORKER_API_KEY_FILE, str(tmp_path / "api-key"))
     assert _api_key() == "from-file"

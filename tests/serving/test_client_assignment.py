@@ -11,15 +11,13 @@ import subprocess
 import sys
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llm_serving.repository import REPO_ROOT
 from llm_serving_client.assignment import assign, unit_draw
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -82,7 +80,7 @@ def test_another_process_assigns_every_unit_the_same_arm():
     here = [assign("chat-temperature", u, ARMS) for u in UNITS]
     # Another interpreter with another hash seed: nothing process-local (Python's str hash) enters the assignment.
     out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([(a.name, a.percent) for a in ARMS])],
-                         input=json.dumps(UNITS), capture_output=True, text=True, check=True, cwd=REPO,
+                         input=json.dumps(UNITS), capture_output=True, text=True, check=True, cwd=REPO_ROOT,
                          env={**os.environ, "PYTHONHASHSEED": "12345"})
     assert json.loads(out.stdout) == here
 

@@ -300,8 +300,8 @@ def test_the_consumer_service_discovers_a_local_server(openai_server, tmp_path, 
     runs beside the server, as make up's does) and reads its answers back from the server's batch store."""
     from examples.consumer import service
     from llm_serving.package import open_package
+    from llm_serving.pod_contract import ENV_BATCH_WORKER_API_KEY
     from llm_serving_client.local import describe_local_server
-    from serving_image.batch.worker import ENV_API_KEY
 
     grpc_target = f"127.0.0.1:{openai_server.ports['kserve_grpc']}"
     described = parse_stack_outputs(describe_local_server(f"{openai_server.url}/v1", grpc_target,
@@ -315,7 +315,8 @@ def test_the_consumer_service_discovers_a_local_server(openai_server, tmp_path, 
     log = (tmp_path / "batch-worker.log").open("w")
     worker = subprocess.Popen([sys.executable, "-m", "serving_image.batch.worker", "--store",
                                str(openai_server.batch_store), "--endpoint", openai_server.url, "--poll-s", "0.2"],
-                              env=dict(os.environ, **{ENV_API_KEY: OPENAI_KEY}), stdout=log, stderr=subprocess.STDOUT)
+                              env=dict(os.environ, **{ENV_BATCH_WORKER_API_KEY: OPENAI_KEY}), stdout=log,
+                              stderr=subprocess.STDOUT)
     try:
         summary = service.main(["--api-key", OPENAI_KEY, "--local-openai", f"{openai_server.url}/v1",
                                 "--local-grpc", grpc_target, "--discover-local", "--llm", LLM, "--ranker", RANKER,

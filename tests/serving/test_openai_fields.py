@@ -3,18 +3,15 @@ doc is current. A field added by a new client release fails here until it is cla
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from pydantic import ValidationError
 
+from llm_serving.repository import REPO_ROOT
 from serving_image.openai_api.errors import from_validation_error
 from serving_image.openai_api.fields import CHAT, COMPLETIONS, render_markdown
 from serving_image.openai_api.protocol import ChatCompletionRequest, CompletionRequest
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _client_fields(module) -> set[str]:
@@ -60,7 +57,7 @@ def test_every_refused_field_is_refused_naming_it_and_why(model, table, endpoint
 
 
 def test_generated_doc_is_current():
-    doc = REPO / "docs" / "openai-fields.md"
+    doc = REPO_ROOT / "docs" / "openai-fields.md"
     assert doc.read_text() == render_markdown(), "run: python -m serving_image.openai_api.fields"
 
 

@@ -17,10 +17,10 @@ import pytest
 from llm_serving import dockerfile
 from llm_serving import pod_contract as pc
 from llm_serving.package import PackageSpec, build_package
+from llm_serving.repository import REPO_ROOT
 from serving_image import startup
 
-REPO = Path(__file__).resolve().parents[2]
-DOCKERFILE = REPO / "serving_image" / "Dockerfile"
+DOCKERFILE = REPO_ROOT / "serving_image" / "Dockerfile"
 FINGERPRINT = "sha256:" + "0" * 64
 
 
@@ -247,7 +247,7 @@ def test_the_build_stage_probe_imports_nothing_the_base_image_lacks(tmp_path):
     """On the old code the probe's import chain reached tomli_w (llm_serving.manifest), which the base lacks."""
     allowed = _base_image_modules()
     assert "tomli_w" not in allowed and "pydantic" in allowed
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     # --runtime local: this machine's vLLM is the local pin, not the Triton release's (the image checks `triton`)
     result = subprocess.run([sys.executable, "-c", _BLOCKER, json.dumps(sorted(allowed)), "--runtime", "local",
                              "--write-constraints", str(tmp_path / "constraints.txt")],

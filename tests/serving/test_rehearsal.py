@@ -18,6 +18,7 @@ import pytest
 from llm_serving import dockerfile
 from llm_serving import pod_contract as pc
 from llm_serving.ports import free_port
+from llm_serving.repository import REPO_ROOT
 from llm_serving_cli.rehearsal import (
     gateway_retry,
     gateway_routes,
@@ -37,8 +38,7 @@ from llm_serving_cli.rehearsal.podspec import PodPlan, Probe
 from llm_serving_cli.rehearsal.services import Endpoint, ServiceProxy
 from llm_serving_cli.rehearsal.tls import CertificateAuthority
 
-REPO = Path(__file__).resolve().parents[2]
-IMAGE = dockerfile.read(REPO / "serving_image" / "Dockerfile")
+IMAGE = dockerfile.read(REPO_ROOT / "serving_image" / "Dockerfile")
 
 
 @pytest.fixture(scope="module")
@@ -608,8 +608,17 @@ def test_the_rendered_cache_warmer_makes_every_published_version_resident(dev, d
     from llm_serving_cli.rehearsal import model_cache
 
     container = model_cache.warmer_container(dev)
-    argv = model_cache.warmer_argv(container, Path(sys.executable), tmp_path / "root", "http://s3.local")
-    assert argv[1:3] == ["-m", "serving_image.cache_warmer"]
+    command = model_cache.warmer_command(container, "http://s3.local")
+    assert command[:3] == ["python3", "-m", "serving_image.cache_warmer"]
+    assert command[-2:] == ["--endpoint-url", "http://s3.local"]
+
+    def warmer_here(container, view, endpoint):
+        # The rendered command with this interpreter as the image's python3, the view as the model cache's root
+        # (the rehearsal runs it in a container of the built image: model_cache.warmer_in_image).
+        argv = [sys.executable, *model_cache.warmer_command(container, endpoint)[1:], "--models-root",
+                str(view / pc.FSX_MODELS_PATH.lstrip("/"))]
+        return subprocess.run(argv, env={**os.environ, **model_cache.warmer_env(container)}, capture_output=True,
+                              text=True, timeout=model_cache.WARMER_TIMEOUT_S)
     store = storage.start_store()
     try:
         s3 = store.client()
@@ -622,14 +631,14 @@ def test_the_rendered_cache_warmer_makes_every_published_version_resident(dev, d
         (dra,) = dev.of_type(render.DRA)
         storage.fsx_import(store, dra["inputs"]["dataRepositoryPath"], dra["inputs"]["fileSystemPath"],
                            tmp_path / "fsx")
-        result = model_cache.rehearse_model_cache(dev, tmp_path / "fsx", store, Path(sys.executable),
+        result = model_cache.rehearse_model_cache(dev, tmp_path / "fsx", store, warmer_here,
                                                   tmp_path / "work", "chat-small", "1.0.0", view=_PlainView)
         assert sorted(result.markers) == ["chat-small 1.0.0", "ranker 1.0.0", "scorer 1.0.0"]
         keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="cache-state/resident/")["Contents"]}
         assert len(keys) == 3 and all(k.startswith(f"cache-state/resident/{dev.region}/") for k in keys)
         # a second run finds every version resident before the warmer: refused, naming the version
         with pytest.raises(model_cache.ModelCacheError, match="has a resident marker before any warmer ran"):
-            model_cache.rehearse_model_cache(dev, tmp_path / "fsx", store, Path(sys.executable),
+            model_cache.rehearse_model_cache(dev, tmp_path / "fsx", store, warmer_here,
                                              tmp_path / "work2", "chat-small", "1.0.0", view=_PlainView)
     finally:
         store.stop()
@@ -640,7 +649,7 @@ def test_a_warmer_command_the_rehearsal_cannot_run_is_named(dev, tmp_path):
 
     container = {**model_cache.warmer_container(dev), "command": ["/bin/warm"]}
     with pytest.raises(model_cache.ModelCacheError, match="does not start with the image's python3"):
-        model_cache.warmer_argv(container, Path(sys.executable), tmp_path, "http://s3.local")
+        model_cache.warmer_command(container, "http://s3.local")
 
 
 # -- the rollout scenarios' commands and the batch worker's pod --------------------------------------------------
@@ -653,7 +662,7 @@ def test_rollout_start_declares_the_new_llm_versions_weights_as_the_stack_does(t
 
     from llm_serving_cli.rehearsal import scenarios
 
-    shutil.copytree(REPO / "stacks", tmp_path / "stacks")
+    shutil.copytree(REPO_ROOT / "stacks", tmp_path / "stacks")
     ctx = SimpleNamespace(stack="dev-us-east-1", config_dir=tmp_path / "stacks")
     seen: list[tuple] = []
 

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 
 from llm_serving.ports import free_port
+from llm_serving.repository import REPO_ROOT
 from policies.compat import load_pins as policy_pins
 from serving_image.triton import probe
 from serving_image.triton.pins import PinError, check_vllm, load_pins, public_version
 from serving_image.triton.translate import OutputReader, request_tensors
 
-REPO = Path(__file__).resolve().parents[2]
-DOCKERFILE = REPO / "serving_image" / "Dockerfile"
+DOCKERFILE = REPO_ROOT / "serving_image" / "Dockerfile"
 
 
 def _hadolint() -> str:
@@ -79,7 +79,7 @@ def test_dockerfile_shape():
     assert "serving_image.constraints._native" in final and "serving_image.metrics.proxy" in final
     assert "LLM_SERVING_RUNTIME=triton" in final
     assert re.search(r"^EXPOSE 8000 8001 8002 9000$", final, re.M)
-    ignore = (REPO / "serving_image" / "Dockerfile.dockerignore").read_text().split()
+    ignore = (REPO_ROOT / "serving_image" / "Dockerfile.dockerignore").read_text().split()
     assert {".git", ".venv-*", ".cache", "build"} <= set(ignore)
 
 

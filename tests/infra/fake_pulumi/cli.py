@@ -36,8 +36,10 @@ import os
 import sys
 from pathlib import Path
 
+from llm_serving.repository import REPO_ROOT
+
 ROOT = Path(os.environ["FAKE_PULUMI_DIR"])
-REPO = Path(__file__).resolve().parents[3]
+
 ENV_RECORDED = ("PULUMI_HOME", "PULUMI_AUTOMATION_API", "PULUMI_DEBUG_COMMANDS", "PULUMI_SKIP_UPDATE_CHECK",
                 "PULUMI_BACKEND_URL", "PULUMI_AUTOMATION_API_SKIP_VERSION_CHECK")
 # Flags that take a value (everything else is a boolean flag or a positional argument).
@@ -139,7 +141,7 @@ def outputs_for(stack: str, config_file: Path) -> dict:
     if not backend.script.get("program"):
         return backend.script.get("outputs", {}).get(stack, {})
     # The real program (infra/__main__.py) under Pulumi's mock runtime, on the file this `up` read.
-    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO_ROOT))
     from infra.mockrun import run_stack
 
     return run_stack(stack, config_file=config_file).outputs
