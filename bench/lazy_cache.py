@@ -128,7 +128,7 @@ class MountedCache:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         self._thread = threading.Thread(
             target=lambda: fuse.FUSE(self.ops, str(self.mountpoint), foreground=True, ro=True, nothreads=False,
-                                     allow_other=False), daemon=True)
+                                     allow_other=True), daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30
         while not os.path.ismount(self.mountpoint):

@@ -137,3 +137,20 @@ def in_image_root(pid: int, repo_root: Path) -> bool:
     environment is there and this checkout is not."""
     root = Path(f"/proc/{pid}/root")
     return (root / "opt" / "venv" / "bin" / "python3").exists() and not (root / repo_root.relative_to("/")).exists()
+
+
+def processes_in_mount_namespace(pid: int) -> int:
+    """How many processes share `pid`'s mount namespace (a container's processes: the startup, Triton's stub, the
+    engines)."""
+    try:
+        namespace = os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return 0
+    count = 0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                count += os.readlink(entry / "ns" / "mnt") == namespace
+            except OSError:
+                continue
+    return count

@@ -3,20 +3,20 @@ probes as declared (path, port, period, timeout, thresholds), restart a crashed 
 Kubernetes' back-off, and terminate as Kubernetes does (preStop, SIGTERM, the grace period, then SIGKILL).
 
 A pod is Ready only when its readiness probe says so, after its startup probe succeeded. How a container process is
-started is injected (`Launch`), so the logic runs the same on a plain subprocess in the tests.
+started is injected (`Launch`): a container of the built image in the rehearsal (container.py), a plain process
+in the tests, driven the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from llm_serving_cli.rehearsal.podspec import PodPlan, Probe
 
@@ -24,8 +24,20 @@ BACKOFF_START_S = 10.0  # Kubernetes' CrashLoopBackOff: 10 s, doubled per restar
 BACKOFF_MAX_S = 300.0
 LOG_LINES_KEPT = 40
 
-# plan, log file -> the started container process (its own session, so the whole group can be killed)
-Launch = Callable[[PodPlan, Path], subprocess.Popen]
+class Container(Protocol):
+    """What the kubelet drives: a started container (container.py's ContainerProcess under podman; the tests' own
+    processes). `kill_all` ends every process in it."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill_all(self) -> None: ...
+
+
+# plan, log file -> the started container
+Launch = Callable[[PodPlan, Path], Container]
 
 
 def backoff_s(restarts: int, start: float = BACKOFF_START_S, cap: float = BACKOFF_MAX_S) -> float:
@@ -109,7 +121,7 @@ class PodRunner:
         self.log_dir = log_dir
         self.backoff = backoff
         self.on_change = on_change
-        self.process: subprocess.Popen | None = None
+        self.process: Container | None = None
         self._stopping = asyncio.Event()
         self._log_path: Path | None = None
 
@@ -273,15 +285,8 @@ class PodRunner:
         self._read_logs()
 
     @staticmethod
-    def _killpg(process: subprocess.Popen) -> None:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # every process the container started
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+    def _killpg(process: Container) -> None:
+        process.kill_all()  # every process the container started
 
     async def stop(self, fast: bool = False) -> None:
         """Terminate as Kubernetes does: readiness off, preStop, SIGTERM, grace period, SIGKILL."""

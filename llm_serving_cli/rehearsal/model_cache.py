@@ -15,17 +15,19 @@ measurement). On that view, in order:
    on a second cold view, then every requested version's marker must be in S3 with the package's checksum;
 4. step 1 again, on the now warm view.
 
-The pods then start on the plain directory, as on a warm FSx. Substitutions (say what differs from the cluster): the
-warmer runs as this process's user in the node namespace with `--models-root` at the view and `--endpoint-url` at
-the rehearsal's S3, instead of as the rendered uid with the model-cache claim at its mountPath.
+The pods then start on the plain directory, as on a warm FSx. The warmer runs as a container of the built image
+(`podman run`: its rendered command, env, user and read-only root, the view mounted read-only at the model-cache
+claim's mountPath) in the node's network namespace; substitutions (what differs from the cluster): `--endpoint-url`
+is the rehearsal's S3 and moto's credentials stand in for the CronJob's IRSA role.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+import json
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ from bench.cold_cache import FIRST_BYTE_S, MIB_S, step_one_seconds
 from bench.lazy_cache import MountedCache
 from llm_serving import pod_contract as pc
 from llm_serving.store import PublishedPackage, resident_problem
+from llm_serving_cli.image import containers
 from llm_serving_cli.rehearsal import storage
 
 CRONJOB = "kubernetes:batch/v1:CronJob"
@@ -80,17 +83,45 @@ def warmer_container(rendered) -> dict[str, Any]:
     return containers[0]
 
 
-def warmer_argv(container: dict[str, Any], python: Path, models_root: Path, endpoint: str) -> list[str]:
-    """The container's command with the image's `python3` as the serving environment's interpreter, pointed at the
-    view and the rehearsal's S3."""
+def warmer_command(container: dict[str, Any], endpoint: str) -> list[str]:
+    """The container's command and args as rendered, pointed at the rehearsal's S3."""
     command = list(container.get("command") or [])
     if command[:1] != ["python3"]:
         raise ModelCacheError(f"the warmer's command {command} does not start with the image's python3")
     mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
     if pc.MODEL_CACHE_MOUNT not in mounts:
         raise ModelCacheError(f"the warmer mounts {sorted(mounts)}, not the model cache at {pc.MODEL_CACHE_MOUNT}")
-    return [str(python), *command[1:], *container.get("args", []), "--models-root", str(models_root),
-            "--endpoint-url", endpoint]
+    return [*command, *container.get("args", []), "--endpoint-url", endpoint]
+
+
+def warmer_env(container: dict[str, Any]) -> dict[str, str]:
+    """The rendered env, then moto's credentials (the CronJob's IRSA role)."""
+    return {**{e["name"]: e["value"] for e in container.get("env", [])}, **storage.CREDENTIALS}
+
+
+# Runs the warmer: its rendered container, the cold view (the model cache's root) and the S3 endpoint.
+WarmerRun = Callable[[dict[str, Any], Path, str], subprocess.CompletedProcess]
+
+
+def warmer_in_image(image: str) -> WarmerRun:
+    """The warmer as the CronJob's pod runs it: a container of the built image."""
+
+    def run(container: dict[str, Any], view: Path, endpoint: str) -> subprocess.CompletedProcess:
+        command = warmer_command(container, endpoint)
+        security = container.get("securityContext") or {}
+        argv = containers.podman("run", "--rm", "--network", "host", "--pull", "never",
+                                 "--mount", f"type=bind,source={view},destination={pc.MODEL_CACHE_MOUNT},ro=true",
+                                 "--entrypoint", json.dumps(command[:1]))
+        if "runAsUser" in security:
+            argv += ["--user", f"{security['runAsUser']}:{security.get('runAsGroup', security['runAsUser'])}"]
+        if security.get("readOnlyRootFilesystem"):
+            argv += ["--read-only", "--read-only-tmpfs=false"]
+        for key, value in sorted(warmer_env(container).items()):
+            argv += ["--env", f"{key}={value}"]
+        return subprocess.run([*argv, image, *command[1:]], env=containers.environment(), capture_output=True,
+                              text=True, timeout=WARMER_TIMEOUT_S)
+
+    return run
 
 
 @contextlib.contextmanager
@@ -114,7 +145,7 @@ def _published(model_id: str, version: str, manifest: bytes) -> PublishedPackage
                             already_published=True, manifest_sha256=package_checksum(manifest))
 
 
-def rehearse_model_cache(rendered, fsx: Path, store: storage.Store, python: Path, workdir: Path,
+def rehearse_model_cache(rendered, fsx: Path, store: storage.Store, run_warmer: WarmerRun, workdir: Path,
                          model_id: str, version: str, view=_lazy_view) -> ModelCacheResult:
     """Steps 1-4 of the module's docstring for (model_id, version); raises ModelCacheError naming what failed.
     `view(source, mountpoint)`: the cold view of the FSx directory (a context manager yielding an object with
@@ -132,19 +163,16 @@ def rehearse_model_cache(rendered, fsx: Path, store: storage.Store, python: Path
         why = resident_problem(lambda _region: s3, bucket, region, pub)
         if why is None:
             raise ModelCacheError(f"{mid} {ver} has a resident marker before any warmer ran")
-    models_rel = pc.FSX_MODELS_PATH.lstrip("/")
     with view(fsx, workdir / "cold-view") as cold:
         cold_s = step_one_seconds(workdir / "cold-view", model_id, version, workdir / "step1-cold")
         cold_bytes = cold.loaded_bytes
     container = warmer_container(rendered)
-    env = {**os.environ, **{e["name"]: e["value"] for e in container.get("env", [])}, **storage.CREDENTIALS}
     with view(fsx, workdir / "warm-view") as warm:
-        argv = warmer_argv(container, python, workdir / "warm-view" / models_rel, store.endpoint)
         t0 = time.perf_counter()
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=WARMER_TIMEOUT_S)
+        proc = run_warmer(container, workdir / "warm-view", store.endpoint)
         warmer_s = time.perf_counter() - t0
         if proc.returncode != 0:
-            raise ModelCacheError(f"the cache warmer ({' '.join(argv)}) exited {proc.returncode}:\n"
+            raise ModelCacheError(f"the cache warmer ({' '.join(proc.args)}) exited {proc.returncode}:\n"
                                   f"{proc.stderr[-2000:]}")
         warmer_bytes = warm.loaded_bytes
         warm_s = step_one_seconds(workdir / "warm-view", model_id, version, workdir / "step1-warm")

@@ -14,8 +14,8 @@ from typing import Any
 from rich.console import Console
 
 from llm_serving import cache_state
+from llm_serving.repository import REPO_ROOT
 from llm_serving_cli.rehearsal import render, storage
-from llm_serving_cli.rehearsal.substitutions import REPO_ROOT
 
 
 @dataclass(frozen=True)

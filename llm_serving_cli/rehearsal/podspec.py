@@ -1,19 +1,18 @@
-"""From a rendered Deployment to the process the rehearsal starts for each of its pods (pure: nothing runs here).
+"""From a rendered Deployment to the container the rehearsal starts for each of its pods (pure: nothing runs here).
 
-The process runs the image's ENTRYPOINT (read from serving_image/Dockerfile) with the container's command/args, its
-environment is the image's ENV, then the substitutions' replacements of image-only values, then exactly the
-container's rendered env on top; its volumeMounts are bound at their mountPaths; it runs as the pod's user.
+The container runs the built image's ENTRYPOINT (read from the image's configuration) with the container's
+command/args, its environment is the image's ENV, then the substitutions' replacements of image-only values, then
+exactly the container's rendered env on top; its volumeMounts are mounted at their mountPaths; it runs as the pod's
+user (container.py turns a plan into `podman run`).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from llm_serving import dockerfile
-from llm_serving import pod_contract as pc
 from llm_serving_cli.rehearsal import substitutions as subs
 
 
@@ -99,8 +98,7 @@ def _probe(kind: str, spec: dict[str, Any] | None, ports: dict[str, int], where:
 
 
 def pod_plans(deployment: dict[str, Any], image: dockerfile.ImageFacts, volume_sources: dict[str, str],
-              scratch_for: Any, python_bin_dir: Path, stand_in_entrypoint: Path,
-              cloud_env: dict[str, str] | None = None) -> list[PodPlan]:
+              scratch_for: Any, cloud_env: dict[str, str] | None = None) -> list[PodPlan]:
     """One plan per replica. `volume_sources`: claim name -> host directory (the model cache); `scratch_for(pod,
     volume)` gives a host directory for an emptyDir (and for an optional Secret's empty volume); `cloud_env` what
     stands in for the cloud's credentials and endpoints (substitutions.cloud_env), under the rendered env."""
@@ -128,8 +126,7 @@ def pod_plans(deployment: dict[str, Any], image: dockerfile.ImageFacts, volume_s
             raise PodSpecError(f"{where}: env {item.get('name')!r} comes from {sorted(set(item) - {'name'})}; "
                                "the rehearsal takes literal values only")
         rendered[item["name"]] = str(item["value"])
-    env = {**image.env, **subs.IMAGE_ENV_OVERRIDES, "PATH": subs.path_env(python_bin_dir), **(cloud_env or {}),
-           **rendered}
+    env = {**image.env, **subs.IMAGE_ENV_OVERRIDES, **(cloud_env or {}), **rendered}
 
     security = {**(pod.get("securityContext") or {}), **(container.get("securityContext") or {})}
     uid = security.get("runAsUser")
@@ -185,8 +182,6 @@ def pod_plans(deployment: dict[str, Any], image: dockerfile.ImageFacts, volume_s
             else:
                 raise PodSpecError(f"{where}: volume {vm['name']!r} is of a kind the rehearsal does not provide "
                                    f"({sorted(volume)})")
-        if argv[0] == pc.NVIDIA_ENTRYPOINT:
-            mounts.append(Mount(pc.NVIDIA_ENTRYPOINT, "bind", str(stand_in_entrypoint), True, None, "substitution"))
         plans.append(PodPlan(
             name=pod_name, deployment=name, namespace=namespace, labels=dict(template["metadata"]["labels"]),
             argv=argv, env=env, rendered_env=rendered, mounts=mounts, uid=int(uid), gid=gid, groups=groups,

@@ -37,8 +37,11 @@ from rich.live import Live
 from rich.table import Table
 
 from llm_serving.ports import free_port  # below the ephemeral range: see its docstring
+from llm_serving.repository import REPO_ROOT
 from llm_serving.stack_outputs import StackOutputsError, parse_stack_outputs
+from llm_serving_cli.image.build import built_ref
 from llm_serving_cli.rehearsal import (
+    container,
     experiment,
     model_cache,
     observe,
@@ -55,7 +58,6 @@ from llm_serving_cli.rehearsal.model_store import ModelStore, publish_stack
 from llm_serving_cli.rehearsal.net import GATEWAY, Network, service_address
 from llm_serving_cli.rehearsal.node import Node
 from llm_serving_cli.rehearsal.services import Endpoint, ServiceProxy
-from llm_serving_cli.rehearsal.substitutions import REPO_ROOT
 from llm_serving_client import Client, GatewayEndpoints
 
 DEFAULT_STACK = "dev-us-east-1"
@@ -75,8 +77,8 @@ class Rehearsal:
         self.store: storage.Store | None = None  # held from its start: cleanup stops it whatever failed after
         self.models: ModelStore | None = None
         self.prometheus: observe.Prometheus | None = None
-        self.python = substitutions.serving_python()
-        self.node = Node(self.workdir, self.python, self.net)
+        self.image = built_ref()  # the image `make image` built: every pod, the batch worker and the warmer run it
+        self.node = Node(self.workdir, self.image, self.net)
         self.proxies: list[tuple[ServiceProxy, dict[str, Any]]] = []
         self.result = traffic.TrafficResult()
         self.notes: list[str] = []
@@ -84,21 +86,24 @@ class Rehearsal:
         self.only_scenarios: tuple[str, ...] = ()  # empty: every scenario the stack allows
         self.gateway: RehearsalGateway | None = None  # held before it starts: cleanup stops a half-started one
         self.experiment: experiment.ExperimentCheck | None = None
+        self.outside_image: list[str] = []  # pods whose processes were found outside the image's root
 
     # -- setup -------------------------------------------------------------------------------------------------
 
     def prepare(self) -> render.Rendered:
         if os.geteuid() != 0:
             raise RehearsalError("the rehearsal needs root (network and mount namespaces, bind mounts)")
-        for tool in ("ip", "unshare", "mount", "prometheus"):
+        for tool in ("ip", "podman", "runc", "prometheus"):
             if shutil.which(tool) is None:
-                raise RehearsalError(f"{tool} is not installed (prometheus: make serving-env installs it)")
+                raise RehearsalError(f"{tool} is not installed (podman, runc: `make image` installs them; "
+                                     "prometheus: make serving-env)")
         if self.workdir.exists():
             shutil.rmtree(self.workdir)
         self.workdir.mkdir(parents=True)
         self.workdir.chmod(0o755)
         self.console.print("[bold]substitutions[/] (what the image holds and this machine does not):")
-        for sub in substitutions.substitutions(self.python):
+        self.console.print(f"[bold]image[/] {self.image}: every pod's container runs it (podman, runc)")
+        for sub in substitutions.substitutions():
             self.console.print(f"  - {sub.what}\n      -> {sub.here}")
         with self.console.status(f"rendering {self.stack} under the mock runtime"):
             rendered = render.render(self.stack)
@@ -123,7 +128,8 @@ class Rehearsal:
         llm = next((m for m in rendered.models if m.get("kind", "vllm") == "vllm"), rendered.models[0])
         _, model_id, version = parse_package_uri(llm["versions"][0]["package"], rendered.model_prefix)
         with self.console.status("model cache: a pod's step 1 on it cold, the stack's cache warmer, step 1 warm"):
-            result = model_cache.rehearse_model_cache(rendered, fsx, self.store, self.python,
+            result = model_cache.rehearse_model_cache(rendered, fsx, self.store,
+                                                      model_cache.warmer_in_image(self.image),
                                                       self.workdir / "model-cache", model_id, version)
         for line in result.lines():
             self.console.print(line, markup=False, highlight=False)
@@ -221,6 +227,7 @@ class Rehearsal:
             for line in list(s.logs)[-15:]:
                 self.console.print(f"    {line}", markup=False, highlight=False)
         if not not_ready:
+            self._check_pods_in_image()
             await self._traffic(rendered)
             await self._observe(rendered, targets)
             if self.result.failed == 0:
@@ -251,9 +258,25 @@ class Rehearsal:
                                           self.experiment)
             self.console.print(f"report: {path}")
         experiment_ok = self.experiment is None or self.experiment.ok
-        return 0 if not not_ready and failed == 0 and all(r.ok for r in results) and experiment_ok else 1
+        return 0 if (not not_ready and failed == 0 and all(r.ok for r in results) and experiment_ok
+                     and not self.outside_image) else 1
 
     # -- the rollout scenarios (issue 17) ----------------------------------------------------------------------
+
+    def _check_pods_in_image(self) -> None:
+        """Every Ready pod's processes run in the image's root file system, not this machine's (each container's
+        processes share its mount namespace: all of them are counted)."""
+        counts = []
+        for runner in self.node.runners:
+            pid = runner.process.container_pid() if runner.process is not None else None
+            if pid is None or not container.in_image_root(pid, REPO_ROOT):
+                self.outside_image.append(runner.plan.name)
+                self.console.print(f"[red]pod {runner.plan.name}[/]: its container's process {pid} does not run in "
+                                   f"{self.image}'s root file system")
+                continue
+            counts.append(container.processes_in_mount_namespace(pid))
+        self.console.print(f"pods in the image: {len(counts)} containers of {self.image}, {sum(counts)} processes, "
+                           "each in the image's root file system", markup=False, highlight=False)
 
     def _start_gateway(self, rendered: render.Rendered, targets: Path) -> RehearsalGateway:
         """The gateway (gateway.py), started once: the experiment and then the scenarios go through the same one."""
@@ -392,7 +415,6 @@ class Rehearsal:
         if self.store is not None:
             self.store.stop()
         self.net.close()
-        self.node.remove_mountpoints()
 
 
 def main(argv: list[str] | None = None) -> int:

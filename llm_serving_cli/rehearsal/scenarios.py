@@ -32,10 +32,10 @@ from typing import Any
 
 from rich.console import Console
 
+from llm_serving.repository import REPO_ROOT
 from llm_serving_cli.rehearsal import render, storage
 from llm_serving_cli.rehearsal.cluster import NAME_LABEL, VERSION_LABEL, RehearsalCluster
 from llm_serving_cli.rehearsal.load import LoadResult, run_kserve_load, run_load
-from llm_serving_cli.rehearsal.substitutions import REPO_ROOT
 
 SCENARIOS = ("red-black", "rollback", "rollback-errors", "versioned")  # the rollout scenarios, in the order they run
 INFRA_CLI = REPO_ROOT / ".venv-infra" / "bin" / "llm-serving"

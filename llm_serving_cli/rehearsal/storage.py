@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llm_serving_cli.rehearsal.substitutions import REPO_ROOT
+from llm_serving.repository import REPO_ROOT
 
 # Small enough for several engines on two CPU cores; the package carries them (no local overrides). Eager: no
 # torch.compile warm-up, which took a minute of both cores per pod while the other pods served, and made a new
@@ -124,7 +124,9 @@ def build_version(model: dict[str, Any], version: str, out: Path, *, demo_model:
         if demo_model is None:
             raise StorageError(f"{model_id} {version}: an LLM (kind vllm) is packaged from the demo LLM; none given")
         args = {**REHEARSAL_ENGINE_ARGS, **(CRASH_ON_START_ENGINE_ARGS if defect == "crash-on-start" else {})}
-        return build_package(PackageSpec(demo_model, model_id, version, engine_args=args), target)
+        # the tasks the stack budgets (its models[].tasks): the pod refuses a package whose engines differ
+        return build_package(PackageSpec(demo_model, model_id, version, engine_args=args,
+                                         tasks=tuple(model.get("tasks") or ("generate",))), target)
     from llm_serving_cli import demo_packages
 
     weights = out / "ranker-weights"

@@ -149,7 +149,7 @@ def test_the_rehearsal_can_plan_every_shipped_stacks_pods(stack, tmp_path):
     run, cfg = stack
     for dep in _model_deployments(run):
         plans = podspec.pod_plans({"inputs": dep.inputs}, IMAGE, {"model-cache": str(tmp_path / "fsx")},
-                                  lambda pod, volume: tmp_path / pod / volume, tmp_path / "bin", tmp_path / "nv.sh")
+                                  lambda pod, volume: tmp_path / pod / volume)
         assert len(plans) == dep.inputs["spec"]["replicas"]
         for plan in plans:
             rendered = {e["name"]: e["value"] for e in dep.inputs["spec"]["template"]["spec"]["containers"][0]["env"]}

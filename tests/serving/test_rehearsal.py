@@ -4,8 +4,11 @@ root, a namespace or a vLLM engine. The whole rehearsal runs in `make rehearse` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -20,6 +23,7 @@ from llm_serving import pod_contract as pc
 from llm_serving.ports import free_port
 from llm_serving.repository import REPO_ROOT
 from llm_serving_cli.rehearsal import (
+    container,
     gateway_retry,
     gateway_routes,
     haproxy_config,
@@ -33,7 +37,6 @@ from llm_serving_cli.rehearsal import (
     traffic,
 )
 from llm_serving_cli.rehearsal.kubelet import PodRunner, ProbeState, backoff_s
-from llm_serving_cli.rehearsal.launcher import _hidden_ancestor, mount_order
 from llm_serving_cli.rehearsal.podspec import PodPlan, Probe
 from llm_serving_cli.rehearsal.services import Endpoint, ServiceProxy
 from llm_serving_cli.rehearsal.tls import CertificateAuthority
@@ -59,8 +62,7 @@ def _plans(rendered: render.Rendered, tmp_path: Path, model: str | None = None) 
     plans = []
     for dep in rendered.model_deployments():
         if model is None or _model(dep) == model:
-            plans += podspec.pod_plans(dep, IMAGE, {"model-cache": str(tmp_path / "fsx")}, scratch,
-                                       tmp_path / "bin", tmp_path / "nvidia_entrypoint.sh")
+            plans += podspec.pod_plans(dep, IMAGE, {"model-cache": str(tmp_path / "fsx")}, scratch)
     return plans
 
 
@@ -111,7 +113,6 @@ def test_the_pod_runs_the_images_entrypoint_with_exactly_the_rendered_env(dev, t
     # a substitution replaces an image value, never a rendered one
     assert not set(substitutions.IMAGE_ENV_OVERRIDES) & set(rendered)
     assert plan.env[pc.ENV_RUNTIME] == "local" and IMAGE.env[pc.ENV_RUNTIME] == "triton"
-    assert plan.env["PATH"].startswith(str(tmp_path / "bin"))
     for name, value in IMAGE.env.items():
         if name not in rendered and name not in substitutions.IMAGE_ENV_OVERRIDES:
             assert plan.env[name] == value
@@ -129,7 +130,7 @@ def test_the_pods_volumes_are_bound_at_their_mount_paths(dev, tmp_path):
     for target in (pc.SCRATCH_MOUNT, pc.RUN_MOUNT, pc.CACHE_MOUNT):
         assert mounts[target].kind == "bind" and not mounts[target].read_only
         assert mounts[target].source == str(tmp_path / plan.name / mounts[target].volume)
-    assert mounts[pc.NVIDIA_ENTRYPOINT].source == str(tmp_path / "nvidia_entrypoint.sh")
+    assert pc.NVIDIA_ENTRYPOINT not in mounts  # the image holds it
     # the package the env names lies below the model cache's mount: the pod reads it in place from "FSx"
     assert plan.env[pc.ENV_PACKAGE].startswith(pc.MODEL_CACHE_MOUNT + "/")
 
@@ -168,33 +169,57 @@ def _deployment(**container) -> dict:
 ])
 def test_what_the_rehearsal_cannot_run_is_named(container, message, tmp_path):
     with pytest.raises(podspec.PodSpecError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        podspec.pod_plans(_deployment(**container), IMAGE, {}, lambda p, v: tmp_path, tmp_path, tmp_path)
+        podspec.pod_plans(_deployment(**container), IMAGE, {}, lambda p, v: tmp_path)
 
 
 def test_one_plan_per_replica(tmp_path):
-    plans = podspec.pod_plans(_deployment(), IMAGE, {}, lambda p, v: tmp_path, tmp_path, tmp_path)
+    plans = podspec.pod_plans(_deployment(), IMAGE, {}, lambda p, v: tmp_path)
     assert [p.name for p in plans] == ["m-0", "m-1"] and plans[0].uid == 5
 
 
 def test_substitutions_are_listed_in_one_module():
-    listed = substitutions.substitutions(Path(sys.executable))
+    listed = substitutions.substitutions()
     text = "\n".join(f"{s.what} {s.here}" for s in listed)
-    for needle in (pc.NVIDIA_ENTRYPOINT, pc.ENV_RUNTIME, "PATH", "GPU", "FSx", "moto"):
-        assert needle in text
+    for needle in ("stand-in bases", "compat.toml [stand_in]", pc.ENV_RUNTIME, "GPU", "FSx", "moto", "--cpus"):
+        assert needle in text or needle in "\n".join(s.why for s in listed)
 
 
-def test_a_hidden_ancestor_is_found(tmp_path):
-    """The topmost directory others cannot traverse: what the launcher covers with a traversable tmpfs."""
-    import os
-    import stat
+def test_a_pods_container_is_run_as_its_plan_says(dev, tmp_path):
+    """The seam plan -> `podman run`: the image, the entrypoint and args, the pod's namespace, user and groups, the
+    read-only root without podman's own tmpfs, no-new-privileges, every volume at its mountPath, the env, and the
+    limits capped at this machine's."""
+    plan = _chat_plan(dev, tmp_path)
+    argv = container.run_argv(plan, "localhost/llm-serving:stand-in-x", "rehearsal-pod-0", "rh1-p0")
+    image_at = argv.index("localhost/llm-serving:stand-in-x")
+    assert argv[image_at + 1:] == plan.argv[1:]
+    options = argv[:image_at]
 
-    hidden = tmp_path / "root"
-    (hidden / "tree").mkdir(parents=True)
-    hidden.chmod(0o700)
-    chain = [*list(reversed((hidden / "tree").parents))[1:], hidden / "tree"]
-    expected = next(p for p in chain if not os.stat(p).st_mode & stat.S_IXOTH)
-    assert _hidden_ancestor(hidden / "tree") == expected
-    assert expected in (hidden, *hidden.parents)
+    def value(flag: str) -> list[str]:
+        return [options[i + 1] for i, word in enumerate(options) if word == flag]
+
+    assert value("--entrypoint") == [json.dumps(plan.argv[:1])]
+    assert value("--network") == ["ns:/run/netns/rh1-p0"]
+    assert value("--user") == [f"{pc.RUN_AS_UID}:{pc.RUN_AS_UID}"] and value("--group-add") == [str(pc.RUN_AS_UID)]
+    assert "--read-only" in options and "--read-only-tmpfs=false" in options
+    assert value("--security-opt") == ["no-new-privileges"]
+    mounts = value("--mount")
+    assert f"type=bind,source={tmp_path / 'fsx'},destination={pc.MODEL_CACHE_MOUNT},ro=true" in mounts
+    assert any(m.startswith(f"type=tmpfs,destination={pc.SHM_MOUNT},") for m in mounts)
+    assert len(mounts) == len(plan.mounts)
+    assert sorted(value("--env")) == sorted(f"{k}={v}" for k, v in plan.env.items())
+    assert argv[:5] == ["podman", "--runtime", "runc", "--cgroup-manager", "cgroupfs"]
+    # the rendered limits, each capped at this machine's
+    plan.resources = {"limits": {"cpu": "500m", "memory": "64Ti"}}
+    assert container.limits_argv(plan) == ["--cpus", "0.5", "--memory", str(container.MACHINE_MEMORY_BYTES)]
+    plan.resources = {"limits": {"cpu": "64", "memory": "1Gi"}}
+    assert container.limits_argv(plan) == ["--cpus", f"{container.MACHINE_CPUS:g}", "--memory", str(2**30)]
+
+
+def test_kubernetes_quantities_are_read_and_a_bad_one_is_named():
+    assert container.quantity("1500m", "x") == 1.5 and container.quantity("2Gi", "x") == 2 * 2**30
+    assert container.quantity(4, "x") == 4
+    with pytest.raises(container.ContainerSpecError, match="pod limits.cpu: '1.5 cores' is not a Kubernetes"):
+        container.quantity("1.5 cores", "pod limits.cpu")
 
 
 # -- kubelet ---------------------------------------------------------------------------------------------------
@@ -251,9 +276,18 @@ def _plan(port: int, mode: str, delay: float = 0.5, grace: float = 2, prestop: f
         grace_period_s=grace, prestop_sleep_s=prestop)
 
 
-def _launch(plan: PodPlan, log: Path) -> subprocess.Popen:
+class _Process(subprocess.Popen):
+    """A plain process as the kubelet's container (the rehearsal's is a podman container: container.py)."""
+
+    def kill_all(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.wait(timeout=10)
+
+
+def _launch(plan: PodPlan, log: Path) -> _Process:
     with open(log, "w") as out:
-        return subprocess.Popen(plan.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return _Process(plan.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 async def _until(predicate, timeout: float = 60) -> None:
@@ -509,26 +543,6 @@ def test_made_up_inputs_follow_the_models_declared_tensors():
         traffic.example_inputs({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1]}]})
 
 
-def test_a_volume_that_would_hide_the_checkout_is_mounted_last_and_carries_it():
-    """A checkout under /tmp (a fresh clone there, as CI makes): the scratch volume's mountPath /tmp would hide the
-    repository, the interpreter's environment and the other volumes' sources. It is mounted after every other volume,
-    with the checkout kept at its place inside it; a volume that hides nothing keeps its position."""
-    mounts = [
-        {"kind": "bind", "source": "/tmp/clone/.cache/pods/p/scratch", "target": "/tmp"},
-        {"kind": "bind", "source": "/tmp/clone/.cache/pods/p/run", "target": "/var/run/llm-serving"},
-        {"kind": "tmpfs", "source": None, "target": "/dev/shm"},
-        {"kind": "bind", "source": "/tmp/clone/.cache/fsx", "target": "/mnt/model-cache", "read_only": True},
-    ]
-    order = mount_order(mounts, ["/tmp/clone", "/root/.pyenv/versions/3.11.7"])
-    assert [m["target"] for m, _ in order] == ["/var/run/llm-serving", "/dev/shm", "/mnt/model-cache", "/tmp"]
-    assert [kept for _, kept in order] == [[], [], [], ["/tmp/clone"]]
-    # A checkout elsewhere: nothing is hidden, the declared order stays.
-    order = mount_order([{**m, "source": m["source"] and m["source"].replace("/tmp/clone", "/work/clone")}
-                         for m in mounts], ["/work/clone"])
-    assert [m["target"] for m, _ in order] == ["/tmp", "/var/run/llm-serving", "/dev/shm", "/mnt/model-cache"]
-    assert all(kept == [] for _, kept in order)
-
-
 def test_the_failing_candidates_carry_their_defect_and_only_for_their_kind(dev, tmp_path):
     """The rollback scenarios' candidates (storage.DEFECTS): the LLM that crashes on start asks for a context far
     beyond its model's; the Python-backend model that serves errors keeps its I/O contract (its fingerprint, so the
@@ -700,13 +714,12 @@ def test_the_batch_worker_runs_as_rendered_against_the_rehearsals_s3(dev, tmp_pa
     (worker,) = [d for d in dev.pod_deployments() if render.component(d["inputs"]) == render.BATCH_WORKER]
     assert cluster._runs_pods(render.DEPLOYMENT, worker["inputs"])  # a stack update's step waits for its pods
     endpoint = "http://10.213.0.1:5000"
-    (plan,) = podspec.pod_plans(worker, IMAGE, {}, lambda pod, volume: tmp_path / pod / volume, tmp_path / "bin",
-                                tmp_path / "nvidia_entrypoint.sh", substitutions.cloud_env(endpoint))
+    (plan,) = podspec.pod_plans(worker, IMAGE, {}, lambda pod, volume: tmp_path / pod / volume,
+                                substitutions.cloud_env(endpoint))
     (container,) = worker["inputs"]["spec"]["template"]["spec"]["containers"]
     assert plan.argv == container["command"] and plan.argv[:3] == ["python3", "-m", "serving_image.batch.worker"]
     store = plan.argv[plan.argv.index("--store") + 1]
     assert store.removeprefix("s3://").split("/")[0] in dev.buckets()  # the rehearsal creates every rendered bucket
-    assert plan.env["PATH"].startswith(str(tmp_path / "bin"))  # python3: the serving environment's
     rendered = {e["name"]: e["value"] for e in container["env"]}
     assert plan.rendered_env == rendered and all(plan.env[k] == v for k, v in rendered.items())
     assert plan.env["AWS_ENDPOINT_URL_S3"] == endpoint and plan.env["AWS_ACCESS_KEY_ID"] == "rehearsal"
@@ -724,7 +737,7 @@ def test_a_required_secret_volume_is_named(tmp_path):
     dep = _deployment(volumeMounts=[{"name": "key", "mountPath": "/k"}])
     dep["inputs"]["spec"]["template"]["spec"]["volumes"] = [{"name": "key", "secret": {"secretName": "s"}}]
     with pytest.raises(podspec.PodSpecError, match="the Secret 's', which is not optional"):
-        podspec.pod_plans(dep, IMAGE, {}, lambda p, v: tmp_path, tmp_path, tmp_path)
+        podspec.pod_plans(dep, IMAGE, {}, lambda p, v: tmp_path)
 
 
 def test_an_image_changed_under_a_running_rehearsal_is_named():
