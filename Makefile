@@ -19,7 +19,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 NATIVE_SOURCES := native/CMakeLists.txt $(wildcard native/src/* native/include/* native/triton/*.?pp native/triton/protos/*)
 
-.PHONY: up check-up-modes check-batch test test-fast plan bench fuse rehearse lint serving-env infra-env checkov-env triton-env crd-validate-env clean
+.PHONY: up check-up-modes check-batch test test-fast plan bench fuse rehearse image image-check image-lock containers lint serving-env infra-env checkov-env triton-env crd-validate-env clean
 
 up: serving-env triton-env
 	$(SERVING)/bin/llm-serving up $(if $(MODEL),--model "$(MODEL)",) $(if $(MODE),--serving-mode "$(MODE)",)
@@ -83,7 +83,7 @@ bench: serving-env triton-env fuse
 	$(SERVING)/bin/python -m bench.run
 
 # bench.cold_cache and the rehearsal's model-cache step mount a FUSE stand-in for FSx's lazy loading
-# (bench/lazy_cache.py): fusepy needs libfuse2.
+# (llm_serving_cli/rehearsal/lazy_cache.py): fusepy needs libfuse2.
 fuse:
 	ldconfig -p | grep -q 'libfuse.so.2 ' || ($(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive \
 	  apt-get install -y -q libfuse2)
@@ -91,8 +91,31 @@ fuse:
 # A stack's model pods on this machine as their rendered Deployments say (docs/rehearsal.md). Needs root (network
 # and mount namespaces). Not part of `make test` (its time budget): run on its own, e.g. as a CI step of its own.
 STACK ?= dev-us-east-1
-rehearse: serving-env infra-env triton-env fuse
+rehearse: serving-env infra-env triton-env fuse image
 	$(SERVING)/bin/llm-serving rehearse --stack "$(STACK)"
+
+# The serving image, built here (docs/first-update.md, "The image built here"): serving_image/Dockerfile FROM stand-in
+# bases made from Debian's and PyPI's packages (image/stand-in/), with buildah; then checked on the built image
+# (llm_serving_cli/image/). Layer caching keeps the bases and the native stage when only Python files change.
+image: serving-env containers
+	$(SERVING)/bin/llm-serving image build
+
+# The built image run as a pod runs it (podman: its user, a read-only root, the model cache read-only), serving the
+# demo packages on the contract's ports, then SIGTERM (llm_serving_cli/image/check.py). Uses `make up`'s fixed ports.
+image-check: serving-env triton-env containers
+	$(SERVING)/bin/llm-serving image check
+
+# The lock files the image builds install from (image/locks/*.txt, hashes included), from image/locks/*.in with uv.
+image-lock: serving-env
+	$(SERVING)/bin/pip install -q 'uv==0.13.10'
+	$(SERVING)/bin/python -m llm_serving_cli.image.locks
+
+# buildah, podman, runc and mmdebstrap (Debian's), which build and run the image here.
+containers:
+	command -v buildah >/dev/null && command -v podman >/dev/null && command -v runc >/dev/null && \
+	  command -v mmdebstrap >/dev/null || ($(if $(filter 0,$(shell id -u)),,sudo) apt-get update -q && \
+	  $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+	  --no-install-recommends buildah podman runc mmdebstrap)
 
 lint: serving-env
 	$(SERVING)/bin/ruff check .

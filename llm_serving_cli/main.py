@@ -300,6 +300,12 @@ def _rehearse(args: argparse.Namespace) -> int:
     return rehearse_main(args.args)
 
 
+def _image(args: argparse.Namespace) -> int:
+    from llm_serving_cli.image import build, check
+
+    return {"build": build.main, "check": check.main}[args.action](args.args)
+
+
 def _batch(args: argparse.Namespace) -> int:
     from llm_serving_cli.batch import main as batch_main
 
@@ -377,6 +383,12 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False, prefix_chars="\0")
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_rehearse)
+
+    p = sub.add_parser("image", help="what `make image` and `make image-check` run: the serving image built on this "
+                                     "machine FROM stand-in bases, then run as a pod runs it (docs/first-update.md)")
+    p.add_argument("action", choices=("build", "check"))
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_image)
 
     p = sub.add_parser("batch", help="the Batch API: submit FILE --model M, status ID, results ID (docs/batch.md)",
                        add_help=False, prefix_chars="\0")

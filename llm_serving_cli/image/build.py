@@ -85,7 +85,8 @@ def debian_base() -> str:
     """The Debian root file system the stand-ins start from, imported into podman once per package list."""
     packages = [line.strip() for line in (STAND_IN / "debian.packages").read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
-    ref = f"localhost/llm-serving-stand-in/debian:{DEBIAN_SUITE}-{_digest([DEBIAN_SUITE.encode(), *map(str.encode, packages)])[:16]}"
+    digest = _digest([DEBIAN_SUITE.encode(), *map(str.encode, packages)])[:16]
+    ref = f"localhost/llm-serving-stand-in/debian:{DEBIAN_SUITE}-{digest}"
     if containers.image_exists(ref):
         _say(f"debian base {ref} exists")
         return ref
@@ -130,7 +131,8 @@ def stand_in_bases(debian: str, pip: containers.PipSettings) -> dict[str, str]:
     bases = {}
     for name, locks in (("tritonserver", ["stand-in-vllm.txt", "stand-in-triton.txt", "stand-in-stub.txt"]),
                         ("cuda", ["stand-in-cuda.txt"])):
-        containerfile = STAND_IN / ("triton-vllm.Containerfile" if name == "tritonserver" else "cuda-devel.Containerfile")
+        containerfile = STAND_IN / {"tritonserver": "triton-vllm", "cuda": "cuda-devel"}[name]
+        containerfile = containerfile.with_name(containerfile.name + ".Containerfile")
         files = [containerfile, *(REPO_ROOT / "image" / "locks" / lock for lock in locks)]
         if name == "tritonserver":
             files.append(STAND_IN / "nvidia_entrypoint.sh")

@@ -21,7 +21,8 @@ from pathlib import Path
 from llm_serving.repository import REPO_ROOT
 
 STATE = REPO_ROOT / ".cache" / "image"
-CONTAINERS_CONF = """# Written by llm_serving_cli/image/containers.py: this machine refuses the default ulimits and pid limits.
+CONTAINERS_CONF = """# Written by llm_serving_cli/image/containers.py: this machine refuses the default ulimits and pid
+# limits.
 [containers]
 default_ulimits = []
 pids_limit = 0
@@ -88,13 +89,15 @@ class PipSettings:
 def host_pip_settings(python: str = "python3") -> PipSettings:
     """The settings `pip config list` shows here (files and PIP_* environment alike), as one [global] section."""
     done = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True, check=True)
-    settings: dict[str, str] = {}
+    files: dict[str, str] = {}
+    environment: dict[str, str] = {}  # PIP_* variables: pip lets them override the files
     for line in done.stdout.splitlines():
         key, sep, value = line.partition("=")
         if not sep:
             continue
         name = key.rsplit(".", 1)[-1]
-        settings[name] = value.strip().strip("'\"")
+        (environment if key.startswith(":env:") else files)[name] = value.strip().strip("'\"")
+    settings = {k: v for k, v in {**files, **environment}.items() if k != "config-file"}
     paths: set[str] = set()
     for value in settings.values():
         for word in value.split():

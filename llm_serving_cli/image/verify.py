@@ -65,7 +65,7 @@ def built_image(ref: str) -> None:
         raise ImageCheckError(f"{ref}'s configuration breaks the pod contract: " + "; ".join(problems))
     print(f"   pod contract: user {facts.user}, ENTRYPOINT {' '.join(facts.entrypoint)}, ports "
           f"{', '.join(map(str, facts.exposed))}: as llm_serving/pod_contract.py says", flush=True)
-    code = "import importlib\nfor m in %r:\n    importlib.import_module(m)\nprint(len(%r))" % (MODULES, MODULES)
+    code = f"import importlib\nfor m in {MODULES!r}:\n    importlib.import_module(m)"
     run_in_image(ref, "python3", "-c", code)
     print(f"   {len(MODULES)} modules import as uid {pc.RUN_AS_UID} on a read-only root", flush=True)
     probe = run_in_image(ref, "python3", "-m", "serving_image.triton.probe", "--runtime", "local")
