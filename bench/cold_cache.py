@@ -1,11 +1,11 @@
 """A pod's startup on a cold vs a warm model cache: startup step 1 (unpack-and-verify, which reads every file of the
 package) on a lazy-loading stand-in for FSx, before and after the cache warmer ran, in one run.
 
-FSx loads a file's data from S3 on its first read. The stand-in (bench/lazy_cache.py, a FUSE
-passthrough) charges each file's first read `FIRST_BYTE_S + size / MIB_S` once, then serves it at disk speed. Those
-two numbers are this benchmark's assumptions, not FSx measurements. What it measures is where that cost falls: on
-the pod's startup (cold), or on the warmer before any rollout may name the version (warm). The warmer and step 1
-are the real code (serving_image/cache_warmer.py, serving_image/startup.py). Needs root and /dev/fuse.
+FSx loads a file's data from S3 on its first read. The stand-in (llm_serving_cli/rehearsal/lazy_cache.py, a FUSE
+passthrough the rehearsal mounts too) charges each file's first read `FIRST_BYTE_S + size / MIB_S` once, then
+serves it at disk speed. Those two numbers are assumptions, not FSx measurements. What it measures is where that
+cost falls: on the pod's startup (cold), or on the warmer before any rollout may name the version (warm). The warmer
+and step 1 are the real code (serving_image/cache_warmer.py, serving_image/startup.py). Needs root and /dev/fuse.
 """
 
 from __future__ import annotations
@@ -16,15 +16,12 @@ import pathlib
 import tempfile
 import time
 
-from bench.lazy_cache import MountedCache
 from bench.report import main, pyplot, result, save_figure
 from llm_serving import pod_contract as pc
 from llm_serving.package import PackageSpec, build_package
-from serving_image import startup
+from llm_serving_cli.rehearsal.lazy_cache import FIRST_BYTE_S, MIB_S, MountedCache, step_one_seconds
 from serving_image.cache_warmer import materialise
 
-MIB_S = 100.0  # assumed lazy-load throughput per file from S3
-FIRST_BYTE_S = 0.05  # assumed per-file latency of a lazy load
 QUICK = os.environ.get("LLM_SERVING_BENCH_QUICK") == "1"
 WEIGHT_FILES, FILE_MIB = (2, 16) if QUICK else (4, 64)
 
@@ -40,17 +37,6 @@ def _package(root: pathlib.Path) -> pathlib.Path:
     target.parent.mkdir(parents=True)
     build_package(PackageSpec(model, "demo", "1.0.0"), target)
     return cache
-
-
-def step_one_seconds(cache_root: pathlib.Path, model_id: str, version: str, workdir: pathlib.Path) -> float:
-    """Seconds of startup step 1 (unpack-and-verify) for (model_id, version) on the model cache at `cache_root`, as
-    a pod that mounts it at its model-cache mount runs it. The rehearsal's model-cache step uses it too."""
-    package = cache_root / pc.FSX_MODELS_PATH.lstrip("/") / pc.model_cache_key(model_id, version)
-    config = startup.StartupConfig(package=package, workdir=workdir, multiproc_dir=workdir / "prometheus",
-                                   expected=startup.PodExpectation(model_cache=cache_root))
-    t0 = time.perf_counter()
-    startup._unpack(config)
-    return time.perf_counter() - t0
 
 
 def measure(root: pathlib.Path) -> dict:

@@ -3,9 +3,9 @@
 
 The rehearsal's FSx is a directory (storage.fsx_import: what the data repository association presents). Right after
 the association imported a package, FSx holds its *metadata*; each file's data is loaded from S3 on its first read.
-A lazy-loading view of the directory stands for that (bench/lazy_cache.py, a FUSE passthrough: a file's first read
-costs FIRST_BYTE_S plus its size at MIB_S, charged once; both numbers are this rehearsal's assumption, not an FSx
-measurement). On that view, in order:
+A lazy-loading view of the directory stands for that (lazy_cache.py beside this module, a FUSE passthrough: a
+file's first read costs FIRST_BYTE_S plus its size at MIB_S, charged once; both numbers are this rehearsal's
+assumption, not an FSx measurement). On that view, in order:
 
 1. the resident markers the rollout reads are absent for every requested version (`llm-serving publish
    --warm-region` wrote the requests; nothing has warmed them);
@@ -32,12 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.cold_cache import FIRST_BYTE_S, MIB_S, step_one_seconds
-from bench.lazy_cache import MountedCache
 from llm_serving import pod_contract as pc
 from llm_serving.store import PublishedPackage, resident_problem
 from llm_serving_cli.image import containers
 from llm_serving_cli.rehearsal import storage
+from llm_serving_cli.rehearsal.lazy_cache import FIRST_BYTE_S, MIB_S, MountedCache, step_one_seconds
 
 CRONJOB = "kubernetes:batch/v1:CronJob"
 WARMER_TIMEOUT_S = 600

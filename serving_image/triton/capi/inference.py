@@ -171,9 +171,9 @@ def native_library(lib):
     global _library
     with _library_lock:
         if _library is None:
-            from serving_image.triton.capi import _response_path
+            from serving_image.triton.capi._response_path import Library
 
-            _library = _response_path.Library(str(lib.location.library))
+            _library = Library(str(lib.location.library))
         return _library
 
 
@@ -182,10 +182,10 @@ class _Delivery:
     eventfd is readable and hands each record to its stream."""
 
     def __init__(self, lib, loop: asyncio.AbstractEventLoop):
-        from serving_image.triton.capi import _response_path
+        from serving_image.triton.capi._response_path import ResponseQueue
 
         self.loop = loop
-        self.queue = _response_path.ResponseQueue(native_library(lib), QUEUE_CAPACITY)
+        self.queue = ResponseQueue(native_library(lib), QUEUE_CAPACITY)
         self.streams: dict[int, InferenceStream] = {}
         loop.add_reader(self.queue.fd, self.drain)
 
@@ -287,13 +287,13 @@ class InferenceStream:
 
     def cancel(self) -> bool:
         """Cancel the request in Triton; False when it already finished (nothing to cancel)."""
-        from serving_image.triton.capi import _response_path
+        from serving_image.triton.capi._response_path import CallError
 
         if self._finished:
             return False
         try:
             cancelled = self._delivery.queue.cancel(self._key)
-        except _response_path.CallError as exc:
+        except CallError as exc:
             raise _error(exc.args) from None
         self.cancelled = self.cancelled or cancelled
         return cancelled
@@ -315,7 +315,7 @@ def infer(server, model: str, inputs: Iterable[Input], *, request_id: str = "", 
     """Send one request (TRITONSERVER_ServerInferAsync) and return its responses as an InferenceStream. Errors
     Triton raises before accepting the request (unknown model, wrong datatype or shape, ...) are raised here as
     TritonError; errors found later arrive as a response's `error`."""
-    from serving_image.triton.capi import _response_path
+    from serving_image.triton.capi._response_path import CallError
 
     loop = loop or asyncio.get_running_loop()
     delivery = _delivery(server.lib, loop)
@@ -327,7 +327,7 @@ def infer(server, model: str, inputs: Iterable[Input], *, request_id: str = "", 
     try:
         key = delivery.queue.submit(server.handle.value, model, version, request_id, native_inputs, list(outputs),
                                     _parameters(parameters))
-    except _response_path.CallError as exc:
+    except CallError as exc:
         raise _error(exc.args) from None
     stream = InferenceStream(delivery, key, request_id)
     delivery.streams[key] = stream  # on the loop's thread: no record of it can be drained before this

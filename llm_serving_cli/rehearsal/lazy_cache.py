@@ -1,14 +1,18 @@
-"""A stand-in for FSx for Lustre's lazy loading, for `make bench` (no FSx here).
+"""A stand-in for FSx for Lustre's lazy loading (no FSx here): the rehearsal's model-cache step
+(llm_serving_cli/rehearsal/model_cache.py) and `make bench` (bench/cold_cache.py) mount it.
 
 A read-only FUSE passthrough of a directory. A file counts as *released* (its metadata imported, its data still in
 S3) until it has been read once. The first read of a released file costs the lazy load from S3: `first_byte_s`,
 plus its size at `mib_s`, charged once per file. After that the file is *resident* and reads cost what the
-underlying disk costs. The delay model is this module's assumption, not a measurement of FSx; the defaults are
-bench/cold_cache.py's. A file is loaded at most once, as a Lustre HSM restore is, and concurrent first readers wait
-for the same load.
+underlying disk costs. The delay model is this module's assumption, not a measurement of FSx (the defaults,
+FIRST_BYTE_S and MIB_S). A file is loaded at most once, as a Lustre HSM restore is, and concurrent first readers
+wait for the same load. The view allows other users (`allow_other`): the rehearsal's containers, which run as
+another uid, read through it.
 
-Needs root, /dev/fuse, libfuse2 (Debian's package) and fusepy: a bench dependency only, never the
-serving image's.
+`step_one_seconds` times what the view is there to show: a pod's startup step 1 (unpack-and-verify, which reads
+every file of the package) on a model cache.
+
+Needs root, /dev/fuse, libfuse2 (Debian's package) and fusepy (the `local` extra): never the serving image's.
 """
 
 from __future__ import annotations
@@ -19,13 +23,18 @@ import threading
 import time
 from pathlib import Path
 
+from llm_serving import pod_contract as pc
+
+MIB_S = 100.0  # assumed lazy-load throughput per file from S3
+FIRST_BYTE_S = 0.05  # assumed per-file latency of a lazy load
+
 
 def _fuse():
     try:
         import fuse
     except (ImportError, OSError) as err:  # fusepy absent, or libfuse.so.2 absent (fusepy raises OSError)
-        raise RuntimeError(f"the cold-cache stand-in needs fusepy and libfuse2 ({err}); `make bench` installs "
-                           f"both") from None
+        raise RuntimeError(f"the lazy-loading FSx stand-in needs fusepy and libfuse2 ({err}); `make rehearse` "
+                           f"and `make bench` install both") from None
     return fuse
 
 
@@ -133,7 +142,7 @@ class MountedCache:
         deadline = time.monotonic() + 30
         while not os.path.ismount(self.mountpoint):
             if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"the cold-cache stand-in did not mount at {self.mountpoint}")
+                raise RuntimeError(f"the lazy-loading FSx stand-in did not mount at {self.mountpoint}")
             time.sleep(0.05)
         return self.ops
 
@@ -143,3 +152,16 @@ class MountedCache:
         subprocess.run(["umount", str(self.mountpoint)], check=False)
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+
+def step_one_seconds(cache_root: Path, model_id: str, version: str, workdir: Path) -> float:
+    """Seconds of startup step 1 (unpack-and-verify) for (model_id, version) on the model cache at `cache_root`, as
+    a pod that mounts it at its model-cache mount runs it."""
+    from serving_image import startup
+
+    package = cache_root / pc.FSX_MODELS_PATH.lstrip("/") / pc.model_cache_key(model_id, version)
+    config = startup.StartupConfig(package=package, workdir=workdir, multiproc_dir=workdir / "prometheus",
+                                   expected=startup.PodExpectation(model_cache=cache_root))
+    t0 = time.perf_counter()
+    startup._unpack(config)
+    return time.perf_counter() - t0
