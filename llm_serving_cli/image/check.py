@@ -70,8 +70,8 @@ def run_argv(ref: str, cache: Path, package: Path, companions: list[Path]) -> li
                              "--security-opt", "no-new-privileges", "--stop-timeout", str(DRAIN_BUDGET_S),
                              "--mount", f"type=bind,source={cache},destination={pc.MODEL_CACHE_MOUNT},ro=true")
     for volume in pc.VOLUMES:
-        if not volume.read_only:
-            argv += ["--mount", f"type=tmpfs,destination={volume.mount_path},tmpfs-mode=1777"]
+        if not volume.read_only:  # the pod's emptyDirs, fresh
+            argv += containers.tmpfs_argv(volume.mount_path, "2g" if volume.mount_path == pc.SHM_MOUNT else None)
     for key, value in sorted(env.items()):
         argv += ["--env", f"{key}={value}"]
     return [*argv, ref]

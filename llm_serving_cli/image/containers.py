@@ -118,3 +118,11 @@ def build_volumes(settings: PipSettings) -> list[str]:
     for path in settings.paths:
         volumes += ["--volume", f"{path}:{path}:ro"]
     return volumes
+
+
+def tmpfs_argv(target: str, size: str | None = None) -> list[str]:
+    """A memory-backed volume at `target`: podman's own /dev/shm sized as asked (a second mount there is refused),
+    else a tmpfs writable by every user (an emptyDir)."""
+    if target == "/dev/shm":
+        return ["--shm-size", size or "64m"]
+    return ["--mount", f"type=tmpfs,destination={target},tmpfs-mode=1777" + (f",tmpfs-size={size}" if size else "")]

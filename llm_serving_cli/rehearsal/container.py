@@ -74,8 +74,7 @@ def run_argv(plan: PodPlan, image: str, name: str, netns: str) -> list[str]:
         argv += ["--security-opt", "no-new-privileges"]
     for mount in plan.mounts:
         if mount.kind == "tmpfs":
-            argv += ["--mount", f"type=tmpfs,destination={mount.target},tmpfs-mode=1777"
-                     + (f",tmpfs-size={mount.size}" if mount.size else "")]
+            argv += containers.tmpfs_argv(mount.target, mount.size)
         else:
             argv += ["--mount", f"type=bind,source={mount.source},destination={mount.target}"
                      + (",ro=true" if mount.read_only else "")]
