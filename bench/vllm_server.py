@@ -15,7 +15,8 @@ from bench.local_server import ENGINE_ARGS
 from llm_serving.ports import free_port
 
 
-def start_vllm_server(model_dir: pathlib.Path, workdir: pathlib.Path) -> tuple[subprocess.Popen, str]:
+def start_vllm_server(model_dir: pathlib.Path, workdir: pathlib.Path, *, enforce_eager: bool = False,
+                      timeout_s: float = 300) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = open(workdir / "vllm-server.log", "w")
     # A process group of its own (killpg stops its engine processes too) in the caller's session: the same scheduling
@@ -24,10 +25,11 @@ def start_vllm_server(model_dir: pathlib.Path, workdir: pathlib.Path) -> tuple[s
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
          "--served-model-name", "demo-tiny", "--host", "127.0.0.1", "--port", str(port),
          "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
-         "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"]), "--dtype", ENGINE_ARGS["dtype"]],
+         "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"]), "--dtype", ENGINE_ARGS["dtype"],
+         *(["--enforce-eager"] if enforce_eager else [])],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"), process_group=0)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -39,7 +41,7 @@ def start_vllm_server(model_dir: pathlib.Path, workdir: pathlib.Path) -> tuple[s
             pass
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)  # the whole group: its engine core and worker too
-    raise RuntimeError("vLLM's server did not become ready in 300 s")
+    raise RuntimeError(f"vLLM's server did not become ready in {timeout_s:.0f} s")
 
 
 def stop_vllm_server(proc: subprocess.Popen) -> None:

@@ -12,12 +12,14 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import json
 import os
 import re
 import shutil
 import stat
 import tarfile
 import tempfile
+import threading
 import zipfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -54,18 +56,44 @@ _PROTECTED_TOP_LEVEL = {"vllm", "torch", "tritonserver"}
 _REQUIREMENT_FILES = re.compile(r"(^|/)(requirements[^/]*\.txt|constraints[^/]*\.txt|pyproject\.toml|setup\.py|"
                                 r"setup\.cfg|Pipfile|poetry\.lock|uv\.lock)$")
 _CHUNK = 1 << 20
+# Data files that a startup may verify beside the engine's load instead of before it (open_package's `defer_data`):
+# safetensors only, a JSON header and raw tensors: loading one runs no code, unlike a pickle, a tokenizer, a config
+# or a plugin, which are verified before anything opens them.
+DEFERRABLE_SUFFIXES = (".safetensors",)
+_SAFETENSORS_MAX_HEADER = 100 << 20  # the safetensors library's own limit
 
 
 class PackageError(ValueError):
     """A package that must not be used; the message names the offending entry."""
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, stop: threading.Event | None = None) -> str:
+    """The file's SHA-256; ChecksumsCancelled as soon as `stop` is set."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(_CHUNK):
+            if stop is not None and stop.is_set():
+                raise ChecksumsCancelled(str(path))
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _check_safetensors_layout(path: Path, rel: str, size: int) -> None:
+    """A safetensors file is 8 bytes (little-endian header length), a JSON header, then the tensors' bytes, which the
+    header's offsets cover exactly: a file of any other size is truncated or padded. Reads only the header."""
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= min(_SAFETENSORS_MAX_HEADER, size - 8):
+            raise PackageError(f"{rel}: not a complete safetensors file ({size} bytes, header length {length})")
+        try:
+            header = json.loads(handle.read(length))
+            end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            raise PackageError(f"{rel}: not a complete safetensors file (unreadable header: {exc})") from None
+    if 8 + length + end != size:
+        raise PackageError(f"{rel}: not a complete safetensors file: its header describes {8 + length + end} bytes, "
+                           f"the file has {size} (truncated or padded)")
 
 
 def _normalise_dist(name: str) -> str:
@@ -129,11 +157,67 @@ def _check_content(rel: str, read) -> None:
 
 
 @dataclass(frozen=True)
+class PendingFile:
+    rel: str
+    path: Path
+    sha256: str  # what the manifest lists
+    size: int
+
+
+class ChecksumsCancelled(Exception):
+    """PendingChecksums.verify stopped by its `stop` event before it had read everything."""
+
+
+@dataclass(frozen=True)
+class PendingChecksums:
+    """The data files of a package opened with `defer_data` whose SHA-256 is still to be compared with the manifest.
+    Everything else about them was checked when it was opened: listed in the manifest, regular files, and a
+    safetensors layout whose header accounts for every byte of the file (a truncated file is refused then)."""
+
+    files: tuple[PendingFile, ...] = ()
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def verify(self, threads: int = 1, stop: threading.Event | None = None) -> None:
+        """Read and hash every pending file (`threads` at a time); raise PackageError naming the first file (in
+        manifest order) whose bytes differ from the manifest or cannot be read, ChecksumsCancelled once `stop` is
+        set."""
+        if not self.files:
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        halt = stop or threading.Event()
+
+        def check(pending: PendingFile) -> str | None:
+            try:
+                digest = sha256_file(pending.path, halt)
+            except OSError as exc:
+                return f"{pending.rel}: cannot be read ({exc})"
+            if digest != pending.sha256:
+                return f"{pending.rel}: checksum mismatch (manifest {pending.sha256[:12]}..., file {digest[:12]}...)"
+            return None
+
+        with ThreadPoolExecutor(max(1, min(threads, len(self.files))), thread_name_prefix="checksums") as pool:
+            futures = [pool.submit(check, f) for f in self.files]
+            try:
+                for future in futures:
+                    problem = future.result()
+                    if problem is not None:
+                        raise PackageError(problem)
+            finally:
+                halt.set()  # a failure (or a cancellation) stops the other files' reads too
+
+
+@dataclass(frozen=True)
 class VerifiedPackage:
-    """A package whose manifest parsed and whose every file matched its checksum."""
+    """A package whose manifest parsed and whose every file matched its checksum; opened with `defer_data`, except
+    the data files in `pending`, which the opener verifies (`pending.verify()`) before anything serves from it."""
 
     root: Path
     manifest: Manifest
+    pending: PendingChecksums = PendingChecksums()
 
     @property
     def weights_path(self) -> Path | None:
@@ -165,11 +249,12 @@ def _link_stays_inside(rel: str, target: str) -> bool:
     return bool(resolved)
 
 
-def _verify_checksums(manifest: Manifest, actual: dict[str, str]) -> None:
+def _verify_checksums(manifest: Manifest, actual: dict[str, str | None]) -> None:
+    """Every file listed, every listed file present, every digest equal (None: deferred, compared later)."""
     for rel, digest in sorted(actual.items()):
         if rel not in manifest.files:
             raise PackageError(f"{rel}: file is not listed in {MANIFEST_NAME} [files]")
-        if manifest.files[rel] != digest:
+        if digest is not None and manifest.files[rel] != digest:
             raise PackageError(
                 f"{rel}: checksum mismatch (manifest {manifest.files[rel][:12]}..., file {digest[:12]}...)"
             )
@@ -218,12 +303,16 @@ def _check_ensemble_steps(steps: list[EnsembleStep], config_pbtxt: str) -> None:
                            f"[ensemble] steps name {', '.join(sorted(named))}: each step model needs its (id, version)")
 
 
-def open_package(source: Path, workdir: Path | None = None) -> VerifiedPackage:
+def open_package(source: Path, workdir: Path | None = None, *, defer_data: bool = False) -> VerifiedPackage:
     """Verify a package and return it. A directory is verified in place (the model cache holds weights too large to
-    copy); a `.tar.gz` is checked member by member and only then extracted into a new directory under `workdir`."""
+    copy); a `.tar.gz` is checked member by member and only then extracted into a new directory under `workdir`.
+
+    `defer_data` (directories only; the startup procedure's): the SHA-256 of each data file (DEFERRABLE_SUFFIXES) is
+    left to the caller, in the returned package's `pending`, so that it can be computed while the engine reads the
+    same bytes; every other check (a data file's completeness included) and every other checksum happens here."""
     source = Path(source)
     if source.is_dir():
-        return _open_directory(source)
+        return _open_directory(source, defer_data)
     if not source.exists():
         raise PackageError(f"{source}: no such package")
     if workdir is None:
@@ -231,12 +320,13 @@ def open_package(source: Path, workdir: Path | None = None) -> VerifiedPackage:
     return _open_tarball(source, Path(workdir))
 
 
-def _open_directory(root: Path) -> VerifiedPackage:
+def _open_directory(root: Path, defer_data: bool = False) -> VerifiedPackage:
     manifest_path = root / MANIFEST_NAME
     if not manifest_path.is_file() or manifest_path.is_symlink():
         raise PackageError(f"{MANIFEST_NAME}: missing manifest at the package root ({root})")
     manifest = _load_manifest(manifest_path.read_text())
-    actual: dict[str, str] = {}
+    actual: dict[str, str | None] = {}
+    pending: list[PendingFile] = []
     for path in _walk(root):
         rel = path.relative_to(root).as_posix()
         if rel == MANIFEST_NAME:
@@ -250,10 +340,15 @@ def _open_directory(root: Path) -> VerifiedPackage:
         if not stat.S_ISREG(info.st_mode):
             raise PackageError(f"{rel}: not a regular file (device, fifo or socket)")
         _check_content(rel, path.read_bytes)
+        if defer_data and rel.endswith(DEFERRABLE_SUFFIXES) and rel in manifest.files:
+            _check_safetensors_layout(path, rel, info.st_size)
+            pending.append(PendingFile(rel, path, manifest.files[rel], info.st_size))
+            actual[rel] = None
+            continue
         actual[rel] = sha256_file(path)
     _verify_checksums(manifest, actual)
     _verify_semantics(manifest, set(actual), lambda rel: (root / rel).read_text())
-    return VerifiedPackage(root=root, manifest=manifest)
+    return VerifiedPackage(root=root, manifest=manifest, pending=PendingChecksums(tuple(pending)))
 
 
 def _walk(root: Path) -> Iterator[Path]:

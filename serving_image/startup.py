@@ -1,6 +1,8 @@
 """The startup procedure (docs/architecture.md §3.7): the image's entrypoint, and what `make up` runs.
 
-    1 unpack-and-verify   open the model package, verify every checksum and the manifest (§3.4)
+    1 unpack-and-verify   open the model package, verify the manifest and every checksum (§3.4); the big safetensors
+                          files' checksums are computed beside step 4, which reads the same bytes, and readiness
+                          (step 5) waits for them: a mismatch still fails step 1, naming the file
     2 install-plugins     install the package's plugin wheels; vLLM finds them through their entry points
     3 clear-metrics-dir   empty PROMETHEUS_MULTIPROC_DIR (stale .db files from a previous process corrupt counters)
     4 start-engine        start the engine and wait until it reports ready
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import importlib.metadata
 import logging
@@ -24,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -33,7 +37,14 @@ from packaging.requirements import InvalidRequirement, Requirement
 
 from llm_serving import pod_contract as pc
 from llm_serving.manifest import Backend
-from llm_serving.package import VerifiedPackage, check_python_dependencies, open_package
+from llm_serving.package import (
+    ChecksumsCancelled,
+    PackageError,
+    PendingChecksums,
+    VerifiedPackage,
+    check_python_dependencies,
+    open_package,
+)
 from serving_image.cpu_placement import (
     ENV_FRONT_PLACEMENT,
     describe,
@@ -202,14 +213,19 @@ async def _run_step(number: int, timings: list[StepTiming], fn: Callable[[], Awa
     return value
 
 
-def _unpack(config: StartupConfig) -> tuple[str, list[VerifiedPackage]]:
+def _unpack(config: StartupConfig, defer_data: bool = False) -> tuple[str, list[VerifiedPackage]]:
+    """Step 1. With `defer_data` (the procedure's own run) each package's big safetensors files are checked for
+    completeness here and left in its `pending` for _Checksums; without, every file is hashed here."""
     if config.expected is not None:
         config.expected.check_location(Path(config.package))
-    packages = [open_package(path, config.workdir / "packages") for path in (config.package, *config.companions)]
+    packages = [open_package(path, config.workdir / "packages", defer_data=defer_data)
+                for path in (config.package, *config.companions)]
     if config.expected is not None:
         config.expected.check_manifest(packages[0])
     details = [f"{p.manifest.model.id} {p.manifest.model.version}, backend {p.manifest.model.backend}, "
-               f"{len(p.manifest.files)} files verified" for p in packages]
+               f"{len(p.manifest.files) - len(p.pending.files)} files verified" +
+               (f", {len(p.pending.files)} data file(s) ({p.pending.bytes / 2**30:.2f} GiB) complete, their checksums "
+                "computed while the engine loads them" if p.pending.files else "") for p in packages]
     # Every Python-backend package's [python] dependencies, the companions' too, are met by this runtime's stub
     # (compat.toml: [triton.stub] in the image, [local.triton] here) or by its own execution environment: refused
     # here, naming the distribution, rather than failing at `import` inside Triton after the pod was scheduled.
@@ -217,6 +233,86 @@ def _unpack(config: StartupConfig) -> tuple[str, list[VerifiedPackage]]:
 
     details += [line for p in packages if (line := check_python_dependencies(p, runtime()))]
     return "; ".join(details), packages
+
+
+CHECKSUM_THREADS = max(1, min(8, (os.cpu_count() or 1) // 4))
+
+
+class _Checksums:
+    """The deferred half of step 1: the data files' SHA-256, computed on threads of their own while steps 2-4 run
+    (the engine reads the same files then, so on a cold cache the bytes come off the disk once, and the hashing
+    overlaps the engine's start instead of preceding it). `result` is awaited before step 5: the ports open, and
+    readiness turns true, only once every file matched."""
+
+    def __init__(self, packages: list[VerifiedPackage], on_failure: Callable[[StartupError], None] | None = None):
+        self.pending = PendingChecksums(tuple(f for p in packages for f in p.pending.files))
+        self.stop = threading.Event()
+        self.error: PackageError | None = None
+        # Called from the checking thread with step 1's failure while steps 2-4 still run (None once they are done:
+        # then `result` reports it); the entrypoint's exits at once instead of finishing the engine's start first.
+        self.on_failure = on_failure
+        self.seconds = 0.0
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="package-checksums", daemon=True)
+        if self.pending.files:
+            self._thread.start()
+        else:
+            self.done.set()
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        try:
+            self.pending.verify(CHECKSUM_THREADS, self.stop)
+        except ChecksumsCancelled:
+            pass
+        except PackageError as exc:
+            self.error = exc
+        except Exception as exc:  # anything else unexpected in the check: fail closed, naming it
+            self.error = PackageError(f"checksum verification failed: {type(exc).__name__}: {exc}")
+        finally:
+            self.seconds = time.perf_counter() - started
+            self.done.set()
+        if self.error is not None:
+            log.error("startup step 1/%d %s: %s; this server will not become ready", len(STEPS), STEPS[0], self.error)
+            if (on_failure := self.on_failure) is not None:
+                on_failure(self.failure())
+
+    def failure(self) -> StartupError | None:
+        """Step 1's failure if the check has already failed (it does not wait)."""
+        if self.done.is_set() and self.error is not None:
+            return StartupError(STEPS[0], 1, f"PackageError: {self.error}")
+        return None
+
+    def cancel(self) -> None:
+        self.stop.set()
+
+    async def result(self) -> None:
+        """Wait for the check; raise step 1's StartupError naming the file when a checksum differs."""
+        waited = time.perf_counter()
+        while not self.done.is_set():
+            await asyncio.to_thread(self.done.wait, 0.5)
+        if (failure := self.failure()) is not None:
+            raise failure
+        if self.pending.files:
+            log.info("startup step 1/%d %s: data files' checksums verified (%d files, %.2f GiB) in %.2fs beside the "
+                     "engine's start; waited %.2fs after the engine", len(STEPS), STEPS[0], len(self.pending.files),
+                     self.pending.bytes / 2**30, self.seconds, time.perf_counter() - waited)
+
+
+def _exit_refused(failure: StartupError) -> None:
+    """The entrypoint's answer to a package refused while the engine was still starting: log the failure as any
+    step's, kill what the procedure started (Triton's stubs, vLLM's engine processes) and exit with step 1's status
+    now, rather than after a start whose result will never serve."""
+    log.error("%s", failure)
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    psutil.wait_procs(children, timeout=10)
+    logging.shutdown()
+    os._exit(failure.exit_code)
 
 
 def _install_plugins(packages: list[VerifiedPackage], config: StartupConfig) -> str:
@@ -393,19 +489,33 @@ def _make_cache_dirs() -> None:
             Path(value).mkdir(parents=True, exist_ok=True)
 
 
-async def start(config: StartupConfig) -> Started:
+async def start(config: StartupConfig, *, exit_on_refusal: bool = False) -> Started:
+    """The five steps. `exit_on_refusal` (the entrypoint's): a data file whose checksum fails while steps 2-4 run ends
+    the process at once with step 1's status (_exit_refused); otherwise the failure is raised before step 5."""
     timings: list[StepTiming] = []
     config.workdir.mkdir(parents=True, exist_ok=True)
     _make_cache_dirs()
     _resolve_multiproc_dir(config)
-    packages = await _run_step(1, timings, lambda: _unpack(config))
-    await _run_step(2, timings, lambda: _install_plugins(packages, config))
-    await _run_step(3, timings, lambda: _clear_metrics_dir(config))
-    engine = await _run_step(4, timings, lambda: _start_engine(packages, config))
+    packages = await _run_step(1, timings, lambda: _unpack(config, defer_data=True))
+    checksums = _Checksums(packages, _exit_refused if exit_on_refusal else None)
+    try:
+        await _run_step(2, timings, lambda: _install_plugins(packages, config))
+        await _run_step(3, timings, lambda: _clear_metrics_dir(config))
+        engine = await _run_step(4, timings, lambda: _start_engine(packages, config))
+        checksums.on_failure = None  # from here on `result` reports it, and closing the engine is the way out
+    except BaseException as exc:
+        checksums.cancel()
+        # A package whose checksum already failed is the cause to report, not what a later step made of it.
+        failure = checksums.failure()
+        if failure is not None and isinstance(exc, StartupError):
+            raise failure from exc
+        raise
     started = Started(package=packages[0], engine=engine, timings=timings, companions=packages[1:])
     try:
+        await checksums.result()  # readiness is held until every data file matched (§3.7 step 1)
         await _run_step(5, timings, lambda: _open_ports(started, config))
     except BaseException:
+        checksums.cancel()
         await close(started)
         raise
     total = sum(t.seconds for t in timings)
@@ -492,7 +602,7 @@ async def _main_async(config: StartupConfig, on_ready: Callable[[Started], None]
         return 2
     remember_engine_cpus()  # before Triton and its stubs start: they inherit it (cpu_placement.py)
     try:
-        started = await start(config)
+        started = await start(config, exit_on_refusal=True)
     except StartupError as exc:
         log.error("%s", exc)
         return exc.exit_code
