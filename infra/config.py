@@ -16,9 +16,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from infra.instances import INSTANCE_FACTS, MIN_IMAGE_VOLUME_GIB
-from infra.model_fit import OTHER_GPU_MEMORY_UTILIZATION, VLLM_GPU_MEMORY_UTILIZATION, LoadTime, gpu_memory_fit
+from infra.model_fit import OTHER_GPU_MEMORY_UTILIZATION, LoadTime, engine_budget, gpu_memory_fit
 from llm_serving.compat import COMPAT_PATH, CompatError, load_compat
-from llm_serving.manifest import Backend, ParallelLayout
+from llm_serving.manifest import Backend, ParallelLayout, VllmEngine
 from llm_serving.pod_contract import PodContractError, package_uri, parse_package_uri
 from llm_serving.python_deps import DependencyError, parse_requirements
 from llm_serving.tensor_contract import VLLM_IO_FINGERPRINT
@@ -405,6 +405,9 @@ class ModelConfig(_Camel):
     # context lengths and concurrency the model serves (vLLM refuses to start when max_model_len's cache does not
     # fit). The stack's declaration; required for kind: vllm, only for it.
     kv_cache_gib: float | None = Field(default=None, gt=0, le=16384)
+    # A vllm model's tasks, as its packages' engine.tasks state them: each starts an engine of its own on the pod's
+    # GPUs, loading the weights (serving_image/triton/models.py), so each is budgeted. Omitted: ["generate"].
+    tasks: list[Literal["generate", "embed", "score"]] | None = None
     # What the model's packages import (their [python] dependencies, PEP 508 strings), stated again by the stack
     # because it names packages by URI only: the policy serving-python-dependencies-in-image checks them against the
     # image's stub pins (compat.toml [triton.stub]). Only for kind: python and ensemble (its steps' packages).
@@ -471,6 +474,25 @@ class ModelConfig(_Camel):
             raise ValueError(f"inProcess: only a python model without gpu may run in the caller's process; this "
                              f"model is kind: {self.kind}{' with gpu' if self.gpu is not None else ''}")
         return self
+
+    @model_validator(mode="after")
+    def _tasks(self) -> ModelConfig:
+        if self.tasks is None:
+            return self
+        if self.kind != "vllm":
+            raise ValueError(f"tasks: only a vllm model starts engines per task; this model is kind: {self.kind}")
+        try:
+            VllmEngine(tasks=self.tasks)  # the manifest's rules: each task once, `score` only beside `generate`
+        except ValidationError as err:
+            raise ValueError(f"tasks: {err.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+        return self
+
+    @property
+    def engine_tasks(self) -> tuple[str, ...]:
+        """The tasks whose engines a vllm model's pod starts (none for another kind)."""
+        if self.kind != "vllm":
+            return ()
+        return tuple(self.tasks or ["generate"])
 
     @model_validator(mode="after")
     def _sizes_declared(self) -> ModelConfig:
@@ -621,6 +643,21 @@ def newest_version(model: ModelConfig) -> str:
     return names[-1]
 
 
+def active_version(model: ModelConfig) -> str:
+    """The version a model's consumers get by default, and the one that is never removed or scaled to zero.
+    Versioned: the newest (`newest_version`, whatever the listing order). Red-black: the version that carries the
+    traffic, the `active` one, or the candidate once it has all of it (weight 100, before finalize); version
+    numbers play no part, so a rollout back to a lower version completes.
+
+    The stack outputs' `activeVersion` (infra.serving), the rollout tool's clean-up (infra.rollout.orchestrate) and
+    the policy rollout-newest-version-kept (policies.rules.rollout) all take it from here."""
+    if model.strategy == "versioned":
+        return newest_version(model)
+    if model.candidate is not None and model.weight == 100:
+        return model.candidate
+    return model.active  # type: ignore[return-value]  (a red-black model names its active version: the schema)
+
+
 class StackConfig(_Camel):
     environment: Literal["dev", "prod"]
     team: str = Field(default="ml-platform", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")  # cost allocation tag/label
@@ -708,14 +745,17 @@ class StackConfig(_Camel):
             sized = [(j, v) for j, v in enumerate(model.versions) if v.weights_gib is not None]
             if model.gpu is not None:
                 group = self.node_group(model)
-                utilization = VLLM_GPU_MEMORY_UTILIZATION if model.kind == "vllm" else OTHER_GPU_MEMORY_UTILIZATION
+                tasks = model.engine_tasks
+                utilization = engine_budget(tasks) if model.kind == "vllm" else OTHER_GPU_MEMORY_UTILIZATION
                 for j, v in sized:
                     fit = gpu_memory_fit(group.instance_types, model.gpu.count, v.weights_gib,
-                                         model.kv_cache_gib or 0.0, utilization)
+                                         model.kv_cache_gib or 0.0, utilization, tasks)
                     if not fit.fits:
+                        last = (", a smaller kvCacheGib or fewer tasks" if len(tasks) > 1
+                                else ", or a smaller kvCacheGib")
                         raise ValueError(f"models[{i}].versions[{j}].weightsGib: {model.id} {v.version} does not fit "
                                          f"its pod's GPUs: {fit.describe()}; give it more GPUs (gpu.count), a pool "
-                                         f"with more GPU memory, or a smaller kvCacheGib")
+                                         f"with more GPU memory{last}")
             # The most pods that read one version's weights at once: a red-black candidate, or a new version of a
             # versioned model, starts all its replicas together, and KEDA may have scaled the model to maxReplicas.
             pods = max(model.replicas, model.autoscaling.max_replicas if model.autoscaling else 0)

@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from infra.instances import INSTANCE_FACTS
+from llm_serving.pod_contract import engine_memory_shares
 
-# vLLM's default `gpu_memory_utilization`: the engine takes this fraction of each GPU's memory for the weights, the
-# activations and the KV cache, and leaves the rest to CUDA and other processes. The stack cannot read a package's
-# engine arguments (it names packages by URI), so a package that sets another value is not seen here.
-VLLM_GPU_MEMORY_UTILIZATION = 0.9
+# vLLM's default `gpu_memory_utilization` (pc.ENGINE_MEMORY_BUDGET, 0.9): an engine takes this fraction of each
+# GPU's memory for the weights, the activations and the KV cache, and leaves the rest to CUDA and other processes.
+# A package starts one engine per task (the stack's `tasks`): together they get this much, in equal shares that the
+# Deployment renders (pc.ENV_ENGINE_MEMORY) and the serving side writes as each engine's gpu_memory_utilization.
 # A model that is not vLLM (a Python-backend model on a GPU) has no such budget: the GPUs' whole memory.
 OTHER_GPU_MEMORY_UTILIZATION = 1.0
 
@@ -35,11 +36,18 @@ class GpuMemoryFit:
     gpus: int
     gpu_memory_gib: int  # per GPU, of the pool's type with the least
     instance_type: str
-    utilization: float
+    utilization: float  # what all the pod's engines together may take of each GPU (the sum of their shares)
+    # A vllm package's tasks: one engine each (serving_image/triton/models.py), each loading the weights; empty for a
+    # model that runs no vLLM engine (its weights are loaded once).
+    tasks: tuple[str, ...] = ()
+
+    @property
+    def engines(self) -> int:
+        return max(1, len(self.tasks))
 
     @property
     def need_gib(self) -> float:
-        return self.weights_gib + self.kv_cache_gib
+        return self.engines * self.weights_gib + self.kv_cache_gib
 
     @property
     def budget_gib(self) -> float:
@@ -51,17 +59,31 @@ class GpuMemoryFit:
 
     def describe(self) -> str:
         gpu = INSTANCE_FACTS[self.instance_type].gpu
-        return (f"weightsGib {self.weights_gib:g} + kvCacheGib {self.kv_cache_gib:g} = {self.need_gib:g} GiB, the GPU "
-                f"memory the engine may use: {self.gpus} x {self.gpu_memory_gib} GiB ({gpu}, {self.instance_type}, the "
-                f"pool's least GPU memory) x gpu_memory_utilization {self.utilization:g} = {self.budget_gib:g} GiB")
+        if self.engines > 1:
+            need = (f"tasks {', '.join(self.tasks)} start {self.engines} engines, each loading the weights: "
+                    f"{self.engines} x weightsGib {self.weights_gib:g}")
+            shares = f" ({self.utilization / self.engines:g} per engine)"
+        else:
+            need, shares = f"weightsGib {self.weights_gib:g}", ""
+        return (f"{need} + kvCacheGib {self.kv_cache_gib:g} = {self.need_gib:g} GiB, the GPU memory the "
+                f"{'engines' if self.engines > 1 else 'engine'} may use: {self.gpus} x {self.gpu_memory_gib} GiB "
+                f"({gpu}, {self.instance_type}, the pool's least GPU memory) x gpu_memory_utilization "
+                f"{self.utilization:g}{shares} = {self.budget_gib:g} GiB")
 
 
 def gpu_memory_fit(instance_types: list[str], gpus: int, weights_gib: float, kv_cache_gib: float,
-                   utilization: float) -> GpuMemoryFit:
-    """The fit on the pool's type with the least memory per GPU (any type of the pool may host the pod)."""
+                   utilization: float, tasks: tuple[str, ...] = ()) -> GpuMemoryFit:
+    """The fit on the pool's type with the least memory per GPU (any type of the pool may host the pod). `tasks`: a
+    vllm model's, whose engines share `utilization` (engine_budget)."""
     smallest = min(instance_types, key=lambda t: INSTANCE_FACTS[t].gpu_memory_gib)
     return GpuMemoryFit(weights_gib, kv_cache_gib, gpus, INSTANCE_FACTS[smallest].gpu_memory_gib, smallest,
-                        utilization)
+                        utilization, tuple(tasks))
+
+
+def engine_budget(tasks: tuple[str, ...]) -> float:
+    """What a vllm pod's engines take together: the sum of the shares the Deployment renders
+    (pc.engine_memory_shares, at most what one engine may take)."""
+    return sum(engine_memory_shares(tasks).values())
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import pulumi
 import pulumi_kubernetes as k8s
 
-from infra.config import ModelConfig, StackConfig, TritonPin
+from infra.config import ModelConfig, StackConfig, TritonPin, active_version
 from infra.instances import cpu_pod_share, pod_share
 from infra.naming import (
     CPU_NODE_GROUP_LABEL,
@@ -100,12 +100,14 @@ def package_version(stack: StackConfig, package: str) -> str:
 
 def container_env(model_id: str, version: str, io_fingerprint: str,
                   companions: tuple[tuple[str, str], ...] = (),
-                  parallel: tuple[int, int, int] | None = None) -> list[dict]:
+                  parallel: tuple[int, int, int] | None = None, tasks: tuple[str, ...] = ()) -> list[dict]:
     """The model container's environment for the package of (model id, package version): what the startup reads
     (pc.STARTUP_ENV), and the image's ENV that the pod must not leave to the image's defaults (pc.POD_ENV: the
     metrics directory, offline hubs, the caches on the writable cache volume). `companions`: the (id, version) of
     the other packages the pod serves on the same Triton (an ensemble's steps), in pc.ENV_COMPANION_PACKAGES.
-    `parallel`: a vllm model's declared engine layout (tensor, pipeline, data), in pc.ENV_PARALLEL."""
+    `parallel`: a vllm model's declared engine layout (tensor, pipeline, data), in pc.ENV_PARALLEL. `tasks`: a vllm
+    model's, whose engines' shares of the GPUs' memory (the fit's budget, infra.model_fit) go in
+    pc.ENV_ENGINE_MEMORY."""
     env = {
         pc.ENV_MODEL_ID: model_id,
         pc.ENV_MODEL_VERSION: version,
@@ -118,6 +120,8 @@ def container_env(model_id: str, version: str, io_fingerprint: str,
         env[pc.ENV_COMPANION_PACKAGES] = pc.COMPANION_SEPARATOR.join(package_path(i, v) for i, v in companions)
     if parallel is not None:
         env[pc.ENV_PARALLEL] = pc.parallel_env_value(*parallel)
+    if tasks:
+        env[pc.ENV_ENGINE_MEMORY] = pc.engine_memory_env_value(pc.engine_memory_shares(tasks))
     return [{"name": k, "value": v} for k, v in env.items()]
 
 
@@ -189,7 +193,7 @@ def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, repli
         "env": container_env(model.id, package_version(stack, pkg.package), pkg.io_fingerprint,
                              companion_packages(model, version),
                              (model.layout.tensor, model.layout.pipeline, model.layout.data)
-                             if model.kind == "vllm" else None)
+                             if model.kind == "vllm" else None, model.engine_tasks)
                + [{"name": k, "value": v} for k, v in ctx.model_env.get(model.id, {}).items()],
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in PORTS.items()],
         # §3.2/§3.7: ready only once the engine is; the startup probe's budget is the model's load time.
@@ -438,7 +442,7 @@ class ModelServing(pulumi.ComponentResource):
             kind=model.kind,
             strategy="red-black",
             versions=[s.version for s in plan.shares],
-            active_version=plan.active.version,
+            active_version=active_version(model),
             route_weights={s.version: s.weight for s in plan.shares},
             replicas={s.version: s.replicas for s in plan.shares},
             endpoints=endpoints(host),
@@ -455,7 +459,7 @@ class ModelServing(pulumi.ComponentResource):
             host = hostnames(ctx.stack, model.id, v.version)
             _routes(name, ctx, model, v.version, host, [(name, 100)], served, [served.deployment, served.service])
             version_endpoints[v.version] = endpoints(host)
-        newest = model.versions[-1].version
+        newest = active_version(model)  # by version order, not listing order
         return ServedModel(
             kind=model.kind,
             strategy="versioned",

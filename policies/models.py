@@ -2,19 +2,19 @@
 
 Policies read the same typed models as the program, so a rule and the program can never disagree about a default
 (the startup budget's `loadTimeSeconds`, for example). A model entry that does not parse is reported by the rule
-that needed it, with the schema's message. `newest_version` is infra.config's, re-exported: the rollout tool needs the
-same answer, and infra never imports policies.
+that needed it, with the schema's message. `newest_version` and `active_version` are infra.config's, re-exported: the
+stack outputs and the rollout tool need the same answer, and infra never imports policies.
 """
 
 from __future__ import annotations
 
 from pydantic import ValidationError
 
-from infra.config import ModelConfig, newest_version
+from infra.config import ModelConfig, active_version, newest_version
 
 from .context import PolicyContextError, StackContext
 
-__all__ = ["ModelConfig", "model_configs", "newest_version"]
+__all__ = ["ModelConfig", "active_version", "model_configs", "newest_version"]
 
 
 def model_configs(ctx: StackContext) -> dict[str, ModelConfig]:

@@ -23,7 +23,7 @@ from rich.table import Table
 
 from infra.config import REPO_ROOT, ConfigError
 from infra.rollout.engine import Faults
-from infra.rollout.gate import GateThresholds, PrometheusClient
+from infra.rollout.gate import GateThresholds, PrometheusClient, duration_seconds
 from infra.rollout.planner import DEFAULT_STEPS, PlanError, check_steps
 from llm_serving.pod_contract import PodContractError, package_uri
 
@@ -45,6 +45,14 @@ def _steps(text: str) -> tuple[int, ...]:
         return check_steps(tuple(int(s) for s in text.split(",")))
     except (ValueError, PlanError) as err:
         raise argparse.ArgumentTypeError(f"--steps {text!r}: {err}") from None
+
+
+def _window(text: str) -> str:
+    try:
+        duration_seconds(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"--idle-window: {err}") from None
+    return text
 
 
 def _pair(flag: str):
@@ -83,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--window", default=GateThresholds.window, help="the gate's PromQL range, e.g. 10m")
     parser.add_argument("--min-requests", type=float, default=GateThresholds.min_requests)
     parser.add_argument("--bake", type=float, default=0.0, help="seconds to wait before each gate")
-    parser.add_argument("--idle-window", default="7d", help="versioned: no request in this range means idle")
+    parser.add_argument("--idle-window", type=_window, default="7d",
+                        help="versioned: a version is removed only when Prometheus shows its pods scraped for this "
+                             "whole range, its request counter present and no request served")
     parser.add_argument("--runner", choices=["automation", "mock", "rehearsal"], default="automation",
                         help="rehearsal: the mock runner's updates carried out by `make rehearse` on real pods and a "
                              "real proxy (its --control socket)")

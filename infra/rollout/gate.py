@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -71,9 +72,44 @@ def _or0(expr: str) -> str:
 
 
 def requests_query(model_id: str, version: str, window: str) -> str:
+    """Requests served over `window`. Triton creates the success counter when it loads the model, so a version
+    without it has no data (the query returns nothing); the failure counter appears on first use (absent: 0)."""
     s = _sel(model_id, version)
-    return (_or0(f"sum(increase(nv_inference_request_success{{{s}}}[{window}]))") + " + "
+    return (f"sum(increase(nv_inference_request_success{{{s}}}[{window}])) + "
             + _or0(f"sum(increase(nv_inference_request_failure{{{s}}}[{window}]))"))
+
+
+_DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+_DURATION = re.compile(r"(\d+)(ms|s|m|h|d|w|y)")
+
+
+def duration_seconds(window: str) -> float:
+    """A Prometheus duration ("7d", "1h30m", "30s") in seconds; anything else is refused, naming it."""
+    parts = _DURATION.findall(window) if isinstance(window, str) else []
+    if not parts or "".join(n + u for n, u in parts) != window or not any(int(n) for n, _ in parts):
+        raise ValueError(f"{window!r} is not a Prometheus duration such as 30s, 10m, 7d or 1h30m")
+    return sum(int(n) * _DURATION_UNITS[u] for n, u in parts)
+
+
+def coverage_step(window: str) -> str:
+    """The subquery resolution of the coverage checks: a sample at least every minute (Prometheus' 5 min lookback
+    then spans any gap it can see), finer for short windows so that they still get about 60 points."""
+    return f"{max(1, min(60, int(duration_seconds(window) // 60)))}s"
+
+
+def scraped_query(model_id: str, version: str, window: str) -> str:
+    """1 when every one of the version's scrape targets answered (`up` 1) at every step of `window`; 0 when, at some
+    step, it had no target or one was down (a broken PodMonitor, a Prometheus restart, a retention shorter than the
+    window all read as 0)."""
+    return f"min_over_time((min(up{{{_sel(model_id, version)}}}) or vector(0))[{window}:{coverage_step(window)}])"
+
+
+def counter_query(model_id: str, version: str, window: str) -> str:
+    """1 or more when the version's success counter has a series at every step of `window`; 0 when it lacked one at
+    some step (a relabeling or a rename that drops it)."""
+    sel = _sel(model_id, version)
+    return (f"min_over_time((count(nv_inference_request_success{{{sel}}}) or vector(0))"
+            f"[{window}:{coverage_step(window)}])")
 
 
 def error_ratio_query(model_id: str, version: str, window: str) -> str:
@@ -130,9 +166,12 @@ def analyze(client: PrometheusClient, model_id: str, version: str, t: GateThresh
     """Does `version` of `model_id` (a model of `kind`, which says where its latency comes from: latency_query) serve
     within the thresholds over the last `t.window`?"""
     requests = client.scalar(requests_query(model_id, version, t.window))
-    if requests is None or requests < t.min_requests:
+    if requests is None:
+        return GateResult(False, None, None, None,
+                          f"no request counter (nv_inference_request_success) for {model_id} {version} in {t.window}")
+    if requests < t.min_requests:
         return GateResult(False, requests, None, None,
-                          f"{requests or 0:.0f} requests in {t.window}, fewer than the {t.min_requests:g} needed to "
+                          f"{requests:.0f} requests in {t.window}, fewer than the {t.min_requests:g} needed to "
                           f"judge {model_id} {version}")
     ratio = client.scalar(error_ratio_query(model_id, version, t.window))
     latency = client.scalar(latency_query(model_id, version, t.window, t.quantile, kind))
@@ -150,6 +189,38 @@ def analyze(client: PrometheusClient, model_id: str, version: str, t: GateThresh
     return GateResult(not reasons, requests, ratio, latency, "; ".join(reasons))
 
 
-def request_count(client: PrometheusClient, model_id: str, version: str, window: str) -> float:
-    """Requests `version` served over `window` (0 when no series exist: a version nobody has called)."""
-    return client.scalar(requests_query(model_id, version, window)) or 0.0
+@dataclass(frozen=True)
+class IdleEvidence:
+    """What Prometheus shows about one version over the idle window. `idle` only when proven: its pods were scraped
+    for the whole window, its request counter existed throughout, and it served nothing. `missing` names the series
+    that lacked data; with any of them missing the version is not idle, whatever the request count reads."""
+
+    version: str
+    window: str
+    requests: float | None
+    missing: tuple[str, ...] = ()
+
+    @property
+    def idle(self) -> bool:
+        return not self.missing and self.requests == 0
+
+    def describe(self) -> str:
+        if self.missing:
+            return f"{self.version} (not proven idle in {self.window}: no data for {'; '.join(self.missing)})"
+        if self.requests is None:
+            return f"{self.version} (not proven idle in {self.window}: no request count)"
+        return f"{self.version} ({self.requests:.0f} requests)"
+
+
+def idle_evidence(client: PrometheusClient, model_id: str, version: str, window: str) -> IdleEvidence:
+    """Is `version` of `model_id` proven idle over `window`? Missing or partial data never reads as idle."""
+    sel = _sel(model_id, version)
+    missing = []
+    if (client.scalar(scraped_query(model_id, version, window)) or 0) < 1:
+        missing.append(f"up{{{sel}}} (every target scraped for the whole {window})")
+    if (client.scalar(counter_query(model_id, version, window)) or 0) < 1:
+        missing.append(f"nv_inference_request_success{{{sel}}} (a series for the whole {window})")
+    requests = client.scalar(requests_query(model_id, version, window))
+    if requests is None and not missing:
+        missing.append(f"nv_inference_request_success{{{sel}}} (its increase over {window})")
+    return IdleEvidence(version, window, requests, tuple(missing))

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from infra.config import ConfigError, ModelConfig, StackConfig, newest_version, repeated
-from infra.rollout.gate import GateResult, GateThresholds, PrometheusClient, analyze, request_count
+from infra.config import ConfigError, ModelConfig, StackConfig, active_version, repeated
+from infra.rollout.gate import GateResult, GateThresholds, PrometheusClient, analyze, idle_evidence
 from infra.rollout.planner import DEFAULT_STEPS, PlanError, next_weight, plan_red_black, rollback_peak
 from infra.rollout.replication import ReplicaCheck, missing_replicas
 from infra.rollout.runner import StackRunner, UpResult
@@ -280,7 +280,7 @@ class Rollout:
         return self._run("advance", step)
 
     def _remove_idle(self, stack: str, entry: StackReport, sf: StackFile, model: ModelConfig) -> None:
-        newest = newest_version(model)
+        newest = active_version(model)  # the version the outputs name and the policies protect
         client = self.prometheus.get(stack)
         if client is None:
             raise StackFileError(f"stack {stack}: idle versions are found from Prometheus; no Prometheus for it")
@@ -295,13 +295,15 @@ class Rollout:
             if v.version in in_experiments:
                 busy.append(f"{v.version} (an arm of experiment {in_experiments[v.version]})")
                 continue
-            count = request_count(client, self.model_id, v.version, self.options.idle_window)
-            (busy.append(f"{v.version} ({count:.0f} requests)") if count > 0 else idle.add(v.version))
+            # Removed only when proven idle: scraped for the whole window, its request counter there, nothing
+            # served. Missing or partial data keeps the version, and the detail names the series it lacked.
+            evidence = idle_evidence(client, self.model_id, v.version, self.options.idle_window)
+            (idle.add(v.version) if evidence.idle else busy.append(evidence.describe()))
         older = len(model.versions) - 1
         entry.overlap_gpus = older * model.replicas * model.gpus
         if not idle:
-            entry.detail = (f"no idle version in {self.options.idle_window}: {', '.join(busy) or 'only the newest'}"
-                            f" served; the overlap holds {_held(model, older)}")
+            entry.detail = (f"no version proven idle in {self.options.idle_window}: "
+                            f"{', '.join(busy) or 'only the newest'} kept; the overlap holds {_held(model, older)}")
             return None
         sf.remove_versions(self.model_id, idle, newest)
         entry.status = "removed idle"

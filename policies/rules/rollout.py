@@ -1,5 +1,6 @@
 """Rollouts as stack updates (docs/architecture.md §4): the strategy fits the interface change, traffic goes only to
-versions that have replicas (and only after Pulumi has waited for them), and the newest version is never removed.
+versions that have replicas (and only after Pulumi has waited for them), and the active version (a versioned model's
+newest, a red-black model's version with the traffic: infra.config.active_version) is never removed.
 
 The model list comes from the stack's config (`llm-serving:models`, typed by the program's schema); what is really
 deployed comes from the Deployments (§3.10 labels name and version), Services and Gateway API routes.
@@ -14,7 +15,7 @@ from pulumi_policy import EnforcementLevel, PolicyResource, ReportViolation, Sta
 from .._props import as_number, get, iter_mappings, k8s_namespace, labels
 from ..context import PolicyContextError, stack_context
 from ..index import StackIndex, is_serving_workload, selector_matches
-from ..models import model_configs, newest_version
+from ..models import active_version, model_configs
 from ..workload import DEPLOYMENT, model_identity, pod_template, replicas
 
 ROUTE_KINDS = ("HTTPRoute", "GRPCRoute")
@@ -156,11 +157,14 @@ def _validate_newest(args: StackValidationArgs, report: ReportViolation) -> None
     index = StackIndex(args.resources)
     routes = _routes(index)
     for model in models.values():
-        newest = newest_version(model)
+        # The same version the stack outputs name as activeVersion. A red-black model's is the one with the traffic,
+        # whatever its number: a rollout back to a lower version removes the higher one at its last step.
+        newest = active_version(model)
         deployments = [d for d in _served(index, model.id, newest) if replicas(d.props) > 0]
         if not deployments:
-            report(f"model {model.id!r}: its newest version {newest!r} has no Deployment with replicas in this "
-                   f"stack; the newest version is never removed or scaled to zero", None)
+            what = "newest version" if model.strategy == "versioned" else "active version (all of its traffic)"
+            report(f"model {model.id!r}: its {what} {newest!r} has no Deployment with replicas in this "
+                   f"stack; the {what.split(' (')[0]} is never removed or scaled to zero", None)
             continue
         if model.strategy != "versioned":
             continue
@@ -212,7 +216,8 @@ rollout_weight_to_replicas = StackValidationPolicy(
 )
 rollout_newest_kept = StackValidationPolicy(
     name="rollout-newest-version-kept",
-    description="Every model's newest version stays deployed with replicas (and, when versioned, its own route).",
+    description="Every model's active version (versioned: the newest) stays deployed with replicas (and, when "
+                "versioned, its own route).",
     validate=_validate_newest,
     enforcement_level=EnforcementLevel.MANDATORY,
 )

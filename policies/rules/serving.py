@@ -515,6 +515,40 @@ def _validate_engine_parallelism(args: ResourceValidationArgs, report: ReportVio
                    f"({declared.describe()})", None)
 
 
+def _validate_engine_memory(args: ResourceValidationArgs, report: ReportViolation) -> None:
+    """A vllm model's pod states each engine's share of the GPUs' memory (pc.ENV_ENGINE_MEMORY), one per task the
+    stack declares (each task starts an engine that loads the weights), adding up to at most what one engine may
+    take: the budget the schema's fit check counted (infra.model_fit) is the one the serving side runs."""
+    if not _serving(args):
+        return
+    model_id, version = model_identity(args.props)
+    try:
+        ctx = stack_context(args)
+        model = model_configs(ctx).get(model_id) if model_id else None
+    except PolicyContextError as err:
+        report(str(err), None)
+        return
+    if model is None or model.kind != "vllm":
+        return
+    tasks = model.engine_tasks
+    for container in serving_containers(args.props):
+        value = _env_value(container, pc.ENV_ENGINE_MEMORY)
+        where = f"Deployment {args.name!r} container {_cname(container)!r}"
+        if value is None:
+            report(f"{where} has no {pc.ENV_ENGINE_MEMORY}: a vllm model's pod states each engine's share of the "
+                   f"GPUs' memory (tasks {', '.join(tasks)}: one engine each); without it every engine takes vLLM's "
+                   f"default {pc.ENGINE_MEMORY_BUDGET:g} and the second fails to start", None)
+            continue
+        try:
+            shares = pc.parse_engine_memory_env(value)
+        except pc.PodContractError as err:
+            report(f"{where}: {err}", None)
+            continue
+        if set(shares) != set(tasks):
+            report(f"{where}: {pc.ENV_ENGINE_MEMORY}={value} budgets tasks {', '.join(shares)}, the stack's "
+                   f"models[].tasks are {', '.join(tasks)}: every task's engine needs a share", None)
+
+
 # The one variable of a serving pod that may name S3: the Batch API's store of client files and results
 # (serving_image/batch/config.py ENV_STORE, rendered by infra/batch.py), which the front-end reads and writes while
 # it serves and never at start; weights and packages still may not come from S3.
@@ -696,6 +730,13 @@ serving_engine_parallelism = ResourceValidationPolicy(
     validate=_validate_engine_parallelism,
     enforcement_level=EnforcementLevel.MANDATORY,
 )
+serving_engine_memory = ResourceValidationPolicy(
+    name="serving-engine-memory-budgeted",
+    description="A vllm model's pod gives each engine it starts (one per task) a share of the GPUs' memory, the "
+                "shares adding up to at most what one engine may take.",
+    validate=_validate_engine_memory,
+    enforcement_level=EnforcementLevel.MANDATORY,
+)
 serving_cpu_model_no_gpu = StackValidationPolicy(
     name="serving-cpu-model-no-gpu",
     description="A model configured without gpu neither requests nor tolerates GPUs and runs on its CPU node group, "
@@ -772,6 +813,7 @@ POLICIES = [
     serving_image_pins,
     serving_gpu_resources,
     serving_engine_parallelism,
+    serving_engine_memory,
     serving_cpu_model_no_gpu,
     serving_probes,
     serving_update_timeout,

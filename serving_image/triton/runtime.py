@@ -18,6 +18,7 @@ import importlib.metadata
 import os
 from pathlib import Path
 
+from llm_serving import pod_contract as pc
 from llm_serving.package import VerifiedPackage
 from serving_image.triton.pins import Pins, check_vllm, load_pins
 
@@ -109,18 +110,45 @@ def _write_repository(packages: list[VerifiedPackage], repository: Path, engine_
     from serving_image.triton.repository import generate_repository
 
     max_model_len = 0
+    pod_shares = os.environ.get(pc.ENV_ENGINE_MEMORY) or None
     for package in packages:
         manifest = package.manifest
         generate_repository(manifest, package.root, repository, load_pins().pinned)
         if manifest.model.backend is Backend.VLLM:
-            # every engine of the package (its LLM, pooling and scoring models) runs with the overrides
-            for name in package_models(manifest).names:
+            # every engine of the package (its LLM, pooling and scoring models) runs with the overrides, and with
+            # its share of the GPUs' memory: the one the stack budgeted (the main package's pod_shares) or the
+            # package's own (engine_memory_shares)
+            shares = engine_memory_shares(package, pod_shares if package is packages[0] else None)
+            models = package_models(manifest)
+            for task, name in (("generate", models.generate), ("embed", models.embed), ("score", models.score)):
+                if name is None:
+                    continue
                 model_json = repository / name / "1" / "model.json"
-                engine = {**json.loads(model_json.read_text()), **(engine_overrides or {})}
+                engine = {**json.loads(model_json.read_text()), "gpu_memory_utilization": shares[task],
+                          **(engine_overrides or {})}
                 model_json.write_text(json.dumps(engine, indent=2, sort_keys=True) + "\n")
                 if package is packages[0] and name == manifest.model.id:
                     max_model_len = int(engine.get("max_model_len", 0))
     return max_model_len
+
+
+def engine_memory_shares(package: VerifiedPackage, pod_shares: str | None) -> dict[str, float]:
+    """Each of the package's engines' gpu_memory_utilization, by task. With the Deployment's shares
+    (pc.ENV_ENGINE_MEMORY, what the stack budgeted) the package's tasks must be the ones the stack counted; a share
+    the package states lower is kept."""
+    engine = package.manifest.engine
+    assert engine is not None
+    own = engine.memory_shares()
+    if pod_shares is None:
+        return own
+    budgeted = pc.parse_engine_memory_env(pod_shares)
+    if set(budgeted) != set(own):
+        raise RuntimeError(f"the Deployment's {pc.ENV_ENGINE_MEMORY}={pod_shares} budgets the GPU memory of engines "
+                           f"for tasks {', '.join(budgeted)}, but the package's engine.tasks are "
+                           f"{', '.join(engine.tasks)} ({package.root}): each task starts an engine of its own, so "
+                           f"the stack's models[].tasks must list the package's; refusing to serve it")
+    return {task: min(budgeted[task], own[task]) if "gpu_memory_utilization" in engine.args else budgeted[task]
+            for task in own}
 
 
 def _backends(workdir: Path) -> tuple[str | Path, Path | None, dict[str, str]]:

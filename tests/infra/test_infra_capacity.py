@@ -297,6 +297,35 @@ def test_weights_and_kv_cache_must_fit_the_pods_gpu_memory():
         parse_stack_config(values, "us-east-1")
 
 
+def test_every_engine_a_packages_tasks_start_is_budgeted():
+    """chat-large on 8 x L40S fits with one engine (132 + 160 of 345.6 GiB); serving `generate` and `embed` it
+    starts two engines, each loading the 132 GiB of weights, in shares of 0.45: refused, naming the tasks. Each
+    engine's share is what the Deployment renders for the serving side (pc.ENV_ENGINE_MEMORY)."""
+    values = _prod_values("prod-eu-west-1")
+    values["models"][0]["tasks"] = ["generate", "embed"]
+    with pytest.raises(ConfigError) as err:
+        parse_stack_config(values, "eu-west-1")
+    assert str(err.value) == (
+        "llm-serving:models[0].versions[0].weightsGib: chat-large 2.3.0 does not fit its pod's GPUs: tasks generate, "
+        "embed start 2 engines, each loading the weights: 2 x weightsGib 132 + kvCacheGib 160 = 424 GiB, the GPU "
+        "memory the engines may use: 8 x 48 GiB (L40S, g6e.48xlarge, the pool's least GPU memory) x "
+        "gpu_memory_utilization 0.9 (0.45 per engine) = 345.6 GiB; give it more GPUs (gpu.count), a pool with more "
+        "GPU memory, a smaller kvCacheGib or fewer tasks")
+    values["models"][0]["kvCacheGib"] = 64  # 2 x 132 + 64 = 328 GiB: fits the two shares
+    config = parse_stack_config(values, "eu-west-1")
+    assert config.models[0].engine_tasks == ("generate", "embed")
+    for bad, message in ((["embed", "embed"], "lists a task twice"), (["score"], "'score' needs 'generate'")):
+        values["models"][0]["tasks"] = bad
+        with pytest.raises(ConfigError, match=rf"models\[0\]\.tasks: .*{message}"):
+            parse_stack_config(values, "eu-west-1")
+    values = _dev_values()
+    ranker = next(m for m in values["models"] if m["id"] == "ranker")
+    ranker["tasks"] = ["generate"]
+    with pytest.raises(ConfigError, match=r"tasks: only a vllm model starts engines per task; this model is kind: "
+                                          r"python"):
+        parse_stack_config(values, "us-east-1")
+
+
 def test_the_smallest_gpu_memory_of_the_pool_counts():
     values = _prod_values()
     group = next(g for g in values["cluster"]["gpuNodeGroups"] if g["name"] == "h100")

