@@ -295,9 +295,15 @@ def _rollout(args: argparse.Namespace) -> int:
 
 
 def _rehearse(args: argparse.Namespace) -> int:
-    from llm_serving_cli.rehearsal.run import main as rehearse_main
+    from llm_serving_cli.rehearsal import options
 
-    return rehearse_main(args.args)
+    chosen = options.parse(args.args)  # --help and refused options are answered from any install of the wheel
+    try:
+        from llm_serving_cli.rehearsal.run import rehearse
+    except ModuleNotFoundError as err:
+        raise SystemExit(f"llm-serving rehearse: the rehearsal needs the packages of the repository's .venv-serving "
+                         f"(`make rehearse` runs it from there): {err}") from None
+    return rehearse(chosen)
 
 
 def _image(args: argparse.Namespace) -> int:

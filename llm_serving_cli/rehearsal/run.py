@@ -20,7 +20,6 @@ rollout scenarios a stack runs in scenarios.py.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import json
@@ -45,6 +44,7 @@ from llm_serving_cli.rehearsal import (
     experiment,
     model_cache,
     observe,
+    options,
     podspec,
     render,
     scenarios,
@@ -60,7 +60,6 @@ from llm_serving_cli.rehearsal.node import Node
 from llm_serving_cli.rehearsal.services import Endpoint, ServiceProxy
 from llm_serving_client import Client, GatewayEndpoints
 
-DEFAULT_STACK = "dev-us-east-1"
 CRASH_LOOP_RESTARTS = 3  # a pod restarted this often without getting Ready fails the rehearsal
 
 
@@ -418,15 +417,11 @@ class Rehearsal:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="llm-serving rehearse", description=__doc__.splitlines()[0])
-    parser.add_argument("--stack", default=DEFAULT_STACK, help=f"a stack in stacks/ (default {DEFAULT_STACK})")
-    parser.add_argument("--no-scenarios", action="store_true",
-                        help="bring the stack up and drive traffic only, without the rollout scenarios")
-    parser.add_argument("--scenario", action="append", choices=scenarios.SCENARIOS, dest="scenarios",
-                        help="run this rollout scenario only (repeat for several; default: all of them, in order)")
-    args = parser.parse_args(argv)
-    if args.no_scenarios and args.scenarios:
-        parser.error("--no-scenarios and --scenario contradict each other")
+    return rehearse(options.parse(argv))
+
+
+def rehearse(args) -> int:
+    """One rehearsal with the options options.parse read."""
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
     rehearsal = Rehearsal(args.stack, console)
     rehearsal.with_scenarios = not args.no_scenarios

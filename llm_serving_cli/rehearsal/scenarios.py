@@ -37,7 +37,6 @@ from llm_serving_cli.rehearsal import render, storage
 from llm_serving_cli.rehearsal.cluster import NAME_LABEL, VERSION_LABEL, RehearsalCluster
 from llm_serving_cli.rehearsal.load import LoadResult, run_kserve_load, run_load
 
-SCENARIOS = ("red-black", "rollback", "rollback-errors", "versioned")  # the rollout scenarios, in the order they run
 INFRA_CLI = REPO_ROOT / ".venv-infra" / "bin" / "llm-serving"
 STEPS = "50,100"
 SURGE = 1
@@ -409,9 +408,9 @@ def _next_minor(version: str, step: int) -> str:
 
 def runnable(ctx: Context, models: list[dict[str, Any]],
              only: tuple[str, ...] = ()) -> list[tuple[str, Callable[[], Awaitable[ScenarioResult]]]]:
-    """The scenarios the stack's `models` allow, in SCENARIOS' order, each ready to run (`only`: those alone; one
-    the stack cannot run is a ScenarioError). What a missing model rules out is printed, so a run that skips a
-    scenario says why."""
+    """The scenarios the stack's `models` allow, in options.SCENARIOS' order, each ready to run (`only`: those
+    alone; one the stack cannot run is a ScenarioError). What a missing model rules out is printed, so a run that
+    skips a scenario says why."""
 
     def red_black_of(kind: str) -> dict[str, Any] | None:
         return next((m for m in models if m.get("strategy") == "red-black" and m["kind"] == kind), None)
