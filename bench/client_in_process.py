@@ -20,13 +20,14 @@ import time
 import numpy as np
 
 from bench.report import main, percentile, result
+from llm_serving.repository import REPO_ROOT
 
 QUICK = os.environ.get("LLM_SERVING_BENCH_QUICK") == "1"
 CALLS = 200 if QUICK else 2000
 ROUNDS = 3
 ROWS = (1, 16)
 MODEL = "ranker-features"
-FEATURES = pathlib.Path(__file__).resolve().parents[1] / "examples" / "ranker" / "pipeline" / "features"
+FEATURES = REPO_ROOT / "examples" / "ranker" / "pipeline" / "features"
 
 
 def _package(out: pathlib.Path) -> pathlib.Path:

@@ -21,10 +21,10 @@ from llm_serving.compat import COMPAT_PATH, CompatError, load_compat
 from llm_serving.manifest import Backend, ParallelLayout, VllmEngine
 from llm_serving.pod_contract import PodContractError, package_uri, parse_package_uri
 from llm_serving.python_deps import DependencyError, parse_requirements
+from llm_serving.repository import REPO_ROOT
 from llm_serving.tensor_contract import VLLM_IO_FINGERPRINT
 
 PROJECT = "llm-serving"
-REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPAT_TOML = COMPAT_PATH
 
 # Keys of the project namespace that the program reads; any other `llm-serving:` key is a typo, and an error.

@@ -20,8 +20,8 @@ import pulumi_docker_build as docker_build
 
 from infra.config import TritonPin
 from infra.image_context import image_tag
+from llm_serving.repository import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 CONTEXT = "."  # the repository root: what serving_image/Dockerfile's COPY instructions expect
 DOCKERFILE = "serving_image/Dockerfile"
 

@@ -22,8 +22,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from llm_serving.repository import REPO_ROOT
+
 # compat.toml is the serving image's file; this module reads it as a file, never by importing the image's code.
-COMPAT_PATH = Path(__file__).resolve().parents[1] / "serving_image" / "compat.toml"
+COMPAT_PATH = REPO_ROOT / "serving_image" / "compat.toml"
 SCHEMA = 1  # the `schema` this reader reads
 _RELEASE = re.compile(r"^\d{2}\.\d{2}$")  # Triton's release naming: YY.MM
 

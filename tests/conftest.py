@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from llm_serving.repository import REPO_ROOT
+
 CACHE_ROOT = REPO_ROOT / ".cache" / "llm-serving"
 
 # Nothing may reach a model hub from a test.

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from llm_serving.repository import REPO_ROOT
 from serving_image.metrics.proxy import PREFIX
 
 NAME = "app_kubernetes_io_name"
@@ -37,7 +38,7 @@ PANEL_SEL = f'{PART_OF}, {NAME}=~"$model", {VERSION}=~"$version"'
 DASHBOARD_FILE = Path("grafana/llm-serving.json")
 RULES_FILE = Path("prometheus/llm-serving-alerts.yml")
 SCRAPE_FILE = Path("prometheus/llm-serving-scrape.yml")
-DEFAULT_OUT = Path(__file__).resolve().parents[2] / "deploy" / "observability"
+DEFAULT_OUT = REPO_ROOT / "deploy" / "observability"
 
 
 @dataclass(frozen=True)

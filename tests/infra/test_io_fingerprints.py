@@ -3,13 +3,12 @@ restates an old one."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import yaml
 
+from llm_serving.repository import REPO_ROOT
 from llm_serving.tensor_contract import RETIRED_VLLM_IO_FINGERPRINTS, VLLM_IO_FINGERPRINT
 
-STACKS = Path(__file__).resolve().parents[2] / "stacks"
+STACKS = REPO_ROOT / "stacks"
 
 
 def _fingerprints() -> dict[str, set[str]]:

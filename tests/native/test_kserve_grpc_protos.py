@@ -6,11 +6,12 @@ one), so a tritonclient upgrade that changes the protos fails here until the fil
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 from google.protobuf import descriptor_pb2
 
-PROTOS = Path(__file__).resolve().parents[2] / "native" / "triton" / "protos"
+from llm_serving.repository import REPO_ROOT
+
+PROTOS = REPO_ROOT / "native" / "triton" / "protos"
 
 
 def _generator():

@@ -22,6 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from llm_serving.repository import REPO_ROOT
+
 GOLDEN = Path(__file__).parent / "golden" / "embed-score" / "demo-tiny.json"
 MODEL = "demo-tiny"
 # One request per OpenAI input shape (a list of strings; a list of token ids): the API takes no list that mixes them.
@@ -111,6 +113,5 @@ def check(measured: dict) -> None:
 if __name__ == "__main__":
     from serving_image.demo_model import ensure_demo_model
 
-    REPO = Path(__file__).resolve().parents[2]
-    record(ensure_demo_model(REPO / ".cache" / "llm-serving" / "models" / "demo-tiny"))
+    record(ensure_demo_model(REPO_ROOT / ".cache" / "llm-serving" / "models" / "demo-tiny"))
     print(f"recorded {GOLDEN}")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from llm_serving.repository import REPO_ROOT
 from serving_image import cpu_placement as cp
 
 ALL = frozenset(os.sched_getaffinity(0))
@@ -174,7 +175,7 @@ def test_the_thread_that_starts_an_engine_gets_the_recorded_cores_back():
               sorted(os.sched_getaffinity(0)))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[2]).stdout.split("]")
+                         cwd=REPO_ROOT).stdout.split("]")
     assert out[0] + "]" == str(sorted(ALL)) and out[1].strip() + "]" == str(sorted(ALL))
 
 
@@ -210,6 +211,6 @@ def test_a_sigterm_while_the_process_settles_drains_instead_of_killing():
         print("exit", code, "draining", started.draining)
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2])
+                          cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["settled", "engine", "shut", "down", "exit", "0", "draining", "True"]

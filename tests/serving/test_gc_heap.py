@@ -7,7 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
+
+from llm_serving.repository import REPO_ROOT
 
 SCRIPT = textwrap.dedent("""
     import gc, weakref
@@ -38,7 +39,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_freeze_collects_startup_garbage_then_hides_what_survived():
-    root = Path(__file__).resolve().parents[2]
+    root = REPO_ROOT
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd=root, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["garbage before the freeze collected=True", "frozen=True",

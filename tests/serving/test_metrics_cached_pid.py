@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from llm_serving.repository import REPO_ROOT
+
 SCRIPT = textwrap.dedent("""
     import os, sys
     from prometheus_client import CollectorRegistry, Counter, values
@@ -44,7 +46,7 @@ def _run(script: str, multiproc_dir: Path | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k.lower() != "prometheus_multiproc_dir"}
     if multiproc_dir is not None:
         env["PROMETHEUS_MULTIPROC_DIR"] = str(multiproc_dir)
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = str(REPO_ROOT)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60,
                           check=True)
     return dict(line.split("=", 1) for line in done.stdout.strip().splitlines())

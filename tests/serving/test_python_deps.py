@@ -30,11 +30,11 @@ from llm_serving.python_deps import (
     load_stub_pins,
     parse_requirements,
 )
+from llm_serving.repository import REPO_ROOT
 from serving_image.triton import probe
 
-REPO = Path(__file__).resolve().parents[2]
-RANKER = REPO / "examples" / "ranker"
-DOCKERFILE = REPO / "serving_image" / "Dockerfile"
+RANKER = REPO_ROOT / "examples" / "ranker"
+DOCKERFILE = REPO_ROOT / "serving_image" / "Dockerfile"
 
 
 def _ranker_spec(tmp_path: Path, *, dependencies: tuple[str, ...], execution_env: Path | None = None,

@@ -34,10 +34,11 @@ import subprocess
 from functools import cache
 from pathlib import Path
 
+from llm_serving.repository import REPO_ROOT
+
 THIS = Path(__file__).resolve()
-REPO = THIS.parents[2]
-ARCHITECTURE = REPO / "docs" / "architecture.md"
-LOCAL_ENVIRONMENT = REPO / "docs" / "local-environment.md"
+ARCHITECTURE = REPO_ROOT / "docs" / "architecture.md"
+LOCAL_ENVIRONMENT = REPO_ROOT / "docs" / "local-environment.md"
 # Built from pieces so that this file does not match what it forbids.
 OUTSIDE_REFERENCES = ("../" + "shared", "/work/" + "shared", "ARCHITECTURE" + ".md", "ARCHITECTURE" + " §")
 # Trees the setup, the tests and the tools generate (the fallback when git is not there to say what is ignored).
@@ -73,13 +74,13 @@ SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 @cache
 def repository_files() -> tuple[Path, ...]:
     try:
-        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO_ROOT,
                              check=True, capture_output=True).stdout
-        files = {REPO / name for name in out.decode().split("\0") if name}
+        files = {REPO_ROOT / name for name in out.decode().split("\0") if name}
     except (OSError, subprocess.CalledProcessError):
         # Not a git checkout (an unpacked archive): every file but what the setup and the tests generate.
         files = set()
-        for root, dirs, names in os.walk(REPO):
+        for root, dirs, names in os.walk(REPO_ROOT):
             dirs[:] = [d for d in dirs
                        if d not in GENERATED and not d.startswith(".venv") and not d.endswith(".egg-info")]
             files.update(Path(root) / name for name in names)
@@ -91,7 +92,7 @@ def repository_files() -> tuple[Path, ...]:
 def generated(path: Path) -> bool:
     """Inside a tree the setup generates (a virtual environment git does not yet ignore, a build directory)."""
     return any(part in GENERATED or part.startswith(".venv") or part.endswith(".egg-info")
-               for part in path.relative_to(REPO).parts[:-1])
+               for part in path.relative_to(REPO_ROOT).parts[:-1])
 
 
 @cache
@@ -119,7 +120,7 @@ def markdown_files() -> list[tuple[Path, str]]:
 
 
 def where(path: Path, text: str, offset: int) -> str:
-    return f"{path.relative_to(REPO)}:{text.count(chr(10), 0, offset) + 1}"
+    return f"{path.relative_to(REPO_ROOT)}:{text.count(chr(10), 0, offset) + 1}"
 
 
 def outside_fences(text: str) -> list[tuple[int, str]]:
@@ -234,9 +235,9 @@ def as_words(text: str) -> str:
 
 def cited_document(cited: str, citing: Path) -> Path | None:
     """The document a citation names: beside the citing file, from the repository root, or in docs/."""
-    for base in (citing.parent, REPO, REPO / "docs"):
+    for base in (citing.parent, REPO_ROOT, REPO_ROOT / "docs"):
         candidate = (base / cited).resolve()
-        if candidate.is_relative_to(REPO) and candidate.is_file():
+        if candidate.is_relative_to(REPO_ROOT) and candidate.is_file():
             return candidate
     return None
 
@@ -266,7 +267,7 @@ def test_nothing_refers_outside_the_repository():
         for number, line in enumerate(text.splitlines(), 1):
             for needle in OUTSIDE_REFERENCES:
                 if needle in line:
-                    offending.append(f"{path.relative_to(REPO)}:{number}: {needle!r} in {line.strip()[:100]!r}")
+                    offending.append(f"{path.relative_to(REPO_ROOT)}:{number}: {needle!r} in {line.strip()[:100]!r}")
     assert not offending, ("files refer to documents outside the repository (cite docs/architecture.md or "
                            "docs/local-environment.md instead):\n" + "\n".join(offending))
 
@@ -314,7 +315,7 @@ def test_every_named_citation_is_a_heading_of_its_document():
                 offending.append(f"{where(path, text, m.start())}: {cited}, \"{name}\": no document {cited}")
             elif not names_a_title(name, set(citable_titles(doc))):
                 offending.append(f"{where(path, text, m.start())}: {cited}, \"{name}\": no heading or bold label "
-                                 f"\"{name}\" in {doc.relative_to(REPO)}")
+                                 f"\"{name}\" in {doc.relative_to(REPO_ROOT)}")
     assert not offending, "citations of sections that do not exist:\n" + "\n".join(offending)
 
 
@@ -338,18 +339,18 @@ def test_every_relative_markdown_link_resolves():
                 continue
             file_part, _, fragment = target.partition("#")
             if file_part:
-                base = REPO if file_part.startswith("/") else path.parent
+                base = REPO_ROOT if file_part.startswith("/") else path.parent
                 resolved = (base / file_part.lstrip("/")).resolve()
             else:
                 resolved = path
-            if not resolved.is_relative_to(REPO):
+            if not resolved.is_relative_to(REPO_ROOT):
                 offending.append(f"{where(path, text, offset)}: {target} leaves the repository")
             elif not resolved.exists():
                 offending.append(f"{where(path, text, offset)}: {target} does not exist "
-                                 f"({resolved.relative_to(REPO)})")
+                                 f"({resolved.relative_to(REPO_ROOT)})")
             elif fragment and resolved.suffix == ".md" and fragment not in anchors(resolved):
                 offending.append(f"{where(path, text, offset)}: {target}: no heading with anchor #{fragment} in "
-                                 f"{resolved.relative_to(REPO)}")
+                                 f"{resolved.relative_to(REPO_ROOT)}")
     assert not offending, "Markdown links that do not resolve:\n" + "\n".join(offending)
 
 
@@ -367,7 +368,7 @@ def test_every_plain_anchor_is_a_heading_of_its_document():
                 offending.append(f"{where(path, text, m.start())}: {target}: no document {m.group('doc')}")
             elif m.group("anchor") not in anchors(doc):
                 offending.append(f"{where(path, text, m.start())}: {target}: no heading with anchor "
-                                 f"#{m.group('anchor')} in {doc.relative_to(REPO)}")
+                                 f"#{m.group('anchor')} in {doc.relative_to(REPO_ROOT)}")
     assert not offending, "anchors that are no heading of their document:\n" + "\n".join(offending)
 
 
@@ -396,7 +397,7 @@ def test_the_checks_recognise_what_they_check():
 
 # --- `make` targets and `llm-serving` subcommands named by the reader-facing documents -----------------------------
 
-MAKEFILE = REPO / "Makefile"
+MAKEFILE = REPO_ROOT / "Makefile"
 # A rule's targets: `name other:` at a line's start, not a recipe (a tab), not an assignment (`X := ...`).
 MAKE_RULE = re.compile(r"^([A-Za-z0-9_.%/-]+(?:[ \t]+[A-Za-z0-9_.%/-]+)*)[ \t]*::?(?!=)", re.MULTILINE)
 # `make up`, `make up MODE=standalone`, `make STACK=x rehearse`: the first word that is not an assignment.
@@ -404,13 +405,14 @@ MAKE_CALL = re.compile(r"(?:^|[;&|(]\s*|\$\s+)make[ \t]+(?:[A-Z_]+=\S*[ \t]+)*(?
 CLI_CALL = re.compile(r"(?:^|[;&|(/]\s*|\$\s+|\s)llm-serving[ \t]+(?P<sub>[a-z][\w-]*)"
                       r"(?:[ \t]+(?P<action>[a-z][\w-]*(?:\\?\|[a-z][\w-]*)*)(?![\w./-]))?")
 # The parsers a subcommand hands its arguments to: their own subcommands, or the choices of their first positional.
-NESTED_PARSERS = {"batch": REPO / "llm_serving_cli" / "batch.py", "rollout": REPO / "infra" / "rollout" / "cli.py"}
+NESTED_PARSERS = {"batch": REPO_ROOT / "llm_serving_cli" / "batch.py",
+                  "rollout": REPO_ROOT / "infra" / "rollout" / "cli.py"}
 
 
 def reader_documents() -> list[tuple[Path, str]]:
-    named = {REPO / "README.md", REPO / "CHANGELOG.md"}
+    named = {REPO_ROOT / "README.md", REPO_ROOT / "CHANGELOG.md"}
     return [(path, text) for path, text in markdown_files()
-            if path in named or path.parent == REPO / "docs"]
+            if path in named or path.parent == REPO_ROOT / "docs"]
 
 
 def code_of(text: str) -> list[tuple[int, str]]:
@@ -456,7 +458,7 @@ def parser_names(path: Path) -> set[str]:
 @cache
 def cli_subcommands() -> dict[str, frozenset[str]]:
     """Each `llm-serving` subcommand with the subcommands of the parser it hands its arguments to (none: empty)."""
-    top = parser_names(REPO / "llm_serving_cli" / "main.py")
+    top = parser_names(REPO_ROOT / "llm_serving_cli" / "main.py")
     return {name: frozenset(parser_names(NESTED_PARSERS[name]) if name in NESTED_PARSERS else ()) for name in top}
 
 

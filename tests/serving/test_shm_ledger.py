@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from llm_serving.repository import REPO_ROOT
+
 SCRIPT = textwrap.dedent('''
     import multiprocessing, os, sys
     from multiprocessing import shared_memory
@@ -36,7 +38,7 @@ SCRIPT = textwrap.dedent('''
 def _run(tmp_path: Path, mode: str) -> tuple[str, str, str]:
     script = tmp_path / "engine_like.py"
     script.write_text(SCRIPT)
-    repo = Path(__file__).resolve().parents[2]
+    repo = REPO_ROOT
     result = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=120,
                             cwd=repo, env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr

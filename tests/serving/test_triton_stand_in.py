@@ -6,15 +6,15 @@ from __future__ import annotations
 import ast
 import json
 import os
-from pathlib import Path
 
 import pytest
 
+from llm_serving.repository import REPO_ROOT
 from llm_serving.tensor_contract import VLLM_INPUTS, VLLM_OUTPUTS
 from serving_image.engine.base import ModelInfo
 from serving_image.triton.stub_vllm import ParameterError, sampling_params_from_json
 
-MODEL_PY = Path(__file__).resolve().parents[2] / "serving_image" / "triton" / "backends" / "vllm" / "model.py"
+MODEL_PY = REPO_ROOT / "serving_image" / "triton" / "backends" / "vllm" / "model.py"
 INFO = ModelInfo(name="m", version="1", max_model_len=512, vocab_size=1000, eos_token_id=2)
 _TYPES = {"TYPE_STRING": "BYTES", "TYPE_BOOL": "BOOL", "TYPE_UINT32": "UINT32", "TYPE_FP32": "FP32"}
 
@@ -108,7 +108,7 @@ def test_makefile_installs_the_pinned_triton():
 
     from serving_image.triton.pins import load_pins
 
-    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    makefile = (REPO_ROOT / "Makefile").read_text()
     pin = load_pins().local_triton
     assert re.search(rf"^TRITON_WHEEL := {re.escape(pin.distribution)}=={re.escape(pin.distribution_version)}$",
                      makefile, re.M)
