@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import pulumi
 import pulumi_kubernetes as k8s
 
+from infra.bootstrap import GATEWAY_NAMESPACE
 from infra.config import ModelConfig, StackConfig, TritonPin, active_version
 from infra.instances import cpu_pod_share, pod_share
 from infra.naming import (
@@ -40,6 +41,7 @@ from infra.naming import (
     version_slug,
 )
 from infra.rollout.planner import VersionShare, plan_red_black
+from infra.serving_platform import GATEWAY_NAME
 from llm_serving import pod_contract as pc
 
 # The pod contract (docs/architecture.md §3.10b) owns every port, path, env name and the user id the image expects.
@@ -278,17 +280,30 @@ def scaled_object_spec(ctx: ServingContext, model: ModelConfig, share: VersionSh
     }
 
 
+# The labels Envoy Gateway puts on the proxy pods of a Gateway.
+GATEWAY_OWNER_NAME_LABEL = "gateway.envoyproxy.io/owning-gateway-name"
+GATEWAY_OWNER_NAMESPACE_LABEL = "gateway.envoyproxy.io/owning-gateway-namespace"
+
+
+def gateway_pod_peer(namespace: str) -> dict:
+    """The gateway's data plane as a NetworkPolicy peer: Envoy Gateway runs the proxies of the platform's Gateway in
+    its controller's namespace and labels them with the Gateway they serve."""
+    return {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": GATEWAY_NAMESPACE}},
+            "podSelector": {"matchLabels": {GATEWAY_OWNER_NAME_LABEL: GATEWAY_NAME,
+                                            GATEWAY_OWNER_NAMESPACE_LABEL: namespace}}}
+
+
 def network_policy_spec(ctx: ServingContext, model_id: str, version: str) -> dict:
-    """Ingress only on the serving ports (from the gateway, whose data plane depends on the gateway class) and on
-    the metrics port only from the monitoring namespace. Egress is not restricted: the pods reach STS (IRSA) and
-    the Lustre servers, whose addresses are not stable."""
+    """Ingress on the serving ports only from the gateway's proxies (a caller reaches a model through its routes,
+    authentication, retries and TLS, never around them) and on the metrics port only from the monitoring namespace.
+    Egress is not restricted: the pods reach STS (IRSA) and the Lustre servers, whose addresses are not stable."""
     serving_ports = [{"protocol": "TCP", "port": PORTS[p]}
                      for p in (pc.KSERVE_HTTP_PORT_NAME, pc.KSERVE_GRPC_PORT_NAME, pc.OPENAI_PORT_NAME)]
     return {
         "podSelector": {"matchLabels": selector_labels(model_id, version)},
         "policyTypes": ["Ingress"],
         "ingress": [
-            {"ports": serving_ports},
+            {"ports": serving_ports, "from": [gateway_pod_peer(ctx.namespace)]},
             {"ports": [{"protocol": "TCP", "port": PORTS[pc.METRICS_PORT_NAME]}],
              "from": [{"namespaceSelector": {"matchLabels": {
                  "kubernetes.io/metadata.name": ctx.stack.serving.monitoring_namespace}}}]},

@@ -32,7 +32,7 @@ from .._props import annotations, as_list, as_number, duration_seconds, get, ite
 from ..compat import DEFAULT_PATH as DEFAULT_COMPAT
 from ..compat import CompatError, Pins, load_pins
 from ..context import PolicyContextError, stack_context
-from ..index import StackIndex, is_serving_workload
+from ..index import StackIndex, is_serving_workload, selector_matches
 from ..models import model_configs
 from ..workload import (
     DEPLOYMENT,
@@ -549,6 +549,71 @@ def _validate_engine_memory(args: ResourceValidationArgs, report: ReportViolatio
                    f"models[].tasks are {', '.join(tasks)}: every task's engine needs a share", None)
 
 
+# Envoy Gateway runs a Gateway's proxies in its controller's namespace and labels them with the Gateway they serve.
+GATEWAY_CONTROLLER_NAMESPACE = "envoy-gateway-system"
+GATEWAY_OWNER_LABEL = "gateway.envoyproxy.io/owning-gateway-name"
+SERVING_PORTS = {pc.PORTS[n] for n in (pc.KSERVE_HTTP_PORT_NAME, pc.KSERVE_GRPC_PORT_NAME, pc.OPENAI_PORT_NAME)}
+SERVING_PORT_NAMES = {pc.KSERVE_HTTP_PORT_NAME, pc.KSERVE_GRPC_PORT_NAME, pc.OPENAI_PORT_NAME}
+
+
+def _rule_ports(rule: Mapping[str, Any]) -> set[str]:
+    """What an ingress rule admits: "serving", "metrics" (a rule without ports admits every port: both)."""
+    ports = list(iter_mappings(rule.get("ports")))
+    if not ports:
+        return {"serving", "metrics"}
+    found = set()
+    for port in ports:
+        value = port.get("port")
+        number = as_number(value)
+        if value is None or (number is not None and number in SERVING_PORTS) or value in SERVING_PORT_NAMES:
+            found.add("serving")
+        if value is None or number == pc.PORTS[pc.METRICS_PORT_NAME] or value == pc.METRICS_PORT_NAME:
+            found.add("metrics")
+    return found
+
+
+def _ns_is(peer: Mapping[str, Any], namespace: str) -> bool:
+    return (get(peer, "namespaceSelector", "matchLabels") or {}).get("kubernetes.io/metadata.name") == namespace
+
+
+def _validate_network_policy(args: StackValidationArgs, report: ReportViolation) -> None:
+    index = StackIndex(args.resources)
+    policies = index.k8s("NetworkPolicy")
+    try:
+        serving = stack_context(args).config.get("serving")
+    except PolicyContextError:
+        serving = None
+    monitoring = (serving.get("monitoringNamespace") if isinstance(serving, Mapping) else None) or "monitoring"
+    for deployment in index.of_type(DEPLOYMENT):
+        if not is_serving_workload(deployment.props):
+            continue
+        namespace = k8s_namespace(deployment.props)
+        pod_labels = labels(pod_template(deployment.props))
+        selecting = [n for n in policies if k8s_namespace(n.props) == namespace
+                     and selector_matches(get(n.props, "spec", "podSelector", "matchLabels"), pod_labels)
+                     and "Ingress" in (get(n.props, "spec", "policyTypes") or ["Ingress"])]
+        if not selecting:
+            report(f"Deployment {deployment.name!r}: no NetworkPolicy selects its pods; any pod in the cluster "
+                   f"reaches its serving ports past the gateway's authentication and routes", deployment.urn)
+            continue
+        for netpol in selecting:
+            for i, rule in enumerate(iter_mappings(get(netpol.props, "spec", "ingress"))):
+                peers = list(iter_mappings(rule.get("from")))
+                admits = _rule_ports(rule)
+                where = f"NetworkPolicy {netpol.name!r} ingress rule #{i}"
+                if "serving" in admits and (not peers or not all(
+                        _ns_is(p, GATEWAY_CONTROLLER_NAMESPACE)
+                        and (get(p, "podSelector", "matchLabels") or {}).get(GATEWAY_OWNER_LABEL) for p in peers)):
+                    report(f"{where} admits the serving ports of {deployment.name!r} from "
+                           f"{'anywhere' if not peers else 'peers other than the gateway'}; only the gateway's "
+                           f"proxies (namespace {GATEWAY_CONTROLLER_NAMESPACE}, label {GATEWAY_OWNER_LABEL}) may "
+                           f"call a model", netpol.urn)
+                if admits == {"metrics"} and (not peers or not all(_ns_is(p, monitoring) for p in peers)):
+                    report(f"{where} admits the metrics port of {deployment.name!r} from "
+                           f"{'anywhere' if not peers else 'outside the monitoring namespace'}; only "
+                           f"{monitoring!r} scrapes it", netpol.urn)
+
+
 # The one variable of a serving pod that may name S3: the Batch API's store of client files and results
 # (serving_image/batch/config.py ENV_STORE, rendered by infra/batch.py), which the front-end reads and writes while
 # it serves and never at start; weights and packages still may not come from S3.
@@ -737,6 +802,13 @@ serving_engine_memory = ResourceValidationPolicy(
     validate=_validate_engine_memory,
     enforcement_level=EnforcementLevel.MANDATORY,
 )
+serving_network_policy = StackValidationPolicy(
+    name="serving-network-policy-gateway-only",
+    description="Every model server's pods are selected by a NetworkPolicy that admits the serving ports only from "
+                "the gateway's proxies and the metrics port only from the monitoring namespace.",
+    validate=_validate_network_policy,
+    enforcement_level=EnforcementLevel.MANDATORY,
+)
 serving_cpu_model_no_gpu = StackValidationPolicy(
     name="serving-cpu-model-no-gpu",
     description="A model configured without gpu neither requests nor tolerates GPUs and runs on its CPU node group, "
@@ -814,6 +886,7 @@ POLICIES = [
     serving_gpu_resources,
     serving_engine_parallelism,
     serving_engine_memory,
+    serving_network_policy,
     serving_cpu_model_no_gpu,
     serving_probes,
     serving_update_timeout,

@@ -165,6 +165,20 @@ def deployment_inputs(model_id: str, version: str, replicas: int = 2, env: str =
     }
 
 
+def network_policy(name: str, selector: dict) -> dict:
+    """What infra.serving renders: serving ports from the gateway's proxies, metrics from monitoring."""
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": name, "namespace": "llm-serving"},
+        "spec": {"podSelector": {"matchLabels": dict(selector)}, "policyTypes": ["Ingress"], "ingress": [
+            {"ports": [{"protocol": "TCP", "port": p} for p in (8000.0, 8001.0, 9000.0)],
+             "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "envoy-gateway-system"}},
+                       "podSelector": {"matchLabels": {"gateway.envoyproxy.io/owning-gateway-name": "llm-serving"}}}]},
+            {"ports": [{"protocol": "TCP", "port": 8002.0}],
+             "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}]},
+    }
+
+
 def add_model_version(stack: SyntheticStack, model_id: str, version: str, replicas: int = 2,
                       weight: int = 100, route: bool = True) -> None:
     """Deployment, Service, PodDisruptionBudget and (optionally) its own HTTPRoute for one model version."""
@@ -177,6 +191,7 @@ def add_model_version(stack: SyntheticStack, model_id: str, version: str, replic
         "metadata": {"name": name, "namespace": "llm-serving"},
         "spec": {"selector": selector, "ports": [{"name": "openai", "port": 9000.0}]},
     })
+    stack.add("kubernetes:networking.k8s.io/v1:NetworkPolicy", f"{name}-netpol", network_policy(name, selector))
     stack.add("kubernetes:policy/v1:PodDisruptionBudget", f"{name}-pdb", {
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
         "metadata": {"name": name, "namespace": "llm-serving"},

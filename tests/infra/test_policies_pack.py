@@ -46,7 +46,7 @@ EXTRA_MANDATORY = {"iam-irsa-trust-scoped", "serving-update-timeout", "rollout-g
                    # Issue 32 (the batch path): client data stays in its region, each worker in its model's prefix.
                    "batch-store-isolated",
                    # Fail-safe defaults: every engine a package starts has its share of the GPUs' memory.
-                   "serving-engine-memory-budgeted"}
+                   "serving-engine-memory-budgeted", "serving-network-policy-gateway-only"}
 
 
 @pytest.fixture

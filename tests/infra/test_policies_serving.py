@@ -344,3 +344,40 @@ def test_what_the_pod_writes_needs_a_writable_volume_under_a_read_only_root(comp
     pod(stack)["volumes"].append({"name": "run", "emptyDir": {}})
     container(stack)["volumeMounts"].append({"name": "run", "mountPath": "/var/run/llm-serving"})
     assert stack.evaluate(compat) == []
+
+
+# -- only the gateway reaches a model ------------------------------------------------------------------------------
+
+
+def test_a_model_server_without_a_network_policy_is_refused(compat):
+    from tests.infra.policy_support import compliant_stack
+
+    stack = compliant_stack()
+    stack.remove("llama-v1-netpol")
+    findings = [f for f in stack.evaluate(compat) if f.policy == "serving-network-policy-gateway-only"]
+    assert findings and "no NetworkPolicy selects its pods" in findings[0].message
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda rule: rule.pop("from"), "admits the serving ports of 'llama-v1' from anywhere"),
+    (lambda rule: rule.update({"from": [{"namespaceSelector": {}}]}), "from peers other than the gateway"),
+    (lambda rule: [rule.pop("ports"), rule.pop("from")], "admits the serving ports of 'llama-v1' from anywhere"),
+])
+def test_an_open_network_policy_is_refused(compat, edit, message):
+    from tests.infra.policy_support import compliant_stack, inputs_of
+
+    stack = compliant_stack()
+    netpol = inputs_of(stack, "llama-v1-netpol")
+    edit(netpol["spec"]["ingress"][0])
+    findings = [f.message for f in stack.evaluate(compat) if f.policy == "serving-network-policy-gateway-only"]
+    assert any(message in m for m in findings), findings
+
+
+def test_metrics_from_outside_monitoring_is_refused(compat):
+    from tests.infra.policy_support import compliant_stack, inputs_of
+
+    stack = compliant_stack()
+    inputs_of(stack, "llama-v1-netpol")["spec"]["ingress"][1].pop("from")
+    findings = [f.message for f in stack.evaluate(compat) if f.policy == "serving-network-policy-gateway-only"]
+    assert any("admits the metrics port of 'llama-v1' from anywhere; only 'monitoring' scrapes it" in m
+               for m in findings), findings
