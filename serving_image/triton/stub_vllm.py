@@ -53,6 +53,21 @@ class ParameterError(ValueError):
         self.field = field
 
 
+SUBMITTED = "llm_serving_engine_requests_submitted"
+
+
+@functools.cache
+def submitted_counter():
+    """Generate requests past their checks and handed to the engine, per model (`<SUBMITTED>_total` on the pod's
+    /metrics: this process's metrics go to $PROMETHEUS_MULTIPROC_DIR, which the metrics proxy merges, like vLLM's).
+    From that point a cancellation aborts the request in the engine. Created on first use, after start_engine made
+    the process's metrics cache their pid (metrics/multiproc.py)."""
+    from prometheus_client import Counter
+
+    return Counter(SUBMITTED, "Generate requests past their checks and handed to the engine (from then on a "
+                   "cancellation aborts them in the engine)", ["model"])
+
+
 @functools.cache
 def _fields() -> dict[str, Any]:
     """SamplingParams' fields and their types, read once: typing.get_type_hints costs milliseconds, which on every
@@ -249,6 +264,7 @@ class MessageDispatcher:
         self.engine = engine
         self.send = sink
         self.tasks: dict[str, asyncio.Task] = {}
+        self.submitted = submitted_counter().labels(model=engine.info.name)
 
     def dispatch(self, message: dict) -> None:
         """One message from the model (on the engine's loop)."""
@@ -286,9 +302,9 @@ class MessageDispatcher:
             if error := context_window_error(len(prompt_ids), params.max_tokens, info.max_model_len,
                                              prompt_field="text_input", max_tokens_field=f"{root}.max_tokens"):
                 raise error
-            # Logged (at DEBUG: engine_in_stub.STUB_LOG_LEVEL_ENV) once the request is past its checks and on its way
-            # into the engine: from here a cancellation aborts it in the engine (the line is what a cancellation test
-            # waits for before cancelling).
+            # Counted (submitted_counter) and logged at DEBUG (engine_in_stub.STUB_LOG_LEVEL_ENV) once the request is
+            # past its checks and on its way into the engine: from here a cancellation aborts it in the engine.
+            self.submitted.inc()
             log.debug("request %s (client id %r) submitted to the engine", request_id, message.get("client_id", ""))
             async for output in self.engine.generate_params(request_id, prompt_ids, params):
                 # per choice: index, new text, new token count, finish reason, and the new tokens' log-probabilities

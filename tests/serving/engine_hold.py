@@ -17,7 +17,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+from serving_image.triton.stub_vllm import SUBMITTED
 
 
 def _is_engine_process(process: psutil.Process) -> bool:
@@ -65,6 +69,26 @@ def engine_stub(root_pid: int, model: str | None = None, repository: str | None 
         raise AssertionError(f"process {root_pid} runs {len(found)} engine stubs (model {model!r}, repository "
                              f"{repository!r}): name the one")
     return found[0]
+
+
+def submitted(metrics_url: str, model: str) -> float:
+    """Generate requests the stand-in backend handed to `model`'s engine since the server started (its
+    `llm_serving_engine_requests_submitted_total` on the pod's /metrics, stub_vllm.submitted_counter): a request
+    counted there is in the engine, where a cancellation aborts it, held or not."""
+    text = httpx.get(metrics_url, timeout=30).text
+    return sum(sample.value for family in text_string_to_metric_families(text) if family.name == SUBMITTED
+               for sample in family.samples
+               if sample.name == f"{SUBMITTED}_total" and sample.labels.get("model") == model)
+
+
+def wait_submitted(metrics_url: str, model: str, count: float, timeout_s: float = 60.0) -> None:
+    """Until `submitted(metrics_url, model)` reaches `count`."""
+    deadline = time.monotonic() + timeout_s
+    while (seen := submitted(metrics_url, model)) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{seen:g} requests submitted to {model}'s engine after {timeout_s:g} s, "
+                                 f"expected {count:g}")
+        time.sleep(0.05)
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,10 @@ from llm_serving import pod_contract as pc
 from llm_serving.kserve_stream import is_final, until_final, until_final_async
 from llm_serving.package import PackageSpec, build_package
 from llm_serving.ports import accepts
+from llm_serving.repository import REPO_ROOT
 from llm_serving.tensor_contract import VLLM_INPUTS, VLLM_OUTPUTS
 from serving_image.triton.pins import load_pins
-from tests.serving.engine_hold import EngineProcesses
+from tests.serving.engine_hold import EngineProcesses, submitted
 
 pytestmark = pytest.mark.slow
 
@@ -412,7 +413,7 @@ def test_cancelling_a_stream_aborts_the_request_in_the_engine(triton_standalone)
     vllm_processes = EngineProcesses.of(server.proc.pid, MODEL)
     before = server.log().count("aborted in the engine (its client cancelled it)")
     cancelled_before = server.log().count("[vllm] Cancelling the request")
-    log_start = len(server.log())
+    submitted_before = submitted(server.metrics_url, MODEL)
 
     async def cancel_while_held() -> None:
         client = grpcaio.InferenceServerClient(_grpc_url(server))
@@ -428,7 +429,7 @@ def test_cancelling_a_stream_aborts_the_request_in_the_engine(triton_standalone)
         reader = asyncio.ensure_future(anext(aiter(stream), None))
         await asyncio.wait_for(sent.wait(), timeout=30)
         deadline = asyncio.get_running_loop().time() + 60
-        while "(client id 'cancel-me') submitted to the engine" not in server.log()[log_start:]:
+        while await asyncio.to_thread(submitted, server.metrics_url, MODEL) == submitted_before:
             assert asyncio.get_running_loop().time() < deadline, (
                 f"the request never reached the engine:\n{server.log()[-3000:]}")
             await asyncio.sleep(0.05)
@@ -518,7 +519,7 @@ def test_relied_on_behaviours_each_have_a_test():
     pins = load_pins()
     assert pins.local_triton is not None
     assert set(pins.local_triton.relied_on_names()) == set(RELIED_ON_TESTS)
-    repo = Path(__file__).resolve().parents[2]
+    repo = REPO_ROOT
     for name, (path, test) in RELIED_ON_TESTS.items():
         source = (repo / path if not Path(path).is_absolute() else Path(path)).read_text()
         assert f"def {test}(" in source, (name, path, test)

@@ -34,7 +34,7 @@ from llm_serving_cli.demo_packages import FEATURES_ID, PIPELINE_ID, RANKER_ID, R
 from serving_image.constraints.spec import constraint_text
 from tests.serving import embed_score_reference as reference
 from tests.serving.conftest import OPENAI_AUTH
-from tests.serving.engine_hold import EngineProcesses
+from tests.serving.engine_hold import EngineProcesses, submitted, wait_submitted
 
 pytestmark = pytest.mark.slow
 
@@ -434,6 +434,7 @@ def test_client_that_leaves_aborts_its_request_in_the_engine(server):
     the machine's speed; the front-end cancels it in Triton, whose backend aborts it in the engine."""
     engine = _vllm_processes(server)
     log_start = len(server.log())
+    submitted_before = submitted(server.metrics_url, MODEL)
     body = json.dumps({"model": MODEL, "prompt": "long", "max_tokens": 400, "ignore_eos": True, "stream": True})
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                f"Authorization: {OPENAI_AUTH['Authorization']}\r\n"
@@ -441,11 +442,9 @@ def test_client_that_leaves_aborts_its_request_in_the_engine(server):
     with engine.held():
         sock = socket.create_connection(("127.0.0.1", server.ports["openai"]), timeout=30)
         sock.sendall(request)
-        deadline = time.monotonic() + 60
-        while "submitted to the engine" not in server.log()[log_start:]:
-            assert time.monotonic() < deadline, f"the request never reached the engine:\n{server.log()[-3000:]}"
-            time.sleep(0.05)
+        wait_submitted(server.metrics_url, MODEL, submitted_before + 1)
         sock.close()
+        deadline = time.monotonic() + 60
         while "aborted in the engine (its client cancelled it)" not in server.log()[log_start:]:
             assert time.monotonic() < deadline, f"no abort in the engine:\n{server.log()[-3000:]}"
             time.sleep(0.05)

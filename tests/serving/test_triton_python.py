@@ -164,7 +164,7 @@ def test_a_dead_engine_is_unavailable_not_a_client_error_and_startup_exits(demo_
     import tritonclient.grpc.aio as grpcaio
 
     from bench.local_server import start_standalone_server
-    from tests.serving.engine_hold import EngineProcesses
+    from tests.serving.engine_hold import EngineProcesses, submitted
 
     # 1900 tokens: seconds of engine work even on a fast machine, so that the stream cannot finish between its first
     # token leaving the server and this test reading it and holding the engine (the only window the hold leaves; with
@@ -189,6 +189,7 @@ def test_a_dead_engine_is_unavailable_not_a_client_error_and_startup_exits(demo_
                 yield {"model_name": "demo-tiny", "inputs": [text, flag, params], "request_id": "in-flight"}
                 await asyncio.sleep(3600)
 
+            submitted_before = submitted(server.metrics_url, "demo-tiny")
             stream = client.stream_infer(requests())
             seen, second = [], None
             try:
@@ -199,7 +200,9 @@ def test_a_dead_engine_is_unavailable_not_a_client_error_and_startup_exits(demo_
                         second = asyncio.ensure_future(asyncio.to_thread(
                             httpx.post, generate, json={"text_input": "hello", "parameters": {"max_tokens": 8}},
                             timeout=60))
-                        while server.log().count(") submitted to the engine") < 2:
+                        # both requests in the held engine
+                        while await asyncio.to_thread(submitted, server.metrics_url, "demo-tiny") < (
+                                submitted_before + 2):
                             assert not second.done(), second.result().text
                             await asyncio.sleep(0.05)
                         engine.kill()
