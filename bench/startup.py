@@ -155,7 +155,8 @@ def measure(packages: dict[str, pathlib.Path], workdir: pathlib.Path) -> dict:
     runs: dict[str, dict] = {f"{m} {c}": {"ours": [], "vllm": [], "steps": []}
                              for m in packages for c in ("cold", "warm")}
     for model, package in packages.items():  # untimed: first starts fill the file system's and Python's caches
-        _theirs(package, workdir / f"warm-up-{model}")
+        if not QUICK:
+            _theirs(package, workdir / f"warm-up-{model}")
     n = 0
     for r in range(ROUNDS):
         for model, package in packages.items():
@@ -191,8 +192,8 @@ def run(out_dir: pathlib.Path) -> dict:
                                                      indent=2))
     lines = [
         f"Process start to ready (our `/health/ready` 200, vLLM's `/health` 200) on the same package files, both "
-        f"eager (`enforce_eager`: no graph compilation on either side), after one untimed start of vLLM's server "
-        f"per package, {ROUNDS} rounds; within a round the two sides take turns going first. Extra = ours minus "
+        f"eager (`enforce_eager`: no graph compilation on either side), "
+        f"{'no' if QUICK else 'after one'} untimed start of vLLM's server per package, {ROUNDS} round(s); within a round the two sides take turns going first. Extra = ours minus "
         "vLLM's in the same round; median, then the spread (min to max) over the rounds. Cold: the package's files "
         "dropped from the page cache (posix_fadvise) before each start; warm: read just before.",
         "",
