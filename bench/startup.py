@@ -193,7 +193,8 @@ def run(out_dir: pathlib.Path) -> dict:
     lines = [
         f"Process start to ready (our `/health/ready` 200, vLLM's `/health` 200) on the same package files, both "
         f"eager (`enforce_eager`: no graph compilation on either side), "
-        f"{'no' if QUICK else 'after one'} untimed start of vLLM's server per package, {ROUNDS} round(s); within a round the two sides take turns going first. Extra = ours minus "
+        f"{'no' if QUICK else 'after one'} untimed start of vLLM's server per package, {ROUNDS} round(s); within "
+        "a round the two sides take turns going first. Extra = ours minus "
         "vLLM's in the same round; median, then the spread (min to max) over the rounds. Cold: the package's files "
         "dropped from the page cache (posix_fadvise) before each start; warm: read just before.",
         "",
