@@ -239,8 +239,9 @@ MUTATIONS: dict[str, Callable] = {
         for c in r.inputs["spec"]["template"]["spec"]["containers"] for e in c.get("env", [])
         if e["name"] == "LLM_SERVING_ENGINE_MEMORY"],
     # The serving ports opened to every pod in the cluster (the rule without `from`): callers bypass the gateway.
-    "serving-network-policy-gateway-only": lambda res, cfg: _of(
-        res, "kubernetes:networking.k8s.io/v1:NetworkPolicy")[0].inputs["spec"]["ingress"][0].pop("from"),
+    "serving-network-policy-gateway-only": lambda res, cfg: next(
+        rule for n in _of(res, "kubernetes:networking.k8s.io/v1:NetworkPolicy") for rule in n.inputs["spec"].get(
+            "ingress", []) if "gateway.envoyproxy.io" in json.dumps(rule.get("from"))).pop("from"),
     "serving-probes": lambda res, cfg: _server(res).pop("livenessProbe"),
     "serving-update-timeout": lambda res, cfg: _serving(res)[0].custom_timeouts.update(update="2m"),
     "serving-model-from-fsx": lambda res, cfg: _server(res).update(volumeMounts=[]),
