@@ -170,15 +170,21 @@ class ChecksumsCancelled(Exception):
 
 @dataclass(frozen=True)
 class PendingChecksums:
-    """The data files of a package opened with `defer_data` whose SHA-256 is still to be compared with the manifest.
-    Everything else about them was checked when it was opened: listed in the manifest, regular files, and a
-    safetensors layout whose header accounts for every byte of the file (a truncated file is refused then)."""
+    """The data files of a package opened with `defer_data` whose SHA-256 is still to be compared with the manifest
+    (they are listed in it and regular files: checked at open). The opener checks them complete (`check_complete`,
+    cheap: after its own identity checks), then hashes them (`verify`) before anything serves from the package."""
 
     files: tuple[PendingFile, ...] = ()
 
     @property
     def bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+    def check_complete(self) -> None:
+        """Each pending file's safetensors header accounts for every byte of it (reads the headers only): a
+        truncated, padded or unreadable file is refused now, naming it."""
+        for pending in self.files:
+            _check_safetensors_layout(pending.path, pending.rel, pending.size)
 
     def verify(self, threads: int = 1, stop: threading.Event | None = None) -> None:
         """Read and hash every pending file (`threads` at a time); raise PackageError naming the first file (in
@@ -309,7 +315,8 @@ def open_package(source: Path, workdir: Path | None = None, *, defer_data: bool 
 
     `defer_data` (directories only; the startup procedure's): the SHA-256 of each data file (DEFERRABLE_SUFFIXES) is
     left to the caller, in the returned package's `pending`, so that it can be computed while the engine reads the
-    same bytes; every other check (a data file's completeness included) and every other checksum happens here."""
+    same bytes (and to check them complete first, `pending.check_complete()`); every other check and every other
+    checksum happens here."""
     source = Path(source)
     if source.is_dir():
         return _open_directory(source, defer_data)
@@ -341,7 +348,6 @@ def _open_directory(root: Path, defer_data: bool = False) -> VerifiedPackage:
             raise PackageError(f"{rel}: not a regular file (device, fifo or socket)")
         _check_content(rel, path.read_bytes)
         if defer_data and rel.endswith(DEFERRABLE_SUFFIXES) and rel in manifest.files:
-            _check_safetensors_layout(path, rel, info.st_size)
             pending.append(PendingFile(rel, path, manifest.files[rel], info.st_size))
             actual[rel] = None
             continue

@@ -222,6 +222,8 @@ def _unpack(config: StartupConfig, defer_data: bool = False) -> tuple[str, list[
                 for path in (config.package, *config.companions)]
     if config.expected is not None:
         config.expected.check_manifest(packages[0])
+    for package in packages:  # after the identity checks: a package that is not the Deployment's is named so first
+        package.pending.check_complete()
     details = [f"{p.manifest.model.id} {p.manifest.model.version}, backend {p.manifest.model.backend}, "
                f"{len(p.manifest.files) - len(p.pending.files)} files verified" +
                (f", {len(p.pending.files)} data file(s) ({p.pending.bytes / 2**30:.2f} GiB) complete, their checksums "

@@ -2,7 +2,8 @@
 
 `open_package(..., defer_data=True)` leaves the SHA-256 of safetensors files to its caller (the startup hashes them
 while the engine reads the same bytes, and holds readiness until they match) and checks everything else at once:
-every other file's checksum, listing, and each deferred file's completeness (its header accounts for every byte).
+every other file's checksum and the listing; `pending.check_complete()` checks each deferred file's header accounts
+for every byte (the startup runs it in step 1, after the Deployment's identity checks).
 Each test builds a real package with real safetensors files and only the defect under test.
 """
 
@@ -53,6 +54,7 @@ def _flip(path: Path, offset: int) -> None:
 
 def test_only_safetensors_are_deferred_and_they_verify(package: Path):
     opened = open_package(package, defer_data=True)
+    opened.pending.check_complete()
     assert sorted(f.rel for f in opened.pending.files) == ["weights/model-00001-of-00002.safetensors",
                                                            "weights/model-00002-of-00002.safetensors"]
     assert opened.pending.bytes == sum((package / f.rel).stat().st_size for f in opened.pending.files)
@@ -71,12 +73,13 @@ def test_a_tampered_data_file_opens_deferred_and_fails_its_check_naming_it(packa
 
 
 @pytest.mark.parametrize("change", ["truncate", "pad", "header"])
-def test_an_incomplete_data_file_is_refused_at_open_naming_it(package: Path, change: str):
+def test_an_incomplete_data_file_is_refused_by_the_cheap_check_naming_it(package: Path, change: str):
     shard = package / "weights" / "model-00001-of-00002.safetensors"
     data = shard.read_bytes()
     shard.write_bytes({"truncate": data[:-100], "pad": data + b"\0" * 8, "header": b"\xff" * 8 + data[8:]}[change])
+    opened = open_package(package, defer_data=True)  # its listing and the other files' checksums hold
     with pytest.raises(PackageError, match=r"weights/model-00001-of-00002.safetensors: not a complete safetensors"):
-        open_package(package, defer_data=True)
+        opened.pending.check_complete()
 
 
 @pytest.mark.parametrize("name", ["weights/config.json", "weights/extra.bin", "weights/tokenizer.json"])
