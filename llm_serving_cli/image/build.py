@@ -117,7 +117,8 @@ def buildah_bud(containerfile: Path, files: list[Path], build_args: dict[str, st
         for line in proc.stdout:
             out.write(line)
             # Progress: buildah's step lines and anything that says why a step failed.
-            if line.startswith(("STEP ", "Error", "error")) or "--> Using cache" in line or line.startswith("COMMIT"):
+            if (" STEP " in f" {line}" or line.startswith(("Error", "error", "COMMIT"))
+                    or "--> Using cache" in line):
                 print(f"   {line.rstrip()[:200]}", flush=True)
         status = proc.wait()
     if status != 0:
@@ -171,8 +172,13 @@ def serving_image(build_args: dict[str, str], pip: containers.PipSettings, bases
 def layer_sizes(ref: str) -> list[tuple[int, str]]:
     """(bytes, the instruction that made it) for each layer, base layers included."""
     history = json.loads(containers.run(containers.podman("history", "--format", "json", "--no-trunc", ref)).stdout)
-    return [(int(h.get("size") or 0), " ".join((h.get("CreatedBy") or h.get("created_by") or "").split())[:110])
-            for h in reversed(history)]
+    layers = []
+    for h in reversed(history):
+        created = " ".join((h.get("CreatedBy") or h.get("created_by") or "").split())
+        # A RUN's record starts with its build arguments (`|N K=V ... /bin/bash -o pipefail -c CMD`): show CMD.
+        created = created.split(" -c ", 1)[1] if " -c " in created else created
+        layers.append((int(h.get("size") or 0), created.removeprefix("#(nop) ")[:110]))
+    return layers
 
 
 def print_layers(ref: str) -> None:

@@ -122,7 +122,7 @@ def build_volumes(settings: PipSettings) -> list[str]:
 
 def tmpfs_argv(target: str, size: str | None = None) -> list[str]:
     """A memory-backed volume at `target`: podman's own /dev/shm sized as asked (a second mount there is refused),
-    else a tmpfs writable by every user (an emptyDir)."""
+    else a fresh tmpfs owned by the container's user (an emptyDir; podman 4.3 under runc ignores `tmpfs-mode`)."""
     if target == "/dev/shm":
         return ["--shm-size", size or "64m"]
-    return ["--mount", f"type=tmpfs,destination={target},tmpfs-mode=1777" + (f",tmpfs-size={size}" if size else "")]
+    return ["--mount", f"type=tmpfs,destination={target},chown=true" + (f",tmpfs-size={size}" if size else "")]

@@ -42,11 +42,14 @@ class ImageCheckError(RuntimeError):
     pass
 
 
-def run_in_image(ref: str, *command: str, env: dict[str, str] | None = None) -> str:
-    """`command` in a container of `ref` as a pod runs it: its user, a read-only root, no network."""
-    argv = containers.podman("run", "--rm", "--read-only", "--network", "none", "--user", str(pc.RUN_AS_UID),
-                             "--tmpfs", f"{pc.SCRATCH_MOUNT}:rw,mode=1777", "--tmpfs", f"{pc.CACHE_MOUNT}:rw,mode=1777",
-                             "--entrypoint", command[0])
+def run_in_image(ref: str, *command: str, env: dict[str, str] | None = None, volumes: bool = True) -> str:
+    """`command` in a container of `ref` as a pod runs it: its user, a read-only root with the pod's writable volumes
+    (fresh), no network."""
+    argv = containers.podman("run", "--rm", "--read-only", "--read-only-tmpfs=false", "--network", "none",
+                             "--user", str(pc.RUN_AS_UID), "--entrypoint", command[0])
+    for volume in pc.VOLUMES if volumes else ():
+        if not volume.read_only:
+            argv += containers.tmpfs_argv(volume.mount_path)
     for key, value in (env or {}).items():
         argv += ["--env", f"{key}={value}"]
     try:
@@ -70,7 +73,9 @@ def built_image(ref: str) -> None:
     print(f"   {len(MODULES)} modules import as uid {pc.RUN_AS_UID} on a read-only root", flush=True)
     probe = run_in_image(ref, "python3", "-m", "serving_image.triton.probe", "--runtime", "local")
     print(f"   {probe.strip()}", flush=True)
-    owners = run_in_image(ref, "stat", "-c", "%u %n", pc.MULTIPROC_DIR, pc.WORK_DIR).split()
+    # The image's own directories (what a pod's volumes hide; a container without them writes there).
+    owners = run_in_image(ref, "stat", "-c", "%u %n", pc.MULTIPROC_DIR, pc.WORK_DIR, pc.CACHE_MOUNT,
+                          volumes=False).split()
     wrong = [owners[i + 1] for i in range(0, len(owners), 2) if owners[i] != str(pc.RUN_AS_UID)]
     if wrong:
         raise ImageCheckError(f"{', '.join(wrong)} in the image are not owned by uid {pc.RUN_AS_UID}")

