@@ -423,6 +423,9 @@ def _open_tarball(source: Path, workdir: Path) -> VerifiedPackage:
         except (tarfile.TarError, OSError) as exc:
             shutil.rmtree(staging, ignore_errors=True)
             raise PackageError(f"{source.name}: extraction failed ({exc})") from exc
+    # mkdtemp makes its directory 0700: the package is read in place by the pods' user (the image's uid 10001), not
+    # the publisher's, so it gets the mode of every other directory the archive holds.
+    staging.chmod(0o755)
     target = workdir / f"{manifest.model.id}-{manifest.model.version}"
     if target.exists():
         shutil.rmtree(target)

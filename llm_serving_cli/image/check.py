@@ -47,7 +47,7 @@ def _say(text: str) -> None:
 
 def publish_demo_packages() -> tuple[Path, Path, list[Path]]:
     """The demo LLM and its companions on a local model cache: (the cache's root, the LLM, the companions)."""
-    from llm_serving_cli.main import DEMO_ENGINE_ARGS, publish_for_up
+    from llm_serving_cli.up_packages import DEMO_ENGINE_ARGS, publish_for_up
     from serving_image.demo_model import DEMO_MODEL_ID, ensure_demo_model
 
     model_dir = ensure_demo_model(CHECK_DIR / "models" / DEMO_MODEL_ID)

@@ -15,7 +15,7 @@ from llm_serving.package import PackageError, PackageSpec, build_package, open_p
 from llm_serving.up_layout import served_file, served_package
 from llm_serving_cli.demo_packages import PIPELINE_ID, build_ranker_packages
 from llm_serving_cli.local_versions import CONTENT_VERSION, build_local_package
-from llm_serving_cli.main import DEMO_ENGINE_ARGS, publish_for_up
+from llm_serving_cli.up_packages import DEMO_ENGINE_ARGS, publish_for_up
 
 OPENAI, STANDALONE = ServingMode.OPENAI, ServingMode.STANDALONE
 
