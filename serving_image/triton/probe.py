@@ -93,7 +93,8 @@ def stub_pins_of(section: str, compat: Path | None = None) -> StubPins:
                           "local.triton")
 
 
-def check_stub(stub: StubPins, backend_dir: Path, python: str | None = None) -> list[str]:
+def check_stub(stub: StubPins, backend_dir: Path, python: str | None = None,
+               section: str = "triton.stub") -> list[str]:
     """Problems with the stub's environment as the stub's interpreter `python` sees it: a pinned distribution missing
     or at another version (the first one on its path wins, so one the base shadows is caught), or one that fails to
     import."""
@@ -110,10 +111,11 @@ def check_stub(stub: StubPins, backend_dir: Path, python: str | None = None) -> 
     for name, version in sorted(pins.items()):
         origin = "the base image" if name in stub.base else f"the build's install into {backend_dir}"
         if name not in seen["found"]:
-            problems.append(f"the Python backend stub has no {name} (compat.toml pins {version}, from {origin})")
+            problems.append(f"the Python backend stub has no {name} (compat.toml [{section}] pins {version}, "
+                            f"from {origin})")
         elif seen["found"][name] != version:
-            problems.append(f"the Python backend stub sees {name} {seen['found'][name]} but compat.toml pins "
-                            f"{version} (from {origin})")
+            problems.append(f"the Python backend stub sees {name} {seen['found'][name]} but compat.toml "
+                            f"[{section}] pins {version} (from {origin})")
     if seen["failed"]:
         problems.append(f"the Python backend stub cannot import {', '.join(seen['failed'])}")
     return problems
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pip_check:
         problems += dependency_problems(tuple(args.absent_by_design.split()))
     if args.stub_backend is not None:
-        problems += check_stub(stub, args.stub_backend, args.stub_python)
+        problems += check_stub(stub, args.stub_backend, args.stub_python, args.stub_pins)
     for problem in problems:
         print(f"probe: {problem}", file=sys.stderr)
     if not problems:

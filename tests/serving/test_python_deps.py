@@ -256,14 +256,17 @@ def test_startup_refuses_a_package_its_stub_cannot_serve(tmp_path):
 def test_dockerfile_installs_the_stub_pins_with_the_shared_flags():
     text = DOCKERFILE.read_text()
     final = text.rsplit("FROM ${TRITON_IMAGE}", 1)[1]
-    install = re.search(r"--write-stub-requirements (\S+).*?pip install (.*?)-r (\S+)", final, re.S)
-    assert install, "the final stage writes the stub's requirements with the probe and installs them"
-    assert install.group(1) == install.group(3)
-    flags = install.group(2).replace("\\\n", " ").split()
+    install = re.search(r"pip install ([^&]*?)-r /tmp/locks/stub.txt", final, re.S)
+    assert install, "the final stage installs the stub's packages from their lock (image/locks/stub.txt)"
+    assert "COPY image/locks/serving.txt image/locks/stub.txt /tmp/locks/" in final
+    flags = install.group(1).replace("\\\n", " ").split()
     assert all(flag in flags for flag in STUB_PIP_FLAGS)
     assert flags[flags.index("--target") + 1] == '"${STUB_BACKEND}"'
-    assert f"ARG STUB_BACKEND={load_stub_pins().backend_directory}\n" in final
-    assert 'serving_image.triton.probe --runtime triton --stub-backend "${STUB_BACKEND}"' in final
+    assert f"ARG STUB_BACKEND={load_stub_pins().backend_directory}\n" in text  # production's, the default
+    assert "ARG STUB_BACKEND\n" in final
+    assert "--require-hashes" in flags
+    assert re.search(r'serving_image.triton.probe --runtime "\$\{PROBE_RUNTIME\}" --stub-backend "\$\{STUB_BACKEND\}"',
+                     final)
 
 
 def test_probe_writes_the_stub_install_list(tmp_path):
