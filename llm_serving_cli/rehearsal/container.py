@@ -59,7 +59,7 @@ def limits_argv(plan: PodPlan) -> list[str]:
 
 def run_argv(plan: PodPlan, image: str, name: str, netns: str) -> list[str]:
     """`podman run` of the pod's one container, as its plan says."""
-    argv = containers.podman("run", "--rm", "--name", name, "--network", f"ns:/run/netns/{netns}",
+    argv = containers.podman("run", "--rm", "--replace", "--name", name, "--network", f"ns:/run/netns/{netns}",
                              "--user", f"{plan.uid}:{plan.gid}", "--workdir", plan.workdir,
                              "--entrypoint", json.dumps(plan.argv[:1]), "--stop-timeout", str(math.ceil(
                                  plan.grace_period_s)), "--pull", "never",
