@@ -29,6 +29,8 @@ from llm_serving.package import PackageSpec, build_package
 
 QUICK = os.environ.get("LLM_SERVING_BENCH_QUICK") == "1"
 ROUNDS = int(os.environ.get("LLM_SERVING_BENCH_STARTUP_ROUNDS", "1" if QUICK else "3"))
+# Rounds spread over several runs (one round each): which side goes first alternates with the round's number.
+FIRST_ROUND = int(os.environ.get("LLM_SERVING_BENCH_STARTUP_FIRST_ROUND", "0"))
 BIG_ROOT = REPO / ".cache" / "llm-serving" / "bench-startup"
 BIG_REVISION = 2  # bump when the builder below changes
 # Eager on both sides: graph compilation is the same work for both (55-75 s of a demo start on 2 cores, and a
@@ -163,7 +165,7 @@ def measure(packages: dict[str, pathlib.Path], workdir: pathlib.Path) -> dict:
             for cache in ("cold", "warm"):
                 key, n = f"{model} {cache}", n + 1
                 prepare = drop_from_page_cache if cache == "cold" else read_into_page_cache
-                order = ("ours", "vllm") if (r + n) % 2 == 0 else ("vllm", "ours")
+                order = ("ours", "vllm") if (FIRST_ROUND + r + n) % 2 == 0 else ("vllm", "ours")
                 for side in order:
                     prepare(package)
                     if side == "ours":
