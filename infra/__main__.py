@@ -73,6 +73,7 @@ Observability("observability", ObservabilityArgs(config=cfg, provider=cluster.pr
 batch = BatchStore("batch", BatchArgs(
     config=cfg, provider=cluster.provider, namespace=platform.namespace, image_ref=image.image_ref,
     oidc_provider_arn=cluster.oidc_provider_arn, oidc_issuer_url=cluster.oidc_issuer_url,
+    api_keys_secret_name=platform.auth.secret_name, secret_store=platform.auth.store,
     depends_on=list(platform.ready), tags=tags))
 llms = [m for m in cfg.models if m.kind == "vllm"]
 batch.grant_serving(platform.serving_role_arn, llms)

@@ -21,6 +21,7 @@ import pulumi_aws as aws
 import pulumi_kubernetes as k8s
 
 from infra.config import ModelConfig, StackConfig
+from infra.gateway_auth import batch_worker_external_secret_spec, batch_worker_key_secret
 from infra.iam import irsa_service_account, policy_document
 from infra.naming import platform_labels
 from infra.secure_bucket import SecureBucketArgs, secure_bucket
@@ -68,8 +69,8 @@ def worker_deployment_spec(cfg: StackConfig, model: ModelConfig, image: str, buc
     name = worker_name(model.id)
     labels = {"app.kubernetes.io/name": name, **platform_labels(BATCH_COMPONENT)}
     env = {pc.ENV_BATCH_KMS_KEY: kms_key_arn, "AWS_REGION": cfg.region, "HOME": "/tmp",
-           # The key the worker sends to the model's front-end, as a file from a Secret the platform team creates
-           # per model (optional: a front-end without keys needs none).
+           # The key the worker sends through the Gateway to the model's front-end (both check it), as a file from
+           # the worker's own Secret (infra/gateway_auth.py: the `<model>-batch-worker` client's key), required.
            pc.ENV_BATCH_WORKER_API_KEY_FILE: f"{API_KEY_DIR}/api-key"}
     container = {
         "name": "worker",
@@ -109,7 +110,8 @@ def worker_deployment_spec(cfg: StackConfig, model: ModelConfig, image: str, buc
                 "containers": [container],
                 "volumes": [{"name": "scratch", "emptyDir": {"sizeLimit": "1Gi"}},
                             {"name": "metrics", "emptyDir": {"sizeLimit": "64Mi"}},
-                            {"name": "api-key", "secret": {"secretName": f"{name}-api-key", "optional": True}}],
+                            {"name": "api-key", "secret": {"secretName": batch_worker_key_secret(model.id),
+                                                           "defaultMode": 0o440}}],
             },
         },
     }
@@ -123,6 +125,10 @@ class BatchArgs:
     image_ref: pulumi.Input[str]
     oidc_provider_arn: pulumi.Input[str]
     oidc_issuer_url: pulumi.Input[str]
+    # The API keys' secret in Secrets Manager and the namespace's SecretStore (infra/gateway_auth.py): each
+    # worker's key comes from there.
+    api_keys_secret_name: str = ""
+    secret_store: pulumi.Resource | None = None
     depends_on: list[pulumi.Resource] = field(default_factory=list)
     tags: dict[str, str] = field(default_factory=dict)
 
@@ -197,10 +203,21 @@ class BatchStore(pulumi.ComponentResource):
                   "egress": [{"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]},
                              {"ports": [{"protocol": "TCP", "port": 443}]}]},
             opts=k8s_opts)
+        # The worker's key: its client's entry of the API keys' secret, synced into its own Secret (required).
+        if not args.api_keys_secret_name or args.secret_store is None:
+            raise ValueError(f"batch worker {name}: no API keys' secret to take its key from (BatchArgs."
+                             "api_keys_secret_name, secret_store)")
+        key = k8s.apiextensions.CustomResource(
+            f"{prefix}-api-key", api_version="external-secrets.io/v1", kind="ExternalSecret",
+            metadata={**meta, "name": batch_worker_key_secret(model.id),
+                      "annotations": {"pulumi.com/waitFor": "condition=Ready", "pulumi.com/timeoutSeconds": "900"}},
+            spec=batch_worker_external_secret_spec(args.api_keys_secret_name, model.id),
+            opts=pulumi.ResourceOptions(parent=self, provider=args.provider,
+                                        depends_on=[*args.depends_on, args.secret_store]))
         endpoint = openai_endpoint.removesuffix("/v1")
         spec = pulumi.Output.all(args.image_ref, self.bucket_name, self.kms_key_arn).apply(
             lambda v: worker_deployment_spec(cfg, model, v[0], v[1], v[2], endpoint))
         k8s.apps.v1.Deployment(
             f"{prefix}-deployment", metadata=meta, spec=spec,
-            opts=pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[*args.depends_on, sa]))
+            opts=pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[*args.depends_on, sa, key]))
         self.workers.append(name)

@@ -16,6 +16,9 @@ CHARTS = {
     "cert-manager": {"chart": "cert-manager", "version": "v1.18.2", "repo": "https://charts.jetstack.io"},
     "external-dns": {"chart": "external-dns", "version": "1.19.0",
                      "repo": "https://kubernetes-sigs.github.io/external-dns/"},
+    # The API keys' sync from AWS Secrets Manager (infra/gateway_auth.py); 0.16 serves the external-secrets.io/v1 API.
+    "external-secrets": {"chart": "external-secrets", "version": "0.16.2",
+                         "repo": "https://charts.external-secrets.io"},
 }
 # Which chart installs the CRDs of which API group (the `crds-before-custom-resources` policy reads this table).
 CRD_SOURCES = {
@@ -27,6 +30,7 @@ CRD_SOURCES = {
     "cert-manager.io": "cert-manager",
     "acme.cert-manager.io": "cert-manager",
     "keda.sh": "keda",  # infra/serving_platform.py
+    "external-secrets.io": "external-secrets",  # infra/gateway_auth.py
 }
 
 

@@ -150,6 +150,17 @@ def pod_volumes(claim: str, gpus: int) -> tuple[list[dict], list[dict]]:
     return mounts, volumes
 
 
+API_KEYS_FILE_MODE = 0o440  # the keys' files: readable by the pod's group (fsGroup), nobody else
+
+
+def api_keys_volume() -> tuple[dict, dict]:
+    """(volumeMount, volume) of the clients' API keys: the Secret External Secrets syncs (infra/gateway_auth.py),
+    required (no `optional`: a pod without it does not start) and read-only, one file per client."""
+    return ({"name": pc.API_KEYS_VOLUME, "mountPath": pc.API_KEYS_MOUNT, "readOnly": True},
+            {"name": pc.API_KEYS_VOLUME, "secret": {"secretName": pc.API_KEYS_SECRET,
+                                                    "defaultMode": API_KEYS_FILE_MODE}})
+
+
 def hostnames(stack: StackConfig, model_id: str, version: str | None = None) -> tuple[str, str]:
     """(HTTP hostname, gRPC hostname) of a model's route, or of one version's route for a versioned model."""
     label = model_id if version is None else f"{model_id}-{version_slug(version)}"
@@ -185,6 +196,8 @@ def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, repli
     gpus = model.gpus
     pkg = model.version(version)
     mounts, volumes = pod_volumes(ctx.model_cache_claim, gpus)
+    keys_mount, keys_volume = api_keys_volume()
+    mounts, volumes = [*mounts, keys_mount], [*volumes, keys_volume]
     startup_failures = math.ceil(model.load_time_seconds / PROBE_PERIOD_SECONDS)
     image = (pulumi.Output.from_input(ctx.repository_url).apply(lambda url: f"{url}@{pkg.image}") if pkg.image
              else ctx.image_ref)
@@ -196,7 +209,9 @@ def deployment_spec(ctx: ServingContext, model: ModelConfig, version: str, repli
                              companion_packages(model, version),
                              (model.layout.tensor, model.layout.pipeline, model.layout.data)
                              if model.kind == "vllm" else None, model.engine_tasks)
-               + [{"name": k, "value": v} for k, v in ctx.model_env.get(model.id, {}).items()],
+               + [{"name": k, "value": v} for k, v in ctx.model_env.get(model.id, {}).items()]
+               # The caller's key, required and checked on every serving port (docs/architecture.md §3.12).
+               + [{"name": k, "value": v} for k, v in pc.api_key_env().items()],
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in PORTS.items()],
         # §3.2/§3.7: ready only once the engine is; the startup probe's budget is the model's load time.
         "startupProbe": {"httpGet": {"path": pc.READY_PATH, "port": pc.PROBE_PORT_NAME},

@@ -10,6 +10,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.config import StackConfig
+from infra.gateway_auth import GatewayAuth
 from infra.iam import irsa_service_account, policy_document
 from infra.naming import platform_labels
 from llm_serving import pod_contract as pc
@@ -173,6 +174,12 @@ class ServingPlatform(pulumi.ComponentResource):
                   "timeout": {"http": {"idleTimeout": f"{pc.GATEWAY_CLIENT_IDLE_TIMEOUT_S}s"}}},
             opts=gateway_opts)
 
+        # Who may call: API keys at the Gateway and again at the pods (infra/gateway_auth.py).
+        self.auth = GatewayAuth(
+            f"{name}-auth", config=cfg, provider=args.provider, namespace=ns_name, gateway_name=GATEWAY_NAME,
+            namespace_resource=namespace, gateway=gateway, oidc_provider_arn=args.oidc_provider_arn,
+            oidc_issuer_url=args.oidc_issuer_url, tags=args.tags, opts=pulumi.ResourceOptions(parent=self))
+
         keda_ns = k8s.core.v1.Namespace(f"{name}-keda-ns", metadata={"name": KEDA_NAMESPACE,
                                                                        "labels": platform_labels("autoscaling")},
                                         opts=k8s_opts)
@@ -186,7 +193,8 @@ class ServingPlatform(pulumi.ComponentResource):
             values={"podSecurityContext": {"operator": {"runAsNonRoot": True}}},
             opts=pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[keda_ns]))
 
-        self.ready: list[pulumi.Resource] = [sa, pvc, gateway, certificate, keda, backend_policy, client_policy]
+        self.ready: list[pulumi.Resource] = [sa, pvc, gateway, certificate, keda, backend_policy, client_policy,
+                                             *self.auth.ready]
         if cfg.cluster.device_plugin == "auto" and any(g.needs_device_plugin for g in cfg.cluster.gpu_node_groups):
             self.ready.append(self._device_plugin(name, args.provider))
         self.namespace = ns_name

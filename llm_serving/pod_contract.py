@@ -62,6 +62,45 @@ GATEWAY_RETRIES = 2
 GATEWAY_RETRY_STATUS_CODES = (500, 502, 503, 504)
 GATEWAY_RETRY_TRIGGERS = ("connect-failure", "reset", "retriable-status-codes")  # Envoy Gateway's RetryOn triggers
 
+# -- caller authentication (docs/architecture.md §3.12) ------------------------------------------------------------
+# Two walls: the Gateway checks every caller's key (Envoy Gateway's SecurityPolicy, apiKeyAuth) and forwards the
+# request with its `Authorization: Bearer <key>` header; the model pod checks the same key again on every serving port
+# (OpenAI, KServe HTTP, KServe gRPC's `authorization` metadata). The keys are one Secret per serving namespace
+# (API_KEYS_SECRET), one data entry per client (the entry's name is the client id, its value the key), synced from
+# AWS Secrets Manager by External Secrets (infra/gateway_auth.py); the pods mount it read-only at API_KEYS_MOUNT, one
+# file per client. Health (READY_PATH, LIVE_PATH, the gRPC ServerLive/ServerReady, the OpenAI /health) and metrics
+# stay open: the kubelet and Prometheus call them without a key.
+ENV_API_KEYS = "LLM_SERVING_API_KEYS"  # comma-separated keys (local runs, tests)
+# A file of keys (one a line, '#' comments) or a directory of them (a Secret volume: one key per file, the dot-files
+# Kubernetes adds ignored). Named but missing, unreadable or holding no key: the server refuses to start.
+ENV_API_KEYS_FILE = "LLM_SERVING_API_KEYS_FILE"
+# "1" (every model pod, policy serving-api-keys-required): the server refuses to start without a key, before any
+# other step, and checks the keys on the KServe ports as well as the OpenAI port. Unset (`make up`, local runs):
+# keys, when given, are checked on the OpenAI port only, and no key means no authentication.
+ENV_REQUIRE_API_KEYS = "LLM_SERVING_REQUIRE_API_KEYS"
+API_KEYS_SECRET = "llm-serving-api-keys"
+API_KEYS_VOLUME = "api-keys"
+API_KEYS_MOUNT = "/etc/llm-serving/api-keys"
+AUTHORIZATION_HEADER = "authorization"  # HTTP header and gRPC metadata key, "Bearer <key>"
+BEARER = "Bearer"
+# KServe gRPC methods answered without a key (health, as the HTTP health paths).
+UNAUTHENTICATED_GRPC_METHODS = ("ServerLive", "ServerReady")
+
+
+def bearer_value(key: str) -> str:
+    """What a caller sends in AUTHORIZATION_HEADER."""
+    return f"{BEARER} {key}"
+
+
+def api_key_env(required: bool = True) -> dict[str, str]:
+    """The model container's authentication environment: the Secret volume's mount, and the flag that makes the
+    keys required on every serving port."""
+    env = {ENV_API_KEYS_FILE: API_KEYS_MOUNT}
+    if required:
+        env[ENV_REQUIRE_API_KEYS] = "1"
+    return env
+
+
 # -- the user (non-root; above the host's system and user ranges) -------------------------------------------------
 RUN_AS_UID = 10001
 USER_NAME = "serving"

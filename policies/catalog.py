@@ -6,6 +6,7 @@ from __future__ import annotations
 from pulumi_policy import EnforcementLevel, Policy
 
 from .rules import (
+    auth,
     batch,
     bootstrap,
     capacity,
@@ -31,6 +32,7 @@ ALL_POLICIES: list[Policy] = [
     *bootstrap.POLICIES,
     *iam.POLICIES,
     *serving.POLICIES,
+    *auth.POLICIES,
     *python_deps.POLICIES,
     *rollout.POLICIES,
     *experiments.POLICIES,

@@ -1,13 +1,16 @@
 // Validates custom resources against their CRDs' JSON schemas, with the validators that @kubernetes-models
 // generates from the upstream CRDs (Gateway API v1, KEDA v2, Prometheus Operator v1: PodMonitor, PrometheusRule;
 // Karpenter v1: NodePool, EC2NodeClass; cert-manager v1: ClusterIssuer, Certificate; Envoy Gateway v1alpha1:
-// BackendTrafficPolicy, ClientTrafficPolicy).
+// BackendTrafficPolicy, ClientTrafficPolicy, SecurityPolicy; External Secrets v1: SecretStore, ExternalSecret).
 // Reads a JSON array of manifests on stdin and prints a JSON array of {index, kind, name, errors}: a kind this file
 // does not know is an error, never a pass.
 import { Certificate } from "@kubernetes-models/cert-manager/cert-manager.io/v1/Certificate";
 import { ClusterIssuer } from "@kubernetes-models/cert-manager/cert-manager.io/v1/ClusterIssuer";
 import { BackendTrafficPolicy } from "@kubernetes-models/envoy-gateway/gateway.envoyproxy.io/v1alpha1/BackendTrafficPolicy";
 import { ClientTrafficPolicy } from "@kubernetes-models/envoy-gateway/gateway.envoyproxy.io/v1alpha1/ClientTrafficPolicy";
+import { SecurityPolicy } from "@kubernetes-models/envoy-gateway/gateway.envoyproxy.io/v1alpha1/SecurityPolicy";
+import { ExternalSecret } from "@kubernetes-models/external-secrets/external-secrets.io/v1/ExternalSecret";
+import { SecretStore } from "@kubernetes-models/external-secrets/external-secrets.io/v1/SecretStore";
 import { Gateway } from "@kubernetes-models/gateway-api/gateway.networking.k8s.io/v1/Gateway";
 import { GatewayClass } from "@kubernetes-models/gateway-api/gateway.networking.k8s.io/v1/GatewayClass";
 import { GRPCRoute } from "@kubernetes-models/gateway-api/gateway.networking.k8s.io/v1/GRPCRoute";
@@ -20,7 +23,8 @@ import { PrometheusRule } from "@kubernetes-models/prometheus-operator/monitorin
 
 const MODELS = new Map(
   [Gateway, GatewayClass, GRPCRoute, HTTPRoute, ScaledObject, PodMonitor, PrometheusRule, NodePool, EC2NodeClass,
-    ClusterIssuer, Certificate, BackendTrafficPolicy, ClientTrafficPolicy]
+    ClusterIssuer, Certificate, BackendTrafficPolicy, ClientTrafficPolicy, SecurityPolicy, ExternalSecret,
+    SecretStore]
     .map((m) => [`${m.apiVersion}/${m.kind}`, m]),
 );
 

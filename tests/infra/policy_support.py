@@ -144,7 +144,9 @@ def deployment_inputs(model_id: str, version: str, replicas: int = 2, env: str =
                                 {"name": "LLM_SERVING_IO_FINGERPRINT", "value": FINGERPRINT_A},
                                 {"name": "LLM_SERVING_MODEL_CACHE", "value": "/mnt/model-cache"},
                                 {"name": "LLM_SERVING_PARALLEL", "value": "tensor=1,pipeline=1,data=1"},
-                                {"name": "PROMETHEUS_MULTIPROC_DIR", "value": "/var/run/llm-serving/prometheus"}],
+                                {"name": "PROMETHEUS_MULTIPROC_DIR", "value": "/var/run/llm-serving/prometheus"},
+                                {"name": "LLM_SERVING_API_KEYS_FILE", "value": "/etc/llm-serving/api-keys"},
+                                {"name": "LLM_SERVING_REQUIRE_API_KEYS", "value": "1"}],
                         "ports": [{"containerPort": p} for p in (8000.0, 8001.0, 8002.0, 9000.0)],
                         "resources": {"limits": {"nvidia.com/gpu": "1", "memory": "64Gi"},
                                       "requests": {"nvidia.com/gpu": "1", "cpu": "8", "memory": "64Gi"}},
@@ -155,10 +157,13 @@ def deployment_inputs(model_id: str, version: str, replicas: int = 2, env: str =
                                            "periodSeconds": 5.0},
                         "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": 8000.0},
                                           "periodSeconds": 10.0},
-                        "volumeMounts": [{"name": "model-cache", "mountPath": "/mnt/model-cache", "readOnly": True}],
+                        "volumeMounts": [{"name": "model-cache", "mountPath": "/mnt/model-cache", "readOnly": True},
+                                         {"name": "api-keys", "mountPath": "/etc/llm-serving/api-keys",
+                                          "readOnly": True}],
                     }],
                     "volumes": [{"name": "model-cache",
-                                 "persistentVolumeClaim": {"claimName": "model-cache", "readOnly": True}}],
+                                 "persistentVolumeClaim": {"claimName": "model-cache", "readOnly": True}},
+                                {"name": "api-keys", "secret": {"secretName": "llm-serving-api-keys"}}],
                 },
             },
         },
@@ -328,6 +333,21 @@ def compliant_stack(stack_name: str = "prod-us-east-1") -> SyntheticStack:
             "metadata": {"labels": {"llm-serving/gpu-node-group": "gpu"}},
             "spec": {"requirements": [{"key": "node.kubernetes.io/instance-type", "operator": "In",
                                        "values": ["g6e.12xlarge"]}]}}}}, depends_on=["karpenter-crd"])
+    # Caller authentication (infra/gateway_auth.py): the keys from the secret store, API keys on the Gateway.
+    stack.add("kubernetes:helm.sh/v3:Release", "external-secrets", {
+        "chart": "external-secrets", "version": "0.16.2", "name": "external-secrets"})
+    stack.add("kubernetes:external-secrets.io/v1:ExternalSecret", "api-keys", {
+        "apiVersion": "external-secrets.io/v1", "kind": "ExternalSecret",
+        "metadata": {"name": "llm-serving-api-keys", "namespace": "llm-serving"},
+        "spec": {"secretStoreRef": {"kind": "SecretStore", "name": "aws-secrets-manager"},
+                 "target": {"name": "llm-serving-api-keys"}, "dataFrom": [{"extract": {"key": "api-keys"}}]}},
+        depends_on=["external-secrets"])
+    stack.add("kubernetes:gateway.envoyproxy.io/v1alpha1:SecurityPolicy", "gateway-api-keys", {
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1", "kind": "SecurityPolicy",
+        "metadata": {"name": "llm-serving-api-keys", "namespace": "llm-serving"},
+        "spec": {"targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "llm-gateway"}],
+                 "apiKeyAuth": {"credentialRefs": [{"name": "llm-serving-api-keys"}],
+                                "extractFrom": [{"headers": ["authorization"]}]}}}, depends_on=["gateway-crds"])
     add_model_version(stack, "llama", "v1")
     return stack
 

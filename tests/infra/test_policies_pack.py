@@ -46,7 +46,10 @@ EXTRA_MANDATORY = {"iam-irsa-trust-scoped", "serving-update-timeout", "rollout-g
                    # Issue 32 (the batch path): client data stays in its region, each worker in its model's prefix.
                    "batch-store-isolated",
                    # Fail-safe defaults: every engine a package starts has its share of the GPUs' memory.
-                   "serving-engine-memory-budgeted", "serving-network-policy-gateway-only"}
+                   "serving-engine-memory-budgeted", "serving-network-policy-gateway-only",
+                   # Caller authentication: at the Gateway, and again at the pod on every serving port.
+                   "gateway-api-keys-required", "serving-api-keys-required", "serving-kserve-ports-authenticated",
+                   "batch-worker-key-required"}
 
 
 @pytest.fixture

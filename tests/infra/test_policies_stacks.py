@@ -107,6 +107,13 @@ def _drop_dependencies(resource):
     resource.property_dependencies.clear()
 
 
+def _batch_worker_key_volume(resources):
+    workers = [d for d in _of(resources, "kubernetes:apps/v1:Deployment")
+               if d.inputs["metadata"]["labels"].get("app.kubernetes.io/component") == "batch-worker"]
+    assert workers, "the program registered no batch worker"
+    return next(v for v in workers[0].inputs["spec"]["template"]["spec"]["volumes"] if "secret" in v)
+
+
 def _ranker_server(resources):
     dep = next(d for d in _serving(resources) if d.inputs["metadata"]["labels"]["app.kubernetes.io/name"] == "ranker")
     return dep.inputs["spec"]["template"]["spec"]["containers"][0]
@@ -242,6 +249,17 @@ MUTATIONS: dict[str, Callable] = {
     "serving-network-policy-gateway-only": lambda res, cfg: next(
         rule for n in _of(res, "kubernetes:networking.k8s.io/v1:NetworkPolicy") for rule in n.inputs["spec"].get(
             "ingress", []) if "gateway.envoyproxy.io" in json.dumps(rule.get("from"))).pop("from"),
+    # No caller authentication at the Gateway: its SecurityPolicy gone, every route open to whoever reaches the NLB.
+    "gateway-api-keys-required": lambda res, cfg: _drop(
+        res, "kubernetes:gateway.envoyproxy.io/v1alpha1:SecurityPolicy"),
+    # A model pod without its key: the keys' Secret volume and the variable naming it gone.
+    "serving-api-keys-required": lambda res, cfg: _server(res).update(
+        env=[e for e in _server(res)["env"] if e["name"] != "LLM_SERVING_API_KEYS_FILE"]),
+    # A KServe port without a key: the flag that turns the check on for 8000/8001 (and fails a keyless start) gone.
+    "serving-kserve-ports-authenticated": lambda res, cfg: _server(res).update(
+        env=[e for e in _server(res)["env"] if e["name"] != "LLM_SERVING_REQUIRE_API_KEYS"]),
+    # The batch worker's key Secret optional again: a worker without it would call the Gateway keyless.
+    "batch-worker-key-required": lambda res, cfg: _batch_worker_key_volume(res)["secret"].update(optional=True),
     "serving-probes": lambda res, cfg: _server(res).pop("livenessProbe"),
     "serving-update-timeout": lambda res, cfg: _serving(res)[0].custom_timeouts.update(update="2m"),
     "serving-model-from-fsx": lambda res, cfg: _server(res).update(volumeMounts=[]),
