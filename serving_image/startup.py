@@ -457,8 +457,10 @@ async def _open_ports(started: Started, config: StartupConfig) -> str:
     from serving_image.kserve.frontends import start_kserve
 
     # `openai` mode: the OpenAI front-end and the KServe v2 front-ends over the same embedded Triton.
+    # The keys on the KServe ports too where they are required (every model pod, pc.ENV_REQUIRE_API_KEYS).
     kserve = await start_kserve(triton, host=config.host, grpc_port=config.kserve_grpc_port,
-                                http_port=config.kserve_http_port, is_draining=lambda: started.draining)
+                                http_port=config.kserve_http_port, is_draining=lambda: started.draining,
+                                api_keys=api_config.api_keys if api_config.required else ())
     started.grpc_servers.append(kserve.grpc_server)
     started.uvicorn_servers.append(kserve.http_server)
     started.tasks.append(kserve.http_task)
@@ -599,6 +601,12 @@ def configure_logging() -> None:
 async def _main_async(config: StartupConfig, on_ready: Callable[[Started], None] | None) -> int:
     try:
         placement_mode({ENV_FRONT_PLACEMENT: config.front_placement})
+        # The caller authentication's keys, before anything loads: a pod whose key Secret is missing or empty (or
+        # that requires keys and names none) refuses to start, never serves without them (docs/architecture.md
+        # §3.12).
+        from serving_image.api_keys import load_api_keys
+
+        load_api_keys()
     except ValueError as exc:  # before anything starts: a setting the procedure cannot read
         log.error("%s", exc)
         return 2

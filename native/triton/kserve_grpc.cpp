@@ -156,6 +156,12 @@ Metadata metadata_of(const grpc::CallbackServerContext* context) {
   return out;
 }
 
+// KServe gRPC methods answered without a key: health, as the HTTP health paths (llm_serving/pod_contract.py
+// UNAUTHENTICATED_GRPC_METHODS).
+bool is_open_method(const char* method) {
+  return std::strcmp(method, "ServerLive") == 0 || std::strcmp(method, "ServerReady") == 0;
+}
+
 // A request of a call, from its sending to its final response.
 struct Pending {
   std::string request_id, model, model_version;
@@ -173,8 +179,16 @@ struct Pending {
 
 class Stream : public grpc::ServerBidiReactor<ModelInferRequest, ModelStreamInferResponse>, public Call {
  public:
-  Stream(Frontend* frontend, grpc::CallbackServerContext* context)
-      : frontend_(frontend), call_(std::make_shared<CallContext>(frontend->hooks().open_call(metadata_of(context)))) {
+  Stream(Frontend* frontend, grpc::CallbackServerContext* context) : frontend_(frontend) {
+    Metadata metadata = metadata_of(context);
+    std::string refused = authorization_error(frontend->api_keys(), metadata);
+    if (!refused.empty()) {  // no key, no stream: nothing is read, sent or recorded
+      call_ = std::make_shared<CallContext>();
+      finished_ = true;
+      Finish(grpc::Status(grpc::StatusCode::UNAUTHENTICATED, refused));
+      return;
+    }
+    call_ = std::make_shared<CallContext>(frontend->hooks().open_call(metadata));
     StartRead(&request_);
   }
 
@@ -338,7 +352,14 @@ class Unary : public grpc::ServerUnaryReactor, public Call {
   Unary(Frontend* frontend, grpc::CallbackServerContext* context, const ModelInferRequest* request,
         ModelInferResponse* response)
       : frontend_(frontend), response_(response) {
-    CallContext call = frontend->hooks().open_call(metadata_of(context));
+    Metadata metadata = metadata_of(context);
+    std::string refused = authorization_error(frontend->api_keys(), metadata);
+    if (!refused.empty()) {  // before a record is opened, as a malformed header is refused
+      finished_ = true;
+      Finish(grpc::Status(grpc::StatusCode::UNAUTHENTICATED, refused));
+      return;
+    }
+    CallContext call = frontend->hooks().open_call(metadata);
     if (!call.error.empty()) {  // refused before a record is opened, as the Python front-end did
       finished_ = true;
       Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, call.error));
@@ -464,6 +485,14 @@ class Service : public inference::GRPCInferenceService::CallbackService {
  private:
   grpc::ServerUnaryReactor* control(grpc::CallbackServerContext* context, const char* method,
                                     const google::protobuf::Message& request, google::protobuf::Message* response) {
+    if (!is_open_method(method)) {
+      std::string refused = authorization_error(frontend_->api_keys(), metadata_of(context));
+      if (!refused.empty()) {
+        auto* reactor = context->DefaultReactor();
+        reactor->Finish(grpc::Status(grpc::StatusCode::UNAUTHENTICATED, refused));
+        return reactor;
+      }
+    }
     ControlAnswer answer = frontend_->hooks().control(method, request.SerializeAsString());
     grpc::Status status = grpc::Status::OK;
     if (answer.code != 0) {
@@ -505,8 +534,47 @@ const char* status_name(grpc::StatusCode code) {
   return index >= 0 && index <= 16 ? names[index] : "UNKNOWN";
 }
 
-Frontend::Frontend(const rp::Api& api, void* server, const std::string& address, Hooks hooks, size_t capacity)
-    : api_(api), server_(server), hooks_(std::move(hooks)), queue_(api, capacity) {
+namespace {
+
+// Equal bytes, compared in time that depends on the lengths only (as Python's hmac.compare_digest).
+bool same_key(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  volatile unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff = diff | static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+}  // namespace
+
+std::string authorization_error(const std::vector<std::string>& api_keys, const std::string* authorization) {
+  if (api_keys.empty()) return "";
+  static const char* const kMissing = "missing API key: send metadata 'authorization: Bearer <key>'";
+  if (authorization == nullptr) return kMissing;
+  const std::string& value = *authorization;
+  const size_t space = value.find(' ');
+  std::string scheme = value.substr(0, space == std::string::npos ? value.size() : space);
+  for (char& ch : scheme) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (scheme != "bearer" || space == std::string::npos) return kMissing;
+  size_t begin = space + 1, end = value.size();
+  while (begin < end && std::isspace(static_cast<unsigned char>(value[begin]))) ++begin;
+  while (end > begin && std::isspace(static_cast<unsigned char>(value[end - 1]))) --end;
+  if (begin == end) return kMissing;
+  const std::string token = value.substr(begin, end - begin);
+  bool matched = false;
+  for (const std::string& key : api_keys) matched = same_key(token, key) || matched;  // every key, always
+  return matched ? "" : "incorrect API key provided";
+}
+
+std::string authorization_error(const std::vector<std::string>& api_keys, const Metadata& metadata) {
+  for (const auto& kv : metadata) {
+    if (kv.first == "authorization") return authorization_error(api_keys, &kv.second);
+  }
+  return authorization_error(api_keys, static_cast<const std::string*>(nullptr));
+}
+
+Frontend::Frontend(const rp::Api& api, void* server, const std::string& address, Hooks hooks, size_t capacity,
+                   std::vector<std::string> api_keys)
+    : api_(api), server_(server), hooks_(std::move(hooks)), api_keys_(std::move(api_keys)), queue_(api, capacity) {
   stop_fd_ = eventfd(0, EFD_CLOEXEC);
   records_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (stop_fd_ < 0 || records_fd_ < 0) throw std::runtime_error(std::string("eventfd: ") + std::strerror(errno));

@@ -72,6 +72,13 @@ struct RequestRecord {
   double duration_s = 0, first_response_s = -1, last_response_s = -1;  // -1: no response left
 };
 
+// The caller's key check (docs/architecture.md §3.12): "" when `authorization` (the `authorization` metadata's
+// value, nullptr when absent) is "Bearer <key>" with one of `api_keys`, else the message UNAUTHENTICATED carries.
+// Every key is compared, each in time independent of where the first difference lies. No keys: "" (no check).
+std::string authorization_error(const std::vector<std::string>& api_keys, const std::string* authorization);
+// The same, from a call's metadata (keys lower-cased, as metadata_of gives them).
+std::string authorization_error(const std::vector<std::string>& api_keys, const Metadata& metadata);
+
 // A gRPC status for a TRITONSERVER_Error code (triton_grpc.py's table).
 grpc::StatusCode status_for(int triton_code);
 const char* status_name(grpc::StatusCode code);
@@ -80,7 +87,9 @@ class Call;
 
 class Frontend {
  public:
-  Frontend(const rp::Api& api, void* server, const std::string& address, Hooks hooks, size_t queue_capacity);
+  // `api_keys`: not empty, every RPC but ServerLive and ServerReady needs one (authorization_error).
+  Frontend(const rp::Api& api, void* server, const std::string& address, Hooks hooks, size_t queue_capacity,
+           std::vector<std::string> api_keys = {});
   ~Frontend();
   Frontend(const Frontend&) = delete;
   Frontend& operator=(const Frontend&) = delete;
@@ -93,6 +102,7 @@ class Frontend {
 
   // -- used by the calls (kserve_grpc.cpp) --
   const Hooks& hooks() const { return hooks_; }
+  const std::vector<std::string>& api_keys() const { return api_keys_; }
   // Parse and send one request; its responses go to `call` under the returned key. Throws rp::CallError (with a
   // TRITONSERVER_Error code) for what Triton refuses and for a malformed request (INVALID_ARG).
   uint64_t submit(Call* call, const inference::ModelInferRequest& request);
@@ -106,6 +116,7 @@ class Frontend {
   const rp::Api& api_;
   void* server_;
   Hooks hooks_;
+  std::vector<std::string> api_keys_;
   rp::Queue queue_;
   std::unique_ptr<grpc::Service> service_;
   std::unique_ptr<grpc::Server> grpc_;

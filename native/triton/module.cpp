@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -251,15 +252,24 @@ PYBIND11_MODULE(_response_path, m) {
 
   py::class_<kg::Frontend, std::unique_ptr<kg::Frontend, FrontendDeleter>>(m, "KServeGrpc")
       .def(py::init([](std::shared_ptr<Library> library, uintptr_t server, const std::string& address,
-                       py::function open_call, py::function control, size_t capacity) {
+                       py::function open_call, py::function control, size_t capacity,
+                       std::vector<std::string> api_keys) {
              kg::Hooks hooks = python_hooks(std::move(open_call), std::move(control));
              py::gil_scoped_release unlocked;
              return std::unique_ptr<kg::Frontend, FrontendDeleter>(
                  new kg::Frontend(library->api, reinterpret_cast<void*>(server), address, std::move(hooks),
-                                  capacity));
+                                  capacity, std::move(api_keys)));
            }),
            py::arg("library"), py::arg("server"), py::arg("address"), py::arg("open_call"), py::arg("control"),
-           py::arg("capacity"), py::keep_alive<1, 2>())
+           py::arg("capacity"), py::arg("api_keys") = std::vector<std::string>{}, py::keep_alive<1, 2>())
+      .def_static(
+          "authorization_error",
+          [](const std::vector<std::string>& api_keys, std::optional<std::string> authorization) {
+            return kg::authorization_error(api_keys, authorization ? &*authorization : nullptr);
+          },
+          py::arg("api_keys"), py::arg("authorization"),
+          "The KServe gRPC front-end's key check as it runs per call: '' when `authorization` (the metadata's "
+          "value, or None) presents one of `api_keys`, else the message UNAUTHENTICATED carries.")
       .def_property_readonly("port", &kg::Frontend::port)
       .def_property_readonly("records_fd", &kg::Frontend::records_fd)
       .def(

@@ -356,12 +356,19 @@ def _retry_after(answer: Answer, default: float) -> float:
 
 
 def _api_key() -> str | None:
-    """The key for the model's front-end: ENV_BATCH_WORKER_API_KEY_FILE's content when that file exists (an optional
-    Secret that is absent leaves no file: no key), else ENV_BATCH_WORKER_API_KEY."""
+    """The key for the model's front-end: ENV_BATCH_WORKER_API_KEY_FILE's content (a Deployment's required Secret),
+    else ENV_BATCH_WORKER_API_KEY (a local run). Fails closed: a key file that is named but missing, unreadable or
+    empty is an error naming it, never a worker that calls without its key."""
     path = os.environ.get(ENV_BATCH_WORKER_API_KEY_FILE)
-    if path and os.path.isfile(path):
-        with open(path) as handle:
-            return handle.read().strip() or None
+    if path:
+        try:
+            with open(path) as handle:
+                key = handle.read().strip()
+        except OSError as exc:
+            raise ValueError(f"{ENV_BATCH_WORKER_API_KEY_FILE}={path}: cannot read the worker's key ({exc})") from exc
+        if not key:
+            raise ValueError(f"{ENV_BATCH_WORKER_API_KEY_FILE}={path}: the file holds no key")
+        return key
     return os.environ.get(ENV_BATCH_WORKER_API_KEY) or None
 
 
@@ -386,7 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
     kill_after = os.environ.get(ENV_KILL_AFTER)
-    config = WorkerConfig(endpoint_url=args.endpoint, api_key=_api_key(),
+    try:
+        api_key = _api_key()
+    except ValueError as exc:
+        parser.error(str(exc))
+    config = WorkerConfig(endpoint_url=args.endpoint, api_key=api_key,
                           concurrency=args.concurrency, poll_s=args.poll_s,
                           kill_after=int(kill_after) if kill_after else None,
                           cache_retention=timedelta(days=args.cache_retention_days) if args.cache_retention_days

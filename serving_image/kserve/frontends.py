@@ -32,14 +32,18 @@ class RunningKServe:
 
 
 async def start_kserve(triton, *, host: str, grpc_port: int, http_port: int,
-                       is_draining: Callable[[], bool] = lambda: False) -> RunningKServe:
-    """`triton`: an EmbeddedTriton (serving_image/triton/embedded.py). Port 0 picks a free port for gRPC."""
+                       is_draining: Callable[[], bool] = lambda: False,
+                       api_keys: tuple[str, ...] = ()) -> RunningKServe:
+    """`triton`: an EmbeddedTriton (serving_image/triton/embedded.py). Port 0 picks a free port for gRPC.
+    `api_keys`: not empty, both ports answer only a caller that presents one of them (`Authorization: Bearer <key>`,
+    the HTTP header or the gRPC metadata), health excepted (llm_serving/pod_contract.py)."""
     from serving_image.http_server import uvicorn_server
     from serving_image.kserve.triton_grpc import start_triton_grpc
     from serving_image.kserve.triton_http import create_triton_http_app
 
-    grpc_server, bound = await start_triton_grpc(triton, host, grpc_port, is_draining)
-    http_server = uvicorn_server(create_triton_http_app(triton, is_draining), host, http_port, grace_s=GRACE_S)
+    grpc_server, bound = await start_triton_grpc(triton, host, grpc_port, is_draining, api_keys=api_keys)
+    http_server = uvicorn_server(create_triton_http_app(triton, is_draining, api_keys=api_keys), host, http_port,
+                                 grace_s=GRACE_S)
     task = asyncio.create_task(http_server.serve(), name="kserve-http")
     while not http_server.started:
         if task.done():

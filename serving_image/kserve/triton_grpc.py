@@ -157,9 +157,11 @@ class TritonGrpcServer:
         write_records(native.drain_records())
 
 
-async def start_triton_grpc(triton, host: str, port: int,
-                            is_draining: Callable[[], bool] = lambda: False) -> tuple[TritonGrpcServer, int]:
-    """Bind and start KServe gRPC over the embedded Triton; returns the server and the bound port."""
+async def start_triton_grpc(triton, host: str, port: int, is_draining: Callable[[], bool] = lambda: False, *,
+                            api_keys: tuple[str, ...] = ()) -> tuple[TritonGrpcServer, int]:
+    """Bind and start KServe gRPC over the embedded Triton; returns the server and the bound port. `api_keys`: not
+    empty, every RPC but ServerLive and ServerReady needs `authorization: Bearer <key>` metadata with one of them
+    (UNAUTHENTICATED otherwise), checked in C++ before the call reaches Python or Triton."""
     from serving_image.triton.capi import _response_path
     from serving_image.triton.capi.inference import native_library
 
@@ -167,7 +169,7 @@ async def start_triton_grpc(triton, host: str, port: int,
     try:
         native = await asyncio.to_thread(
             _response_path.KServeGrpc, native_library(triton.server.lib), triton.server.handle.value,
-            f"{host}:{port}", open_call, control.answer, QUEUE_CAPACITY)
+            f"{host}:{port}", open_call, control.answer, QUEUE_CAPACITY, list(api_keys))
     except RuntimeError as exc:
         raise RuntimeError(f"KServe gRPC: cannot bind {host}:{port} ({exc})") from None
     server = TritonGrpcServer(native, asyncio.get_running_loop())

@@ -111,10 +111,16 @@ def json_outputs(model: str, version: str, outputs: dict[str, np.ndarray]) -> di
     return body
 
 
-def create_triton_http_app(triton, is_draining: Callable[[], bool] = lambda: False) -> FastAPI:
+def create_triton_http_app(triton, is_draining: Callable[[], bool] = lambda: False,
+                           api_keys: tuple[str, ...] = ()) -> FastAPI:
+    """`api_keys`: not empty, every path but the health probes' answers only a caller with one (kserve/auth.py)."""
     server = triton.server
     app = FastAPI(title="llm-serving KServe v2 (embedded Triton)", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(HttpRecordMiddleware)  # one request record per inference request (kserve/request_log.py)
+    if api_keys:  # added last, so it runs first: a refused caller leaves no request record and reaches no handler
+        from serving_image.kserve.auth import BearerKeyMiddleware
+
+        app.add_middleware(BearerKeyMiddleware, api_keys=tuple(api_keys))
 
     @app.get("/v2/health/live")
     async def live() -> Response:

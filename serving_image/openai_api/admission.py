@@ -21,18 +21,21 @@ arrives; an idle platform runs batches at full speed.
 
 from __future__ import annotations
 
-import hmac
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from prometheus_client import Counter
 
+from llm_serving import pod_contract as pc
+from serving_image.api_keys import bearer_token, key_matches, load_api_keys
 from serving_image.openai_api.errors import APIError
 
-ENV_API_KEYS = "LLM_SERVING_API_KEYS"  # comma-separated
-ENV_API_KEYS_FILE = "LLM_SERVING_API_KEYS_FILE"  # one key per line, '#' comments
+__all__ = ["APIConfig", "Admission", "bearer_token", "check_api_key", "key_matches", "load_api_keys"]
+
+ENV_API_KEYS = pc.ENV_API_KEYS  # comma-separated
+ENV_API_KEYS_FILE = pc.ENV_API_KEYS_FILE  # one key per line, '#' comments; or a directory, one key per file
+ENV_REQUIRE_API_KEYS = pc.ENV_REQUIRE_API_KEYS  # "1": keys required, and checked on the KServe ports too
 PRIORITY_HEADER = "x-llm-serving-priority"  # "batch" or "realtime" (the default)
 ENV_BATCH_SHARE = "LLM_SERVING_BATCH_ADMISSION_SHARE"  # a fraction in (0, 1]
 ENV_BATCH_YIELDS = "LLM_SERVING_BATCH_YIELDS_TO_REALTIME"  # 1 (default) or 0
@@ -48,7 +51,9 @@ ENV_LIMITS = {
 
 @dataclass(frozen=True)
 class APIConfig:
-    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    api_keys: tuple[str, ...] = ()  # empty: no authentication (never so with `required`)
+    # ENV_REQUIRE_API_KEYS (every model pod): the keys are required, and checked on every serving port.
+    required: bool = False
     max_body_bytes: int = 8 * 1024 * 1024
     max_concurrent_requests: int = 512
     max_inflight_tokens: int = 4_000_000
@@ -62,16 +67,7 @@ class APIConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> APIConfig:
-        keys: list[str] = [k.strip() for k in environ.get(ENV_API_KEYS, "").split(",") if k.strip()]
-        if environ.get(ENV_API_KEYS_FILE):
-            path = Path(environ[ENV_API_KEYS_FILE])
-            try:
-                lines = path.read_text().splitlines()
-            except OSError as exc:
-                raise ValueError(f"{ENV_API_KEYS_FILE}={path}: cannot read the key file ({exc})") from exc
-            keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-            if not keys:
-                raise ValueError(f"{ENV_API_KEYS_FILE}={path}: the key file holds no key")
+        keys, required = load_api_keys(environ)
         limits = {}
         for field, variable in ENV_LIMITS.items():
             if variable in environ:
@@ -95,20 +91,19 @@ class APIConfig:
                 if value not in ("0", "1"):
                     raise ValueError(f"{variable}={value!r}: expected 1 or 0")
                 limits[field] = value == "1"
-        return cls(api_keys=tuple(keys), **limits)
+        return cls(api_keys=keys, required=required, **limits)
 
 
 def check_api_key(config: APIConfig, authorization: str | None) -> None:
     """Raise 401 unless the bearer token is one of the keys. Every key is compared, each in constant time."""
     if not config.api_keys:
+        if config.required:  # from_env refuses this; a config built by hand is held to it too
+            raise APIError(401, "No API key is configured on this server", code="invalid_api_key")
         return
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not token:
+    token = bearer_token(authorization)
+    if token is None:
         raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-    matched = False
-    for key in config.api_keys:
-        matched |= hmac.compare_digest(token.strip().encode(), key.encode())
-    if not matched:
+    if not key_matches(config.api_keys, token):
         raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
 
 

@@ -185,8 +185,14 @@ def test_the_workers_key_comes_from_its_secret_file_when_there_is_one(tmp_path, 
     from serving_image.batch.worker import _api_key
 
     monkeypatch.setenv(ENV_BATCH_WORKER_API_KEY, "from-env")
-    monkeypatch.setenv(ENV_BATCH_WORKER_API_KEY_FILE, str(tmp_path / "absent"))  # an optional Secret that is not there
-    assert _api_key() == "from-env"
-    (tmp_path / "api-key").write_text("from-file\n")
+    monkeypatch.delenv(ENV_BATCH_WORKER_API_KEY_FILE, raising=False)
+    assert _api_key() == "from-env"  # a local run
+    monkeypatch.setenv(ENV_BATCH_WORKER_API_KEY_FILE, str(tmp_path / "absent"))  # its Secret missing: fails closed
+    with pytest.raises(ValueError, match="cannot read the worker's key"):
+        _api_key()
+    (tmp_path / "api-key").write_text("\n")
     monkeypatch.setenv(ENV_BATCH_WORKER_API_KEY_FILE, str(tmp_path / "api-key"))
+    with pytest.raises(ValueError, match="holds no key"):
+        _api_key()
+    (tmp_path / "api-key").write_text("from-file\n")
     assert _api_key() == "from-file"
