@@ -64,6 +64,9 @@ class Settings:
     timeout_connect_s: int = 5
     unreachable: str = "127.0.0.1:1"  # where a backendRef without Ready pods sends its share (refused: 503)
     access_log: bool = True  # one line per request on HAProxy's stdout
+    # Caller authentication (the rendered SecurityPolicy's apiKeyAuth, gateway.py): a file of the accepted
+    # `Authorization` values (api_key_patterns); without one of them a request is answered 401, as Envoy answers.
+    api_keys_file: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,21 @@ def server_weights(shares: Sequence[tuple[int, int]]) -> list[int]:
     if top <= MAX_WEIGHT:
         return raw
     return [max(1, round(r * MAX_WEIGHT / top)) if r else 0 for r in raw]
+
+
+UNAUTHENTICATED_BODY = "Client authentication failed."  # Envoy's api_key_auth filter's answer, word for word
+
+
+def api_key_patterns(keys: Sequence[str]) -> str:
+    """The accepted `Authorization` header values, one per line, for `Settings.api_keys_file`: "Bearer <key>", the
+    form Envoy's api_key_auth filter strips to the key. A key with a space or a control character could not be a
+    pattern line (nor an HTTP header value): refused."""
+    if not keys:
+        raise ProxyConfigError("API keys required but none given: every caller would be refused")
+    for key in keys:
+        if not key or any(c.isspace() or not c.isprintable() for c in key) or key.startswith("#"):
+            raise ProxyConfigError("an API key holds a space, a control character or a leading '#'")
+    return "".join(f"Bearer {key}\n" for key in keys)
 
 
 def render_config(gateway: Gateway, routes: Sequence[Route], endpoints: Endpoints, settings: Settings,
@@ -201,7 +219,12 @@ def render_config(gateway: Gateway, routes: Sequence[Route], endpoints: Endpoint
         if tls:
             bind += f" ssl crt {settings.certificate} alpn h2,http/1.1"
         out += [f"frontend gateway.{port}  # listeners {', '.join(li.name for li in listeners)}", bind,
-                "    http-request set-header X-Forwarded-Proto https" if tls else "",
+                "    http-request set-header X-Forwarded-Proto https" if tls else ""]
+        if settings.api_keys_file is not None:  # before any route: no key, no backend
+            out += [f"    acl caller_authenticated req.hdr(authorization) -m str -f {settings.api_keys_file}",
+                    f'    http-request return status 401 content-type text/plain string "{UNAUTHENTICATED_BODY}" '
+                    "hdr www-authenticate Bearer if !caller_authenticated"]
+        out += [
                 "    # HTTP/1.1: one request per connection, so that a reload never closes an idle one under a client",
                 "    http-after-response set-header Connection close if !{ req.ver 2.0 }"]
         for _, acl, backend in sorted(rules_by_port[port], key=lambda r: r[0]):

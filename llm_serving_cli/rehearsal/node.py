@@ -19,7 +19,7 @@ from typing import Any
 
 from llm_serving import dockerfile
 from llm_serving_cli.image import containers
-from llm_serving_cli.rehearsal import podspec, render, substitutions
+from llm_serving_cli.rehearsal import net, podspec, render, secrets, substitutions
 from llm_serving_cli.rehearsal.container import ContainerProcess, run_argv
 from llm_serving_cli.rehearsal.kubelet import PodRunner
 from llm_serving_cli.rehearsal.net import Network
@@ -37,6 +37,10 @@ class Node:
         self.pod_count = 0  # pods created so far: the next pod's network index
         self._containers = itertools.count()  # each container's name is new (a restart is a new container)
         self._plans_for: Callable[[dict[str, Any]], list[podspec.PodPlan]] | None = None
+        # The Secrets the pods mount, made for this run (secrets.py): set by `install`.
+        self.secrets: secrets.SecretsPlan | None = None
+        self.network_policies: list[dict[str, Any]] = []  # the rendered NetworkPolicies' inputs (net.py enforces)
+        self.policy_namespaces: tuple[str, ...] = ()  # whose peers run in the node namespace here
 
     # -- plans -------------------------------------------------------------------------------------------------
 
@@ -61,9 +65,16 @@ class Node:
             return path
 
         cloud = substitutions.cloud_env(store_endpoint)
+        self.network_policies = [p["inputs"] for p in rendered.of_type("kubernetes:networking.k8s.io/v1:NetworkPolicy")]
+        serving = rendered.config.get("llm-serving:serving") or {}
+        self.policy_namespaces = (net.GATEWAY_PROXY_NAMESPACE, serving.get("monitoringNamespace") or "monitoring")
+        # What External Secrets would sync from Secrets Manager: every ExternalSecret's target Secret, with key
+        # material made for this run, mounted read-only where a pod's secret volume names it.
+        self.secrets = secrets.plan_secrets(e["inputs"] for e in rendered.of_type(secrets.EXTERNAL_SECRET))
+        secret_dirs = self.secrets.write(self.workdir / "secrets")
 
         def plans_for(deployment: dict[str, Any]) -> list[podspec.PodPlan]:
-            return podspec.pod_plans(deployment, image, claims, scratch, cloud)
+            return podspec.pod_plans(deployment, image, claims, scratch, cloud, secret_dirs)
 
         self._plans_for = plans_for
 
@@ -79,6 +90,10 @@ class Node:
         """A pod for `plan` in a network namespace of its own (not started yet)."""
         namespace, address = self.net.create_pod(self.pod_count)
         self.pod_count += 1
+        # The rendered NetworkPolicies that select the pod, enforced on the node before its container starts.
+        rules = net.policy_rules(self.network_policies, plan.namespace, plan.labels, self.policy_namespaces)
+        if rules is not None:
+            self.net.restrict_pod(address, rules)
         runner = PodRunner(plan, address, self._launch(namespace), self.workdir / "logs", on_change=on_change)
         self.runners.append(runner)
         return runner

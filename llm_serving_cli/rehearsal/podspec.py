@@ -98,10 +98,14 @@ def _probe(kind: str, spec: dict[str, Any] | None, ports: dict[str, int], where:
 
 
 def pod_plans(deployment: dict[str, Any], image: dockerfile.ImageFacts, volume_sources: dict[str, str],
-              scratch_for: Any, cloud_env: dict[str, str] | None = None) -> list[PodPlan]:
+              scratch_for: Any, cloud_env: dict[str, str] | None = None,
+              secret_sources: dict[str, str] | None = None) -> list[PodPlan]:
     """One plan per replica. `volume_sources`: claim name -> host directory (the model cache); `scratch_for(pod,
     volume)` gives a host directory for an emptyDir (and for an optional Secret's empty volume); `cloud_env` what
-    stands in for the cloud's credentials and endpoints (substitutions.cloud_env), under the rendered env."""
+    stands in for the cloud's credentials and endpoints (substitutions.cloud_env), under the rendered env;
+    `secret_sources`: Secret name -> host directory of the Secrets the rehearsal made (secrets.py), mounted
+    read-only."""
+    secret_sources = secret_sources or {}
     inputs = deployment["inputs"]
     name = inputs["metadata"]["name"]
     namespace = inputs["metadata"].get("namespace", "default")
@@ -170,13 +174,18 @@ def pod_plans(deployment: dict[str, Any], image: dockerfile.ImageFacts, volume_s
                     mounts.append(Mount(vm["mountPath"], "bind", str(scratch_for(pod_name, vm["name"])), read_only,
                                         None, vm["name"]))
             elif "secret" in volume:
-                # No Secret exists here. Kubernetes mounts an optional Secret that does not exist as an empty
-                # volume (the batch worker's API key: no file, no key); a required one would keep the pod from
-                # starting.
+                # The Secrets the rehearsal made (secrets.py: every ExternalSecret's target), read-only. Kubernetes
+                # mounts an optional Secret that does not exist as an empty volume; a required one that does not
+                # exist keeps the pod from starting: named here.
                 secret = volume["secret"] or {}
+                source = secret_sources.get(str(secret.get("secretName")))
+                if source is not None:
+                    mounts.append(Mount(vm["mountPath"], "bind", source, True, None, vm["name"]))
+                    continue
                 if not secret.get("optional"):
                     raise PodSpecError(f"{where}: volume {vm['name']!r} is the Secret {secret.get('secretName')!r}, "
-                                       "which is not optional; the rehearsal creates no Secrets")
+                                       "which is not optional and which no ExternalSecret of the stack produces "
+                                       f"(the rehearsal's Secrets: {sorted(secret_sources) or 'none'})")
                 mounts.append(Mount(vm["mountPath"], "bind", str(scratch_for(pod_name, vm["name"])), True, None,
                                     vm["name"]))
             else:

@@ -149,9 +149,17 @@ def test_the_rehearsal_can_plan_every_shipped_stacks_pods(stack, tmp_path):
     run, cfg = stack
     for dep in _model_deployments(run):
         plans = podspec.pod_plans({"inputs": dep.inputs}, IMAGE, {"model-cache": str(tmp_path / "fsx")},
-                                  lambda pod, volume: tmp_path / pod / volume)
+                                  lambda pod, volume: tmp_path / pod / volume,
+                                  secret_sources={pc.API_KEYS_SECRET: str(tmp_path / "api-keys")})
         assert len(plans) == dep.inputs["spec"]["replicas"]
         for plan in plans:
             rendered = {e["name"]: e["value"] for e in dep.inputs["spec"]["template"]["spec"]["containers"][0]["env"]}
             assert {k: plan.env[k] for k in rendered} == rendered  # exactly the rendered env on the process
             assert plan.argv == list(IMAGE.entrypoint) and plan.uid == pc.RUN_AS_UID and plan.read_only_root
+
+
+def test_the_rehearsals_gateway_namespace_is_the_programs():
+    from infra.bootstrap import GATEWAY_NAMESPACE
+    from llm_serving_cli.rehearsal.net import GATEWAY_PROXY_NAMESPACE
+
+    assert GATEWAY_PROXY_NAMESPACE == GATEWAY_NAMESPACE

@@ -62,7 +62,8 @@ def _plans(rendered: render.Rendered, tmp_path: Path, model: str | None = None) 
     plans = []
     for dep in rendered.model_deployments():
         if model is None or _model(dep) == model:
-            plans += podspec.pod_plans(dep, IMAGE, {"model-cache": str(tmp_path / "fsx")}, scratch)
+            plans += podspec.pod_plans(dep, IMAGE, {"model-cache": str(tmp_path / "fsx")}, scratch,
+                                       secret_sources={pc.API_KEYS_SECRET: str(tmp_path / "api-keys")})
     return plans
 
 
@@ -714,8 +715,10 @@ def test_the_batch_worker_runs_as_rendered_against_the_rehearsals_s3(dev, tmp_pa
     (worker,) = [d for d in dev.pod_deployments() if render.component(d["inputs"]) == render.BATCH_WORKER]
     assert cluster._runs_pods(render.DEPLOYMENT, worker["inputs"])  # a stack update's step waits for its pods
     endpoint = "http://10.213.0.1:5000"
+    key_secret = next(v["secret"]["secretName"] for v in worker["inputs"]["spec"]["template"]["spec"]["volumes"]
+                      if "secret" in v)
     (plan,) = podspec.pod_plans(worker, IMAGE, {}, lambda pod, volume: tmp_path / pod / volume,
-                                substitutions.cloud_env(endpoint))
+                                substitutions.cloud_env(endpoint), {key_secret: str(tmp_path / "worker-key")})
     (container,) = worker["inputs"]["spec"]["template"]["spec"]["containers"]
     assert plan.argv == container["command"] and plan.argv[:3] == ["python3", "-m", "serving_image.batch.worker"]
     store = plan.argv[plan.argv.index("--store") + 1]
@@ -728,7 +731,8 @@ def test_the_batch_worker_runs_as_rendered_against_the_rehearsals_s3(dev, tmp_pa
     assert not mounts["/tmp"].read_only and not mounts[pc.MULTIPROC_DIR].read_only  # the metrics' files
     assert plan.env[pc.ENV_MULTIPROC_DIR] == pc.MULTIPROC_DIR
     key_dir = mounts[rendered["LLM_SERVING_BATCH_WORKER_API_KEY_FILE"].rsplit("/", 1)[0]]
-    assert key_dir.kind == "bind" and key_dir.read_only  # the optional Secret, absent here: an empty directory
+    # its required Secret, as the rehearsal makes it (secrets.py), read-only
+    assert key_dir.kind == "bind" and key_dir.read_only and key_dir.source == str(tmp_path / "worker-key")
     ready = plan.probes["readiness"]
     assert (ready.path, ready.port) == ("/metrics", int(plan.argv[plan.argv.index("--metrics-port") + 1]))
 
