@@ -12,6 +12,7 @@ counts, errors and latencies. Errors name the model, the version and the field.
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -23,6 +24,7 @@ import numpy as np
 import openai
 from opentelemetry import trace
 
+from llm_serving import pod_contract as pc
 from llm_serving.batch_cache import ResultCache
 from llm_serving.object_store import open_object_store
 from llm_serving.stack_outputs import StackOutputs, StackOutputsError
@@ -76,6 +78,27 @@ class _Resolved:
     assignment_ns: tuple[int, int] | None  # when the assignment ran (its span is recorded inside the call's)
 
 
+ENV_API_KEY = "LLM_SERVING_API_KEY"  # the caller's key
+ENV_API_KEY_FILE = "LLM_SERVING_API_KEY_FILE"  # a file holding it (a mounted Secret); wins over ENV_API_KEY
+
+
+def api_key_from_env(environ=None) -> str | None:
+    """The caller's key from ENV_API_KEY_FILE (named but missing or empty: an error naming it, never a keyless
+    call) or ENV_API_KEY; None when neither is set."""
+    environ = os.environ if environ is None else environ
+    path = environ.get(ENV_API_KEY_FILE)
+    if path:
+        try:
+            with open(path) as handle:
+                key = handle.read().strip()
+        except OSError as exc:
+            raise ValueError(f"{ENV_API_KEY_FILE}={path}: cannot read the API key ({exc})") from exc
+        if not key:
+            raise ValueError(f"{ENV_API_KEY_FILE}={path}: the file holds no key")
+        return key
+    return environ.get(ENV_API_KEY) or None
+
+
 class Client:
     def __init__(self, outputs: StackOutputs, *, api_key: str | None = None, local: LocalEndpoints | None = None,
                  gateway: GatewayEndpoints | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -88,6 +111,10 @@ class Client:
         self.timeout_s, self.retry = timeout_s, retry or RetryPolicy()
         self._observer = Observer(tracer_provider, log_sample_rate)
         self._tensor = TensorTransport()
+        # The caller's credential (docs/clients.md, "Credentials"): sent as `Authorization: Bearer <key>` on OpenAI
+        # and KServe HTTP and as the `authorization` metadata on KServe gRPC; the gateway and the pod both check it.
+        api_key = api_key if api_key is not None else api_key_from_env()
+        self._auth = {pc.AUTHORIZATION_HEADER: pc.bearer_value(api_key)} if api_key else {}
         self._openai = OpenAITransport(api_key)
         self._in_process: dict[tuple[str, str], InProcessModel] = {}
         # The batch path's content-addressed answers (llm_serving.batch_cache), read first by `chat(cached=True)`.
@@ -205,7 +232,7 @@ class Client:
                                                     start_time=start, attributes={"llm_serving.stage": "assignment"})
             span.end(end_time=end)
             call.add_stage("assignment", (end - start) / 1e9)
-        return {HEADER: resolved.assignment.header} if resolved.assignment else {}
+        return {**self._auth, **({HEADER: resolved.assignment.header} if resolved.assignment else {})}
 
     def _finish(self, resolved: _Resolved, started: float, error: bool) -> None:
         if resolved.assignment is not None:

@@ -1,9 +1,10 @@
-"""The Secrets a rendered stack's pods mount, made here (docs/rehearsal.md, "Secrets"): in the cloud External Secrets
-syncs them from AWS Secrets Manager (infra/gateway_auth.py); the rehearsal stands in for both. Every ExternalSecret
-of the rendered stack becomes its target Secret, written as a Secret volume is (one file per data entry, read-only)
-under a directory of this run, with key material generated for this run alone: the secret store's JSON object holds
-one key per client the stack names (every `remoteRef.property`) and the rehearsal's own client, REHEARSAL_CLIENT,
-whose key the rehearsal's traffic presents. Nothing is written outside the run's directory, nothing is kept.
+"""The Secrets a rendered stack's pods mount, made here (docs/rehearsal.md, "Secrets and access"): in the cloud
+External Secrets syncs them from AWS Secrets Manager (infra/gateway_auth.py); the rehearsal stands in for both.
+Every ExternalSecret of the rendered stack becomes its target Secret, written as a Secret volume is (one file per
+data entry, read-only) under a directory of this run, with key material generated for this run alone: the secret
+store's JSON object holds one key per client the stack names (every `remoteRef.property`) and the rehearsal's own
+client, REHEARSAL_CLIENT, whose key the rehearsal's requests present. Nothing is written outside the run's
+directory, nothing is kept.
 
     rendered ExternalSecrets  --plan_secrets-->  SecretsPlan (pure)  --write-->  {Secret name: host directory}
 """
