@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from llm_serving_cli.rehearsal import secrets
+
 PROMPTS = ("The platform serves", "Red-black rollouts move traffic", "A model server answers")
 MAX_TOKENS = 6
 
@@ -89,7 +91,7 @@ async def run_load(port: int, host: str, model: str, verify, stop: asyncio.Event
     url = f"https://127.0.0.1:{port}/v1/completions"
 
     async def client_loop(index: int) -> None:
-        async with httpx.AsyncClient(verify=verify, timeout=120) as client:
+        async with httpx.AsyncClient(verify=verify, timeout=120, headers=secrets.auth_headers()) as client:
             n = 0
             while not stop.is_set():
                 stream = (n + index) % 2 == 0
@@ -110,7 +112,7 @@ async def run_kserve_load(port: int, host: str, model: str, body: dict, outputs:
     """One client sending KServe v2 `infer` (JSON) through the gateway until `stop`; an answer must be 200 and hold
     every output in `outputs` (a request that names outputs gets exactly those)."""
     url = f"https://127.0.0.1:{port}/v2/models/{model}/infer"
-    async with httpx.AsyncClient(verify=verify, timeout=60) as client:
+    async with httpx.AsyncClient(verify=verify, timeout=60, headers=secrets.auth_headers()) as client:
         while not stop.is_set():
             error = ""
             try:

@@ -72,6 +72,7 @@ class Node:
         # material made for this run, mounted read-only where a pod's secret volume names it.
         self.secrets = secrets.plan_secrets(e["inputs"] for e in rendered.of_type(secrets.EXTERNAL_SECRET))
         secret_dirs = self.secrets.write(self.workdir / "secrets")
+        secrets.use_for_requests(self.secrets)  # every request of the run presents the rehearsal client's key
 
         def plans_for(deployment: dict[str, Any]) -> list[podspec.PodPlan]:
             return podspec.pod_plans(deployment, image, claims, scratch, cloud, secret_dirs)

@@ -48,6 +48,7 @@ from llm_serving_cli.rehearsal import (
     podspec,
     render,
     scenarios,
+    secrets,
     storage,
     substitutions,
     traffic,
@@ -318,7 +319,7 @@ class Rehearsal:
         name, declared = chosen
         gateway = self._start_gateway(rendered, targets)
         client = Client(outputs, gateway=GatewayEndpoints(f"127.0.0.1:{gateway.port}", str(gateway.ca.ca_path)),
-                        timeout_s=120)
+                        timeout_s=120, api_key=secrets.run_key())
         unit_ids = experiment.units()
         try:
             with self.console.status(f"experiment {name}: {len(unit_ids)} {declared.unit}s x "

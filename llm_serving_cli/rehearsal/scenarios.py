@@ -33,7 +33,7 @@ from typing import Any
 from rich.console import Console
 
 from llm_serving.repository import REPO_ROOT
-from llm_serving_cli.rehearsal import render, storage
+from llm_serving_cli.rehearsal import render, secrets, storage
 from llm_serving_cli.rehearsal.cluster import NAME_LABEL, VERSION_LABEL, RehearsalCluster
 from llm_serving_cli.rehearsal.load import LoadResult, run_kserve_load, run_load
 
@@ -302,7 +302,7 @@ def _version_host(ctx: Context, model_id: str, version: str) -> str | None:
 async def _metadata(ctx: Context, host: str, model_id: str) -> dict[str, Any]:
     import httpx
 
-    async with httpx.AsyncClient(verify=ctx.verify, timeout=30) as client:
+    async with httpx.AsyncClient(verify=ctx.verify, timeout=30, headers=secrets.auth_headers()) as client:
         response = await client.get(f"https://127.0.0.1:{ctx.gateway_port}/v2/models/{model_id}",
                                     headers={"Host": host}, extensions={"sni_hostname": host})
     response.raise_for_status()

@@ -52,6 +52,35 @@ class SecretsPlan:
         return out
 
 
+# The run's own credential: what every request the rehearsal makes presents (its traffic, its load, its scenarios'
+# checks, its experiment), set once by Node.install when the run's Secrets are made. A rehearsal is one run per
+# process, so one credential per process.
+_run_plan: SecretsPlan | None = None
+
+
+def use_for_requests(plan: SecretsPlan) -> None:
+    global _run_plan
+    _run_plan = plan
+
+
+def run_key() -> str | None:
+    """The rehearsal client's key, or None when the stack renders no caller authentication (no key in its store)."""
+    if _run_plan is None:
+        return None
+    try:
+        return _run_plan.client_key()
+    except SecretsError:
+        return None
+
+
+def auth_headers() -> dict[str, str]:
+    """The header (HTTP) or metadata (gRPC) that carries the run's key; empty without one."""
+    from llm_serving import pod_contract as pc
+
+    key = run_key()
+    return {pc.AUTHORIZATION_HEADER: pc.bearer_value(key)} if key else {}
+
+
 def plan_secrets(external_secrets: Iterable[Mapping[str, Any]],
                  new_key: Callable[[], str] = lambda: _random.token_urlsafe(32)) -> SecretsPlan:
     """The secret store and the Secrets for the rendered ExternalSecrets' inputs (`dataFrom[].extract` takes every

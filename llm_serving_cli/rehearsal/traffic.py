@@ -15,6 +15,7 @@ import httpx
 
 from llm_serving import pod_contract as pc
 from llm_serving.kserve_stream import until_final
+from llm_serving_cli.rehearsal import secrets
 
 
 @dataclass
@@ -46,7 +47,7 @@ async def drive(service: str, address: str, ports: dict[str, int], model_id: str
         return response if ok else None
 
     kserve = f"http://{address}:{ports[pc.KSERVE_HTTP_PORT_NAME]}"
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    async with httpx.AsyncClient(timeout=timeout, headers=secrets.auth_headers()) as client:
         metadata = await call(client, "KServe model metadata", "GET", f"{kserve}/v2/models/{model_id}")
         if metadata is None:
             return
@@ -129,8 +130,9 @@ def _grpc_infer(service: str, url: str, model_id: str, arrays: dict, outputs: li
 
     client = grpcclient.InferenceServerClient(url)
     try:
-        for what, probe in (("KServe gRPC ServerReady", client.is_server_ready),
-                            ("KServe gRPC ModelReady", lambda: client.is_model_ready(model_id))):
+        headers = secrets.auth_headers()
+        for what, probe in (("KServe gRPC ServerReady", lambda: client.is_server_ready(headers=headers)),
+                            ("KServe gRPC ModelReady", lambda: client.is_model_ready(model_id, headers=headers))):
             try:
                 ok = bool(probe())
                 result.record(f"{service} {what}", ok, "" if ok else "answered not ready")
@@ -142,7 +144,7 @@ def _grpc_infer(service: str, url: str, model_id: str, arrays: dict, outputs: li
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         try:
-            answer = client.infer(model_id, inputs)
+            answer = client.infer(model_id, inputs, headers=headers)
         except InferenceServerException as exc:
             result.record(f"{service} KServe gRPC ModelInfer", False, str(exc))
             return
@@ -159,8 +161,9 @@ def _grpc(service: str, url: str, model_id: str, result: TrafficResult) -> None:
 
     client = grpcclient.InferenceServerClient(url)
     try:
-        for what, call in (("KServe gRPC ServerReady", client.is_server_ready),
-                           ("KServe gRPC ModelReady", lambda: client.is_model_ready(model_id))):
+        headers = secrets.auth_headers()
+        for what, call in (("KServe gRPC ServerReady", lambda: client.is_server_ready(headers=headers)),
+                           ("KServe gRPC ModelReady", lambda: client.is_model_ready(model_id, headers=headers))):
             try:
                 ok = bool(call())
                 result.record(f"{service} {what}", ok, "" if ok else "answered not ready")
@@ -183,7 +186,7 @@ def _stream_generate(client, grpcclient, model_id: str) -> tuple[bool, str]:
         return t
 
     got: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    client.start_stream(callback=lambda result, error: got.put((result, error)), headers=secrets.auth_headers())
     try:
         client.async_stream_infer(model_id, [tensor("text_input", "BYTES", b"Hello"), tensor("stream", "BOOL", True),
                                              tensor("sampling_parameters", "BYTES",
