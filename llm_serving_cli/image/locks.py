@@ -82,16 +82,29 @@ def serving_requirements() -> list[str]:
     return [*project["dependencies"], *project["optional-dependencies"]["serving"]]
 
 
+def tested_versions(path: Path) -> Path:
+    """The versions of the environment the test suite runs in (`make image-lock` runs in .venv-serving), as
+    constraints: the image gets what `make test` tested, wherever both install the same distribution."""
+    done = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"], capture_output=True,
+                          text=True, check=True)
+    pins = [line for line in done.stdout.splitlines()
+            if "==" in line and line.split("==")[0].lower().replace("_", "-") not in (*NEVER, "llm-serving")]
+    path.write_text("\n".join(pins) + "\n")
+    return path
+
+
 def write_all() -> None:
     vllm_in = LOCKS / "stand-in-vllm.in"
-    compile_lock([vllm_in], LOCKS / "stand-in-vllm.txt")
-    # The serving set resolved together with the stand-in's vLLM (the same versions of what both need), then
-    # without the base's distributions.
     serving_in = LOCKS / "serving.in"
     serving_in.write_text("# Written by `make image-lock`: pyproject.toml's dependencies and its `serving` extra.\n"
                           + "\n".join(serving_requirements()) + "\n")
-    combined = LOCKS / ".serving-with-base.txt"
-    compile_lock([serving_in, vllm_in], combined)
+    # One resolution of everything the stand-in image holds (vLLM and the serving code together, as the serving
+    # environment installs them), then each lock as its part: the base's vLLM environment, and what the serving
+    # image adds above it. Resolved apart, the two would disagree on what both need (protobuf, once).
+    combined = LOCKS / ".stand-in-image.txt"
+    compile_lock([serving_in, vllm_in], combined, constraints=tested_versions(LOCKS / ".tested.txt"))
+    (LOCKS / ".tested.txt").unlink()
+    compile_lock([vllm_in], LOCKS / "stand-in-vllm.txt", constraints=combined)
     base = pinned_names(LOCKS / "stand-in-vllm.txt")
     compile_lock([serving_in], LOCKS / "serving.txt", exclude=tuple(sorted(base)), constraints=combined)
     combined.unlink()
