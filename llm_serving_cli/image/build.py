@@ -28,7 +28,7 @@ from pathlib import Path
 from infra.image_context import context_files, image_tag
 from llm_serving.compat import load_compat
 from llm_serving.repository import REPO_ROOT
-from llm_serving_cli.image import containers
+from llm_serving_cli.image import containers, verify
 from llm_serving_cli.image.containers import STATE, ContainerToolError
 
 STAND_IN = REPO_ROOT / "image" / "stand-in"
@@ -200,24 +200,16 @@ def main(argv: list[str] | None = None) -> int:
         bases = stand_in_bases(debian, pip)
         built = serving_image(stand_in_build_args(bases), pip, bases)
         print_layers(built.ref)
-        from llm_serving_cli.image import verify
-
         verify.built_image(built.ref)
         SBOM.write_text(containers.run(containers.podman(
             "run", "--rm", "--entrypoint", "cat", built.ref, verify.SBOM_PATH)).stdout)
         RECORD.write_text(json.dumps(asdict(built), indent=1) + "\n")
-    except (ContainerToolError, subprocess.CalledProcessError, verify_error()) as exc:
+    except (ContainerToolError, subprocess.CalledProcessError, verify.ImageCheckError) as exc:
         print(f"image: {exc}", file=sys.stderr)
         return 1
     _say(f"built {built.ref} ({built.image_id[:12]}) in {built.seconds:.0f} s; SBOM: {SBOM.relative_to(REPO_ROOT)}; "
          f"record: {RECORD.relative_to(REPO_ROOT)}")
     return 0
-
-
-def verify_error() -> type[Exception]:
-    from llm_serving_cli.image.verify import ImageCheckError
-
-    return ImageCheckError
 
 
 def built_ref() -> str:
