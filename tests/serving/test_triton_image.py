@@ -59,8 +59,9 @@ def test_dockerfile_pins_equal_compat_toml():
     assert args["VLLM_VERSION"] == pins.pinned.vllm_version == public_version(pins.vllm_build)
     assert args["TRITON_IMAGE"] == pins.image == f"nvcr.io/nvidia/tritonserver:{pins.pinned.release}-vllm-python-py3"
     froms = re.findall(r"^FROM (\S+)", text, re.M)
-    # the GPU kernel's stage builds on the CUDA toolkit image; the build and final stages on the pinned Triton image
-    assert froms == ["${CUDA_DEVEL_IMAGE}", "${TRITON_IMAGE}", "${TRITON_IMAGE}"]
+    # the GPU kernel's stage builds on the CUDA toolkit image; the toolchain (which the native and wheel stages build
+    # on) and the final stage on the pinned Triton image
+    assert froms == ["${CUDA_DEVEL_IMAGE}", "${TRITON_IMAGE}", "toolchain", "toolchain", "${TRITON_IMAGE}"]
     assert re.match(r"nvcr\.io/nvidia/cuda:13\.\d+\.\d+-devel-", args["CUDA_DEVEL_IMAGE"])
     # the policy pack reads the same file and must see the same three pins
     policy = policy_pins()
@@ -75,7 +76,8 @@ def test_dockerfile_shape():
     assert re.search(r"^USER 10001$", final, re.M), "the final stage runs as a non-root user"
     assert 'ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh", "python3", "-m", "serving_image.startup"' in final
     assert "PIP_CONSTRAINT=/etc/llm-serving/constraints.txt" in final
-    assert "--write-constraints" in text and "serving_image.triton.probe --runtime triton" in final
+    assert "--write-constraints" in text and 'serving_image.triton.probe --runtime "${PROBE_RUNTIME}"' in final
+    assert "ARG PROBE_RUNTIME=triton\n" in text  # production's runtime by default (the stand-in sets `local`)
     assert "serving_image.constraints._native" in final and "serving_image.metrics.proxy" in final
     assert "LLM_SERVING_RUNTIME=triton" in final
     assert re.search(r"^EXPOSE 8000 8001 8002 9000$", final, re.M)
