@@ -12,7 +12,6 @@ counts, errors and latencies. Errors name the model, the version and the field.
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -26,6 +25,7 @@ from opentelemetry import trace
 
 from llm_serving import pod_contract as pc
 from llm_serving.batch_cache import ResultCache
+from llm_serving.caller_key import key_from_env
 from llm_serving.object_store import open_object_store
 from llm_serving.stack_outputs import StackOutputs, StackOutputsError
 from llm_serving_client.deadline import Deadline
@@ -85,18 +85,7 @@ ENV_API_KEY_FILE = "LLM_SERVING_API_KEY_FILE"  # a file holding it (a mounted Se
 def api_key_from_env(environ=None) -> str | None:
     """The caller's key from ENV_API_KEY_FILE (named but missing or empty: an error naming it, never a keyless
     call) or ENV_API_KEY; None when neither is set."""
-    environ = os.environ if environ is None else environ
-    path = environ.get(ENV_API_KEY_FILE)
-    if path:
-        try:
-            with open(path) as handle:
-                key = handle.read().strip()
-        except OSError as exc:
-            raise ValueError(f"{ENV_API_KEY_FILE}={path}: cannot read the API key ({exc})") from exc
-        if not key:
-            raise ValueError(f"{ENV_API_KEY_FILE}={path}: the file holds no key")
-        return key
-    return environ.get(ENV_API_KEY) or None
+    return key_from_env(ENV_API_KEY_FILE, ENV_API_KEY, "the API key", environ)
 
 
 class Client:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from llm_serving.batch_cache import CacheSource, ResultCache
+from llm_serving.caller_key import key_from_env
 from llm_serving.object_store import open_object_store
 from llm_serving.pod_contract import ENV_BATCH_KMS_KEY, ENV_BATCH_WORKER_API_KEY, ENV_BATCH_WORKER_API_KEY_FILE
 from serving_image.batch import metrics
@@ -359,17 +360,7 @@ def _api_key() -> str | None:
     """The key for the model's front-end: ENV_BATCH_WORKER_API_KEY_FILE's content (a Deployment's required Secret),
     else ENV_BATCH_WORKER_API_KEY (a local run). Fails closed: a key file that is named but missing, unreadable or
     empty is an error naming it, never a worker that calls without its key."""
-    path = os.environ.get(ENV_BATCH_WORKER_API_KEY_FILE)
-    if path:
-        try:
-            with open(path) as handle:
-                key = handle.read().strip()
-        except OSError as exc:
-            raise ValueError(f"{ENV_BATCH_WORKER_API_KEY_FILE}={path}: cannot read the worker's key ({exc})") from exc
-        if not key:
-            raise ValueError(f"{ENV_BATCH_WORKER_API_KEY_FILE}={path}: the file holds no key")
-        return key
-    return os.environ.get(ENV_BATCH_WORKER_API_KEY) or None
+    return key_from_env(ENV_BATCH_WORKER_API_KEY_FILE, ENV_BATCH_WORKER_API_KEY, "the worker's key")
 
 
 async def _run(worker: BatchWorker, exit_when_idle: bool) -> None:
