@@ -136,7 +136,7 @@ def stand_in_bases(debian: str, pip: containers.PipSettings) -> dict[str, str]:
         containerfile = containerfile.with_name(containerfile.name + ".Containerfile")
         files = [containerfile, *(REPO_ROOT / "image" / "locks" / lock for lock in locks)]
         if name == "tritonserver":
-            files.append(STAND_IN / "nvidia_entrypoint.sh")
+            files += [STAND_IN / "nvidia_entrypoint.sh", STAND_IN / "triton_python_backend_stub.sh"]
         ref = f"localhost/llm-serving-stand-in/{name}:{_digest([_files_digest(files), debian_id.encode()])[:16]}"
         if containers.image_exists(ref):
             _say(f"stand-in {name} base {ref} exists")
