@@ -142,6 +142,9 @@ def pod_contract_problems(facts: ImageFacts) -> list[str]:
         problems.append(f"USER is {facts.user!r}, the pod contract's is {pc.RUN_AS_UID}")
     if set(facts.exposed) != set(pc.PORTS.values()):
         problems.append(f"EXPOSE is {sorted(facts.exposed)}, the pod contract's ports are {sorted(pc.PORTS.values())}")
+    if facts.workdir != pc.IMAGE_WORKDIR:
+        problems.append(f"WORKDIR is {facts.workdir!r}, the pod contract's is {pc.IMAGE_WORKDIR!r} (a writable "
+                        f"volume's mount point: the runtime would make a directory below it as root)")
     for path in (*pc.CACHE_ENV.values(), pc.MULTIPROC_DIR, pc.WORK_DIR, facts.workdir or "/"):
         if not any(path == m or path.startswith(m + "/") for m in pc.WRITABLE_MOUNTS):
             problems.append(f"{path} is on the read-only root file system (no writable volume holds it)")

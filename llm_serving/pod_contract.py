@@ -114,6 +114,11 @@ RUN_MOUNT = "/var/run/llm-serving"  # work directory (plugins, generated Triton 
 CACHE_MOUNT = "/var/cache/llm-serving"  # HOME and every compiler/model cache (vLLM, torch compile, Triton, HF)
 SHM_MOUNT = "/dev/shm"
 WORK_DIR = f"{RUN_MOUNT}/work"
+# The image's WORKDIR: a writable volume's mount point itself, never a directory below one. The container runtime
+# makes a missing working directory after it mounted the volumes, as root with mode 0755 (runc, measured in the
+# rehearsal), so a WORKDIR of WORK_DIR left the startup (uid 10001) unable to write its own work directory; the
+# volume's root exists once mounted and is the pod's (an emptyDir is world-writable). The startup makes WORK_DIR.
+IMAGE_WORKDIR = RUN_MOUNT
 MULTIPROC_DIR = f"{RUN_MOUNT}/prometheus"
 
 

@@ -101,10 +101,11 @@ def test_a_built_images_configuration_is_read_as_the_dockerfiles_and_held_to_the
         written.env, written.user, written.workdir, written.entrypoint, written.cmd)
     assert dockerfile.pod_contract_problems(built) == []
     broken = dockerfile.from_image_config({**config, "User": "0", "Env": [*config["Env"], f"{pc.ENV_RUNTIME}=local"],
-                                           "ExposedPorts": {"8000/tcp": {}}})
+                                           "ExposedPorts": {"8000/tcp": {}}, "WorkingDir": pc.WORK_DIR})
     problems = "\n".join(dockerfile.pod_contract_problems(broken))
     assert "USER is '0'" in problems and f"ENV {pc.ENV_RUNTIME} is 'local'" in problems
     assert "EXPOSE is [8000]" in problems
+    assert f"WORKDIR is {pc.WORK_DIR!r}" in problems  # below the run volume's mount point: made as root
 
 
 def test_the_machines_pip_settings_reach_a_build_read_only_and_are_not_copied(tmp_path, monkeypatch):

@@ -49,6 +49,7 @@ def test_user_ports_and_writable_directories(image):
     assert f"--uid {pc.RUN_AS_UID}" in created
     for path in (pc.MULTIPROC_DIR, pc.WORK_DIR, pc.CACHE_MOUNT):
         assert path in created, f"the image creates {path} for its user"
+    assert image.workdir == pc.IMAGE_WORKDIR and pc.IMAGE_WORKDIR in pc.WRITABLE_MOUNTS
     for path in (*pc.CACHE_ENV.values(), pc.MULTIPROC_DIR, pc.WORK_DIR, image.workdir):
         assert any(path == m or path.startswith(m + "/") for m in pc.WRITABLE_MOUNTS), \
             f"{path} is on the read-only root file system"
