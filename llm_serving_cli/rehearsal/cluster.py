@@ -152,6 +152,19 @@ class RehearsalCluster:
             out.update(gateway_routes.endpoints_for_service(service, ready))
         return out
 
+    def routed_hosts(self) -> dict[str, str]:
+        """Each Ready pod an HTTPRoute reaches -> one hostname of that route (the host a caller names to reach it)."""
+        endpoints = self.endpoints()
+        hosts: dict[str, str] = {}
+        for route in gateway_routes.routes_from_rendered(self._resources(*ROUTE_TYPES)):
+            if route.grpc or not route.hostnames:
+                continue
+            for rule in route.rules:
+                for backend in rule.backends:
+                    for endpoint in endpoints.get((backend.service, backend.port), ()):
+                        hosts.setdefault(endpoint.pod, route.hostnames[0])
+        return hosts
+
     def proxy_config(self) -> haproxy_config.ProxyConfig:
         routes = gateway_routes.routes_from_rendered(self._resources(*ROUTE_TYPES))
         retry = gateway_retry.retry_from_rendered(self._resources(gateway_retry.BACKEND_TRAFFIC_POLICY), self.gateway)

@@ -120,14 +120,17 @@ class RehearsalGateway:
     def access_checks(self) -> list[AccessCheck]:
         """The three access cases, on a Ready model pod and its route's host."""
         node = self.node
-        runners = [r for r in (node.runners if node else []) if r.status.ready
+        hosts = self.cluster.routed_hosts()  # the host a route gives each Ready pod
+        runners = [r for r in (node.runners if node else []) if r.status.ready and r.plan.name in hosts
                    and r.plan.labels.get("app.kubernetes.io/component") == "model-server"
                    and pc.OPENAI_PORT_NAME in r.plan.ports]
         if node is None or not runners:
-            return [AccessCheck("access checks", "no Ready model pod to check against", False)]
+            return [AccessCheck("access checks", "no Ready model pod that a route reaches", False)]
         target = runners[0]
-        host = f"{target.plan.labels.get('app.kubernetes.io/name')}.{self.domain}"
-        url = f"https://127.0.0.1:{self.port}/v1/models"
+        host = hosts[target.plan.name]
+        # KServe's readiness: every model pod serves it whatever its kind (a ranker has no OpenAI models), the route
+        # sends /v2 to it, and the gateway asks for a key on every path.
+        url = f"https://127.0.0.1:{self.port}{pc.READY_PATH}"
         verify = self.ca.httpx_verify()
         out = []
         with httpx.Client(verify=verify, timeout=30) as client:

@@ -398,9 +398,13 @@ def main(argv: list[str] | None = None) -> int:
 
         start_http_server(args.metrics_port)
     storage = BatchStorage(open_object_store(args.store, kms_key_id=os.environ.get(ENV_BATCH_KMS_KEY)))
+    # SIGTERM (the kubelet stopping the pod) ends the worker as Ctrl-C does. The Deployment's command makes this
+    # process its container's PID 1, for which the kernel has no default action on SIGTERM: without a handler the
+    # worker ignored it and was SIGKILLed at the grace period's end (exit 137 in the rehearsal's containers).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         asyncio.run(_run(BatchWorker(storage, config), exit_when_idle=args.exit_when_idle))
-    except KeyboardInterrupt:  # Ctrl-C (make up) or SIGINT: lines in flight are sent again by the next run
+    except KeyboardInterrupt:  # SIGTERM, Ctrl-C (make up) or SIGINT: lines in flight are sent again by the next run
         log.info("stopped")
     return 0
 

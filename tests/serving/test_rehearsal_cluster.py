@@ -177,6 +177,14 @@ async def test_a_deployment_step_returns_once_its_pods_are_ready_and_the_proxy_r
     assert harness.cluster.pods.peak == {"chat": 2}
 
 
+async def test_routed_hosts_name_the_host_a_route_gives_each_ready_pod(harness):
+    assert harness.cluster.routed_hosts() == {}  # no Ready pod yet: nothing a caller could reach
+    await harness.step(render.DEPLOYMENT, "chat-1", _deployment("1", 2))
+    await harness.step(render.SERVICE, "chat-2", _service("2"))
+    await harness.step(render.DEPLOYMENT, "chat-2", _deployment("2", 1))  # Ready, but no route sends to it
+    assert harness.cluster.routed_hosts() == {"chat-1-0": HOST, "chat-1-1": HOST}
+
+
 async def test_route_weights_move_traffic_and_scaling_down_terminates_the_extra_pods(harness):
     await harness.step(render.DEPLOYMENT, "chat-1", _deployment("1", 1))
     await harness.step(render.SERVICE, "chat-2", _service("2"))
