@@ -74,9 +74,10 @@ ENV_API_KEYS = "LLM_SERVING_API_KEYS"  # comma-separated keys (local runs, tests
 # A file of keys (one a line, '#' comments) or a directory of them (a Secret volume: one key per file, the dot-files
 # Kubernetes adds ignored). Named but missing, unreadable or holding no key: the server refuses to start.
 ENV_API_KEYS_FILE = "LLM_SERVING_API_KEYS_FILE"
-# "1" (every model pod, policy serving-api-keys-required): the server refuses to start without a key, before any
-# other step, and checks the keys on the KServe ports as well as the OpenAI port. Unset (`make up`, local runs):
-# keys, when given, are checked on the OpenAI port only, and no key means no authentication.
+# "1" (the image's ENV, and every model pod's, policy serving-api-keys-required): the server refuses to start without
+# a key, before any other step, and checks the keys on the KServe ports as well as the OpenAI port. "0" or unset
+# (`make up` and local runs, never the image unless its runner says 0): keys, when given, are checked on the OpenAI
+# port only, and no key means no authentication.
 ENV_REQUIRE_API_KEYS = "LLM_SERVING_REQUIRE_API_KEYS"
 API_KEYS_SECRET = "llm-serving-api-keys"
 API_KEYS_VOLUME = "api-keys"
@@ -182,8 +183,9 @@ POD_ENV: dict[str, str] = {
     "TRANSFORMERS_OFFLINE": "1",
     **CACHE_ENV,
 }
-# The image's ENV: the above, and what only the image knows (its engine runtime: Triton in-process).
-IMAGE_ENV: dict[str, str] = {ENV_RUNTIME: "triton", **POD_ENV}
+# The image's ENV: the above, what only the image knows (its engine runtime: Triton in-process), and callers' keys
+# required (ENV_REQUIRE_API_KEYS): the image run without a key refuses to start rather than serve anyone.
+IMAGE_ENV: dict[str, str] = {ENV_RUNTIME: "triton", ENV_REQUIRE_API_KEYS: "1", **POD_ENV}
 # What the startup procedure reads from the environment of every pod (and ENV_COMPANION_PACKAGES below, on a pod
 # that serves more than one package).
 STARTUP_ENV = (ENV_PACKAGE, ENV_MODEL_ID, ENV_MODEL_VERSION, ENV_IO_FINGERPRINT, ENV_MODEL_CACHE, ENV_MULTIPROC_DIR)
