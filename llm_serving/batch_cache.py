@@ -80,7 +80,7 @@ def request_sha256(endpoint: str, body: dict[str, Any]) -> str:
 
 def is_deterministic(endpoint: str, body: dict[str, Any]) -> bool:
     """Whether one computation's answer stands for every later one: greedy or seeded sampling, or no sampling.
-    The default temperature is 1 (OpenAI's, serving_image/openai_api/translate.py), so an unset one samples."""
+    The default temperature is 1 (OpenAI's, serving_image/openai_api/openai_bodies.py), so an unset one samples."""
     if endpoint not in CACHEABLE_ENDPOINTS:
         return False
     if endpoint not in SAMPLING_ENDPOINTS:

@@ -34,7 +34,7 @@ from llm_serving_client.errors import CallError, ExperimentError, InvalidRequest
 from llm_serving_client.experiments import HEADER, ArmStats, Assignment, Experiments
 from llm_serving_client.gateway import GatewayEndpoints
 from llm_serving_client.inprocess.fetch import FetchError, fetch_package
-from llm_serving_client.inprocess.model import InProcessError, InProcessModel
+from llm_serving_client.inprocess.python_model import InProcessError, InProcessModel
 from llm_serving_client.observe import Call, Observer
 from llm_serving_client.openai_calls import OpenAITransport, translate_error
 from llm_serving_client.retry import RetryPolicy, call_with_retries

@@ -387,13 +387,8 @@ def _clear_metrics_dir(config: StartupConfig) -> str:
 async def _start_engine(packages: list[VerifiedPackage], config: StartupConfig):
     package = packages[0]
     manifest = package.manifest
-    from serving_image.triton.runtime import (
-        check_pins,
-        is_standalone,
-        runtime,
-        start_standalone_triton,
-        start_triton_engine,
-    )
+    from serving_image.triton.runtime import check_pins, is_standalone, runtime, start_standalone_triton
+    from serving_image.triton_adapter.triton_engine import start_triton_engine
 
     pins = check_pins()  # the vLLM here must be compat.toml's, before anything is loaded (§3.9)
     where = "image" if runtime() == "triton" else "local"

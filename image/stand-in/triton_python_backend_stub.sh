@@ -8,5 +8,5 @@
 # stub's interpreter that environment, with its numpy 2 ahead of the stub's own numpy 1.26.4 in the backend's
 # directory; 2.51's stub corrupts every BYTES tensor under numpy 2 (each length prefix reads as its first byte four
 # times). The stand-in vllm backend adds the environment's packages after the stub's own
-# (serving_image/triton/backends/vllm/engine_in_stub.py), as it does outside the image.
+# (serving_image/triton_stub/backends/vllm/engine_in_stub.py), as it does outside the image.
 PATH=/usr/local/bin:/usr/bin:/bin exec "$(dirname "$0")/triton_python_backend_stub.bin" "$@"

@@ -30,7 +30,7 @@ MODULES = (
     "serving_image.constraints._native",
     "serving_image.constraints.vllm_processor",
     "serving_image.triton.capi._response_path",
-    "serving_image.triton.backends.vllm.engine_in_stub",
+    "serving_image.triton_stub.backends.vllm.engine_in_stub",
     "serving_image.engine.vllm_local",
     "tritonclient.grpc",
     "tritonclient.http",

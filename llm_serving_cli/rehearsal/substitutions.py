@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from llm_serving import pod_contract as pc
 from llm_serving.compat import load_compat
-from serving_image.triton.backends.vllm.engine_in_stub import ENGINE_NICE_ENV
+from serving_image.triton_stub.backends.vllm.engine_in_stub import ENGINE_NICE_ENV
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The part of Triton's `triton_python_backend_utils` that a Python-backend model uses to read its requests and
 answer them, for running its `model.py` in the caller's process (installed under that module name while the model
-is imported, llm_serving_client/inprocess/model.py).
+is imported, llm_serving_client/inprocess/python_model.py).
 
 Tensors, requests, responses and errors only: what the ranker and the pipeline steps call. Business-logic scripting
 (`InferenceRequest(...).exec()`, calling other models of the server) has no server here: it raises, naming the call,

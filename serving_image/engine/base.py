@@ -1,8 +1,8 @@
 """The engine interface the OpenAI front-end speaks: one seam, several engine adapters behind it (which "engine" is
 which: docs/architecture.md §2.3).
 
-In the `openai` mode the adapter is Triton embedded in the process (serving_image/triton/adapter.py), with NVIDIA's
-vLLM backend in the image and the stand-in backend over vLLM's CPU build locally; `VllmLocalEngine`
+In the `openai` mode the adapter is Triton embedded in the process (serving_image/triton_adapter/triton_engine.py),
+with NVIDIA's vLLM backend in the image and the stand-in backend over vLLM's CPU build locally; `VllmLocalEngine`
 (vllm_local.py) puts a vLLM engine in the calling process behind the same interface. Front-ends translate their
 protocol into an `EngineRequest` and read `EngineOutput` deltas back; nothing here imports vLLM or Triton, so the
 translation code stays pure and shared.

@@ -1,8 +1,8 @@
 """`VllmLocalEngine`: a vLLM engine (AsyncLLM) in this process behind the engine interface (its engine core runs in a
 child process vLLM spawns; names: docs/architecture.md §2.3).
 
-The in-stub engine runs it (serving_image/triton/stub_vllm.py: the stand-in `vllm` backend's models and the scoring
-model); the front-ends themselves sit on Triton (serving_image/triton/adapter.py).
+The in-stub engine runs it (serving_image/triton_stub/stub_vllm.py: the stand-in `vllm` backend's models and the scoring
+model); the front-ends themselves sit on Triton (serving_image/triton_adapter/triton_engine.py).
 vLLM is imported only when an engine is built, so that `PROMETHEUS_MULTIPROC_DIR` is already set and emptied
 (startup step 3) by then.
 """
@@ -282,7 +282,7 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
 
     async def generate_params(self, request_id: str, prompt_ids: list[int], params) -> AsyncIterator[EngineOutput]:
         """Generate with vLLM SamplingParams built by the caller (output_kind DELTA): the stand-in backend's in-stub
-        engine (serving_image/triton/stub_vllm.py) builds them from `sampling_parameters` as NVIDIA's backend does.
+        engine (serving_image/triton_stub/stub_vllm.py) builds them from `sampling_parameters` as NVIDIA's backend does.
         Same deltas and errors as generate()."""
         from vllm.exceptions import VLLMClientError
         from vllm.inputs.engine import tokens_input

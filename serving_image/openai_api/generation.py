@@ -19,7 +19,7 @@ from serving_image.engine.base import (
     PromptText,
     context_window_error,
 )
-from serving_image.openai_api import translate
+from serving_image.openai_api import openai_bodies
 from serving_image.openai_api.errors import bad_request
 from serving_image.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from serving_image.openai_api.request_scope import CLIENT_CLOSED_REQUEST, RequestScope
@@ -80,7 +80,7 @@ async def generate(server: ServerState, scope: RequestScope, body: ChatCompletio
     if not completed:
         return await _client_left(engine, requests, scope)
     if chat:
-        return JSONResponse(translate.chat_response(scope.request_id, model.name, totals[0], want_logprobs))
+        return JSONResponse(openai_bodies.chat_response(scope.request_id, model.name, totals[0], want_logprobs))
     # One answer for all the prompts: prompt i's choices are numbered i * n .. i * n + n - 1.
     combined = OutputTotals(prompt_tokens=scope.outcome.prompt_tokens)
     echo_prefixes = {}
@@ -89,7 +89,7 @@ async def generate(server: ServerState, scope: RequestScope, body: ChatCompletio
             combined.choices[i * n + index] = choice
             if echo_texts is not None:
                 echo_prefixes[i * n + index] = echo_texts[i]
-    return JSONResponse(translate.completion_response(scope.request_id, model.name, combined, want_logprobs,
+    return JSONResponse(openai_bodies.completion_response(scope.request_id, model.name, combined, want_logprobs,
                                                       echo_prefixes))
 
 
@@ -106,11 +106,11 @@ def engine_requests(engine: Engine, body: ChatCompletionRequest | CompletionRequ
     """One engine request per prompt (a chat has one; a completion may list several), each checked against the
     vocabulary and the context window so that the client hears which field is wrong."""
     model = engine.info
-    spec = translate.sampling_spec(body, model)
+    spec = openai_bodies.sampling_spec(body, model)
     chat = isinstance(body, ChatCompletionRequest)
     try:
         if chat:
-            text = engine.render_chat(translate.chat_messages(body))
+            text = engine.render_chat(openai_bodies.chat_messages(body))
             # the chat template holds BOS already
             prompts = [(engine.encode_prompt(text, add_special_tokens=False), PromptText(text, False))]
         else:

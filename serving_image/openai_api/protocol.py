@@ -116,8 +116,8 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     user: str | None = None  # metadata: recorded in the request log
     # Platform extensions (extra_body in the openai client). A constraint object may arrive as its JSON text instead
-    # (json_text.JSONText: the body reader leaves it unread, see app._parse_body), which translate.sampling_spec reads
-    # and checks with the served vocabulary in one pass (constraints/spec.py, constraint_text).
+    # (json_text.JSONText: the body reader leaves it unread, see app._parse_body), which openai_bodies.sampling_spec
+    # reads and checks with the served vocabulary in one pass (constraints/spec.py, constraint_text).
     constraint: dict[str, Any] | None = None
     structured_outputs: StructuredOutputs | None = None
     # vLLM's sampling extensions, with vLLM's names, so vLLM clients and its benchmark work unchanged.

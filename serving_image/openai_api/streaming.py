@@ -20,7 +20,7 @@ from serving_image.engine.base import (
     EngineUnavailableError,
     OutputTotals,
 )
-from serving_image.openai_api import translate
+from serving_image.openai_api import openai_bodies
 from serving_image.openai_api.errors import APIError, bad_request
 from serving_image.openai_api.request_scope import Outcome, RequestScope
 
@@ -138,7 +138,7 @@ async def stream_events(plan: StreamPlan, streams: list[AsyncIterator[EngineOutp
     met on the way are recorded in `outcome`. What happens when the client leaves is EventStreamResponse's."""
     created = int(time.time())
     accumulators = [OutputTotals() for _ in plan.requests]
-    chunk = translate.chat_chunk if plan.chat else translate.completion_chunk
+    chunk = openai_bodies.chat_chunk if plan.chat else openai_bodies.completion_chunk
     extra = {"usage": None} if plan.include_usage else {}
     n = plan.n
     try:
@@ -156,13 +156,13 @@ async def stream_events(plan: StreamPlan, streams: list[AsyncIterator[EngineOutp
             outcome.completion_tokens = sum(a.completion_tokens for a in accumulators)
             choices = []
             for delta in output.choices:
-                finish = translate.openai_finish_reason(delta.finish_reason)
+                finish = openai_bodies.openai_finish_reason(delta.finish_reason)
                 if not delta.text and finish is None and not delta.token_ids:
                     continue
                 logprobs = None
                 if plan.want_logprobs and delta.logprobs is not None:
-                    logprobs = (translate.chat_logprobs(list(delta.logprobs)) if plan.chat
-                                else translate.completion_logprobs(list(delta.logprobs)))
+                    logprobs = (openai_bodies.chat_logprobs(list(delta.logprobs)) if plan.chat
+                                else openai_bodies.completion_logprobs(list(delta.logprobs)))
                 if plan.chat:
                     choices.append({"index": p * n + delta.index,
                                     "delta": {"content": delta.text} if delta.text else {},
@@ -175,7 +175,7 @@ async def stream_events(plan: StreamPlan, streams: list[AsyncIterator[EngineOutp
         outcome.prompt_tokens = sum(a.prompt_tokens for a in accumulators)
         if plan.include_usage:
             yield sse(chunk(plan.request_id, plan.model, created, [],
-                            translate.usage(outcome.prompt_tokens, outcome.completion_tokens)))
+                            openai_bodies.usage(outcome.prompt_tokens, outcome.completion_tokens)))
         yield b"data: [DONE]\n\n"
     except (EngineInputError, EngineUnavailableError) as exc:
         error = engine_error(exc)

@@ -11,8 +11,8 @@ without its dependencies, so `.venv-serving`'s pins are never touched. The wheel
     <site-packages>/nvidia_pytriton.libs/libtritonserver-*.so         the server library (Triton's C API)
 
 `backend_directory()` composes what `tritonserver --backend-directory` gets locally: NVIDIA's `python` backend and this
-project's python-based stand-in for NVIDIA's `vllm` backend (serving_image/triton/backends/vllm). In production only
-`--backend-directory` differs (the image's own backends, NVIDIA's vllm_backend among them).
+project's python-based stand-in for NVIDIA's `vllm` backend (serving_image/triton_stub/backends/vllm). In production
+only `--backend-directory` differs (the image's own backends, NVIDIA's vllm_backend among them).
 
 The location is `$LLM_SERVING_TRITON_HOME`, else `.venv-triton` at the repository root.
 """
@@ -26,11 +26,11 @@ from pathlib import Path
 
 from llm_serving.repository import REPO_ROOT
 from serving_image.triton.pins import load_pins
+from serving_image.triton_stub import STAND_IN_BACKENDS  # python-based backends written by this project
 
 HOME_ENV = "LLM_SERVING_TRITON_HOME"
 
 DEFAULT_HOME = REPO_ROOT / ".venv-triton"
-STAND_IN_BACKENDS = Path(__file__).resolve().parent / "backends"  # python-based backends written by this project
 HOW_TO_INSTALL = ("run `make triton-env` (part of `make up` and `make test`), which installs PyPI's nvidia-pytriton "
                   "wheel into .venv-triton; or set LLM_SERVING_TRITON_HOME to a directory where it is installed")
 

@@ -10,7 +10,8 @@ becomes one Triton model per engine:
   `embedding_request` in, the vector as JSON in `text_output` (NVIDIA's format);
 - `embed` alone: that pooling model under the package's id;
 - `score` (needs `generate`): `<id>-score`, Triton's `python` backend running the platform's scoring model
-  (`scoring_model/model.py`): `prompt` + `candidates` in, `logprob` + `num_tokens` per candidate out, unary.
+  (serving_image/triton_stub/scoring_model/model.py): `prompt` + `candidates` in, `logprob` + `num_tokens` per
+  candidate out, unary.
 
 Every one of them is generated into the repository and loaded with the package (explicit model control), so the
 package is ready only when all are; each runs an engine of its own on the same weights.

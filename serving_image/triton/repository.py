@@ -12,8 +12,8 @@
   under the engine-argument name of the chosen Triton release's vLLM (it was renamed in vLLM 0.11). A package
   whose tasks include `embed` or `score` gets more models beside it (serving_image/triton/models.py): the pooling
   model (`<id>-embed`, the same backend, `runner: pooling` in its model.json) and the platform's scoring model
-  (`<id>-score`, Triton's python backend: `scoring_model/model.py` with engine_in_stub.py beside it, and the
-  generation model's model.json).
+  (`<id>-score`, Triton's python backend: serving_image/triton_stub/scoring_model/model.py with engine_in_stub.py
+  beside it, and the generation model's model.json).
 - python backend: the package's own `config.pbtxt` (explicit I/O, required by the manifest checks) with its name
   set to the model id and `backend: "python"`, and the package's `model.py`. The weights directory is passed as the
   `weights_dir` parameter.
@@ -39,12 +39,10 @@ from llm_serving.compat import TritonRelease
 from llm_serving.manifest import Backend, Manifest
 from llm_serving.tensor_contract import VLLM_INPUTS, VLLM_OUTPUTS, TensorSpec
 from serving_image.triton.models import SCORING_INPUTS, SCORING_OUTPUTS, package_models
+from serving_image.triton_stub import ENGINE_IN_STUB_PY, SCORING_MODEL_PY  # the stub process's files
 
 VERSION_DIR = "1"
 _KSERVE_TO_PBTXT = {"BYTES": mc.TYPE_STRING, "BOOL": mc.TYPE_BOOL, "UINT32": mc.TYPE_UINT32, "FP32": mc.TYPE_FP32}
-_TRITON_DIR = Path(__file__).resolve().parent
-SCORING_MODEL_PY = _TRITON_DIR / "scoring_model" / "model.py"
-ENGINE_IN_STUB_PY = _TRITON_DIR / "backends" / "vllm" / "engine_in_stub.py"
 # The structured-output settings the stand-in's VllmLocalEngine runs with (serving_image/engine/vllm_local.py), so
 # production generates the same JSON: xgrammar, and no whitespace outside strings.
 STRUCTURED_BACKEND = {"backend": "xgrammar", "disable_any_whitespace": True}
@@ -72,7 +70,7 @@ def vllm_model_config(model_id: str) -> mc.ModelConfig:
 
 
 def scoring_model_config(name: str) -> mc.ModelConfig:
-    """The platform's scoring model (serving_image/triton/scoring_model): Triton's python backend, explicit I/O,
+    """The platform's scoring model (serving_image/triton_stub/scoring_model): Triton's python backend, explicit I/O,
     not decoupled (one response per request: unary ModelInfer), no Triton batching (vLLM batches the prefills)."""
     return mc.ModelConfig(
         name=name,

@@ -156,7 +156,7 @@ def _backends(workdir: Path) -> tuple[str | Path, Path | None, dict[str, str]]:
     the local Triton with the stand-in vllm backend (whose stub imports vLLM from this interpreter's venv)."""
     import sys
 
-    from serving_image.triton.backends.vllm.engine_in_stub import ENGINE_PYTHON_ENV
+    from serving_image.triton_stub.backends.vllm.engine_in_stub import ENGINE_PYTHON_ENV
 
     if runtime() == "triton":
         # NVIDIA's backends need nothing; the platform's scoring model (a python-backend model) imports its engine
@@ -169,14 +169,14 @@ def _backends(workdir: Path) -> tuple[str | Path, Path | None, dict[str, str]]:
     return local.binary, local.backend_directory(workdir / "triton-backends"), env
 
 
-async def start_triton_engine(package: VerifiedPackage, workdir: Path, max_model_len: int,
-                              engine_overrides: dict | None = None, companions: list[VerifiedPackage] = ()):
-    """`openai` mode over Triton: generate the Triton repository of the package and its companions (packages the
-    same server serves beside it on the KServe ports: a ranker, an ensemble and its steps), start Triton in this
-    process through the C API (serving_image/triton/embedded.py) and return the engine adapter over the main
-    package's LLM."""
+async def start_embedded_triton(package: VerifiedPackage, workdir: Path, max_model_len: int,
+                                engine_overrides: dict | None = None, companions: list[VerifiedPackage] = ()):
+    """`openai` mode over Triton, the host's part: generate the Triton repository of the package and its companions
+    (packages the same server serves beside it on the KServe ports: a ranker, an ensemble and its steps) and start
+    Triton in this process through the C API (serving_image/triton/embedded.py). Returns the EmbeddedTriton and the
+    main package's max_model_len; the engine adapter over its LLM is the caller's
+    (serving_image/triton_adapter/triton_engine.py `start_triton_engine`)."""
     from llm_serving.manifest import Backend
-    from serving_image.triton.adapter import EmbeddedTritonEngine
     from serving_image.triton.embedded import start_embedded
     from serving_image.triton.models import package_models
 
@@ -190,15 +190,5 @@ async def start_triton_engine(package: VerifiedPackage, workdir: Path, max_model
     repository = workdir / "model-repository"
     max_model_len = _write_repository(packages, repository, engine_overrides) or max_model_len
     _, backends, env = _backends(workdir)
-    models = package_models(manifest)  # the LLM, and its pooling and scoring models when its tasks say so
     triton = await start_embedded(repository=repository, models=names, backend_directory=backends, env=env)
-    try:
-        tokenizer = package.root / (manifest.engine.tokenizer or manifest.engine.model)
-        engine = EmbeddedTritonEngine.over(triton, model_name=manifest.model.id, version=manifest.model.version,
-                                           tokenizer_path=tokenizer, max_model_len=max_model_len,
-                                           structured_key=load_pins().pinned.structured_outputs_key)
-        await engine.serve_tasks(embed_model=models.embed, score_model=models.score)
-        return engine
-    except BaseException:
-        await triton.stop()
-        raise
+    return triton, max_model_len

@@ -8,7 +8,7 @@ the metrics proxy: this project's own KServe front-ends and the OpenAI front-end
 - In the image, `tritonserver` is the Triton release's, with its own backends (NVIDIA's vllm_backend).
 - Locally (`make up MODE=standalone`, the tests), it is the tritonserver 2.51 from nvidia-pytriton
   (serving_image/triton/local_install.py), with a backend directory in which `vllm` is this project's stand-in
-  (serving_image/triton/backends/vllm). Only `--backend-directory` differs.
+  (serving_image/triton_stub/backends/vllm). Only `--backend-directory` differs.
 
 When the gRPC port opens: in explicit model control mode with `--load-model`, tritonserver loads the models before it
 binds HTTP and gRPC (measured on 2.51, and tested: tests/serving/test_triton_python.py holds a model in its
@@ -49,7 +49,7 @@ READY_TIMEOUT_S = 1800  # loading a large model from the model cache can take ma
 # waits for a stub that has answered its initialize and runs on; docs/local-environment.md, "Triton locally").
 # Past this delay the load is declared stuck and Triton is started again, once, loudly.
 LOAD_AFTER_ENGINE_READY_S = 120
-# What the stand-in backend, and the platform's scoring model (serving_image/triton/scoring_model), log when their
+# What the stand-in backend, and the platform's scoring model (serving_image/triton_stub/scoring_model), log when their
 # engine is up: the scoring model is a python-backend model and hangs in the same place.
 ENGINE_READY_MARKS = ("[vllm] engine ready for ", "[score] engine ready for ")
 LOADED_MARK = "successfully loaded '"  # what Triton logs when a model has loaded

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from llm_serving.repository import REPO_ROOT
-from serving_image.triton.backends.vllm.engine_in_stub import ENGINE_NICE_ENV, STUB_LOG_LEVEL_ENV
+from serving_image.triton_stub.backends.vllm.engine_in_stub import ENGINE_NICE_ENV, STUB_LOG_LEVEL_ENV
 
 # The engines of every server this suite starts run at niceness 10, as the rehearsal's pods' engines do and for the
 # same reason (docs/rehearsal.md, "A new pod's model load and Triton's stub handshake"): the two xdist workers' servers
@@ -65,7 +65,7 @@ def stub_models(monkeypatch):
         error=error, outputs=dict(output_tensors or ()))
     fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
-    names = ("serving_image.triton.backends.vllm.model", "serving_image.triton.scoring_model.model")
+    names = ("serving_image.triton_stub.backends.vllm.model", "serving_image.triton_stub.scoring_model.model")
     for name in names:
         monkeypatch.delitem(sys.modules, name, raising=False)
     loaded = [importlib.import_module(name) for name in names]

@@ -21,7 +21,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving_image.triton.stub_vllm import SUBMITTED
+from serving_image.triton_stub.stub_vllm import SUBMITTED
 
 
 def _is_engine_process(process: psutil.Process) -> bool:

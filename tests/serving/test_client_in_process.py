@@ -18,7 +18,7 @@ from llm_serving.manifest import Backend, ServingMode
 from llm_serving.package import PackageSpec, build_package, open_package
 from llm_serving.stack_outputs import parse_stack_outputs
 from llm_serving_client import Client, InvalidRequest, LocalEndpoints
-from llm_serving_client.inprocess.model import InProcessError, InProcessModel, model_config
+from llm_serving_client.inprocess.python_model import InProcessError, InProcessModel, model_config
 from tests.serving.client_outputs import FEATURES, FEATURES_FINGERPRINT, FEATURES_SOURCE, RANKER, document
 
 
@@ -102,7 +102,7 @@ def test_a_dependency_this_process_lacks_or_has_at_another_version_is_named(tmp_
     here, or calls it remotely. (The XGBoost ranker's xgboost and scipy are in .venv-serving, installed by the
     Makefile, so its in-process answer is compared with the server's in test_client_remote.py.) Packaging checks the
     same declarations against the image's stub, so the packages here declare what the stub has."""
-    from llm_serving_client.inprocess import model as inprocess_model
+    from llm_serving_client.inprocess import python_model as inprocess_model
 
     package = features_package(tmp_path, dependencies=("numpy>=1.24", "xgboost==3.0.5"))
     real = inprocess_model.this_environment()

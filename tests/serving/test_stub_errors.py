@@ -1,4 +1,4 @@
-"""The engine's error messages (serving_image/triton/stub_vllm.py `error_message`) as the Python-backend models
+"""The engine's error messages (serving_image/triton_stub/stub_vllm.py `error_message`) as the Python-backend models
 answer them: one mapping (engine_in_stub.error_answer) for the stand-in vllm backend's generation and embeddings and
 for the scoring model, so an input error names its field whichever model answers. Fast: the models are loaded
 with a stand-in for triton_python_backend_utils (tests/serving/conftest.py `stub_models`) and answer one message."""
@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from serving_image.triton.backends.vllm.engine_in_stub import error_answer
+from serving_image.triton_stub.backends.vllm.engine_in_stub import error_answer
 
 
 @pytest.mark.parametrize(("message", "expected"), [

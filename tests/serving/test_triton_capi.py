@@ -55,10 +55,10 @@ class Embedded:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def triton(demo_model_dir, tmp_path_factory):
     from llm_serving.package import PackageSpec, build_package, open_package
-    from serving_image.triton.backends.vllm.engine_in_stub import ENGINE_PYTHON_ENV
     from serving_image.triton.local_install import locate
     from serving_image.triton.pins import load_pins
     from serving_image.triton.repository import generate_repository
+    from serving_image.triton_stub.backends.vllm.engine_in_stub import ENGINE_PYTHON_ENV
 
     root = tmp_path_factory.mktemp("triton-capi")
     package = open_package(build_package(PackageSpec(demo_model_dir, MODEL, "1.0.0", engine_args=ENGINE_ARGS),

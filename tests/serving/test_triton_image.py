@@ -21,9 +21,9 @@ import pytest
 from llm_serving.ports import free_port
 from llm_serving.repository import REPO_ROOT
 from policies.compat import load_pins as policy_pins
+from serving_image.engine.vllm_backend_tensors import OutputReader, request_tensors
 from serving_image.triton import probe
 from serving_image.triton.pins import PinError, check_vllm, load_pins, public_version
-from serving_image.triton.translate import OutputReader, request_tensors
 
 DOCKERFILE = REPO_ROOT / "serving_image" / "Dockerfile"
 
@@ -125,13 +125,13 @@ def test_bad_compat_file_is_named(tmp_path):
         load_pins(broken)
 
 
-# -- the Triton adapter's pure pieces (triton/adapter.py; the embedded path runs in test_openai_embedded.py) ---
+# -- the Triton adapter's pure pieces (triton_adapter/triton_engine.py; the embedded path: test_openai_embedded.py) --
 
 
 def test_triton_adapter_tensors_and_outputs():
     from serving_image.engine.base import EngineRequest, SamplingSpec
-    from serving_image.triton.adapter import flat_outputs, tensor_arrays
     from serving_image.triton.capi.inference import Input
+    from serving_image.triton_adapter.triton_engine import flat_outputs, tensor_arrays
 
     arrays = tensor_arrays(request_tensors(EngineRequest("r", "Hello", SamplingSpec(max_tokens=4)),
                                            load_pins().pinned.structured_outputs_key))
@@ -168,7 +168,7 @@ def test_triton_adapter_tensors_and_outputs():
 def test_triton_errors_map_to_engine_errors(code, message, kind, param):
     """invalid argument -> 400 naming the field; unavailable, internal, a model gone -> 503 (docs/kserve.md)."""
     from serving_image.engine.base import EngineInputError, EngineUnavailableError
-    from serving_image.triton.adapter import engine_error
+    from serving_image.triton_adapter.triton_engine import engine_error
 
     error = engine_error(code, message)
     assert isinstance(error, EngineInputError if kind == "input" else EngineUnavailableError)
@@ -243,7 +243,8 @@ def test_image_runtime_generates_the_repository_before_starting_triton(demo_mode
 
     from llm_serving.package import PackageSpec, build_package, open_package
     from serving_image.triton.capi import TritonLibraryError, library
-    from serving_image.triton.runtime import RUNTIME_ENV, start_triton_engine
+    from serving_image.triton.runtime import RUNTIME_ENV
+    from serving_image.triton_adapter.triton_engine import start_triton_engine
 
     monkeypatch.setenv(RUNTIME_ENV, "triton")
     monkeypatch.delenv(library.LIBRARY_ENV, raising=False)

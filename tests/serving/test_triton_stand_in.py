@@ -12,9 +12,9 @@ import pytest
 from llm_serving.repository import REPO_ROOT
 from llm_serving.tensor_contract import VLLM_INPUTS, VLLM_OUTPUTS
 from serving_image.engine.base import ModelInfo
-from serving_image.triton.stub_vllm import ParameterError, sampling_params_from_json
+from serving_image.triton_stub.stub_vllm import ParameterError, sampling_params_from_json
 
-MODEL_PY = REPO_ROOT / "serving_image" / "triton" / "backends" / "vllm" / "model.py"
+MODEL_PY = REPO_ROOT / "serving_image" / "triton_stub" / "backends" / "vllm" / "model.py"
 INFO = ModelInfo(name="m", version="1", max_model_len=512, vocab_size=1000, eos_token_id=2)
 _TYPES = {"TYPE_STRING": "BYTES", "TYPE_BOOL": "BOOL", "TYPE_UINT32": "UINT32", "TYPE_FP32": "FP32"}
 
@@ -148,7 +148,7 @@ def test_the_engine_thread_takes_the_niceness_it_is_given_and_its_processes_inhe
     import sys
 
     code = ("import os, subprocess, sys, threading\n"
-            "from serving_image.triton.backends.vllm.engine_in_stub import lower_priority\n"
+            "from serving_image.triton_stub.backends.vllm.engine_in_stub import lower_priority\n"
             "out = {}\n"
             "def engine():\n"
             "    lower_priority(sys.argv[1] or None)\n"
@@ -173,7 +173,7 @@ def test_the_stub_log_level_is_read_from_its_variable_and_a_bad_one_is_named():
     naming the variable."""
     import logging
 
-    from serving_image.triton.backends.vllm.engine_in_stub import StubEnvironmentError, stub_log_level
+    from serving_image.triton_stub.backends.vllm.engine_in_stub import StubEnvironmentError, stub_log_level
 
     assert stub_log_level(None) == stub_log_level("") == stub_log_level("INFO") == logging.INFO
     assert stub_log_level("DEBUG") == logging.DEBUG and stub_log_level("ERROR") == logging.ERROR
@@ -191,7 +191,7 @@ def test_a_bad_niceness_stops_the_engine_before_vllm_starts():
     import sys
 
     code = ("import sys\n"
-            "from serving_image.triton.backends.vllm import engine_in_stub as stub\n"
+            "from serving_image.triton_stub.backends.vllm import engine_in_stub as stub\n"
             "engine = stub.InStubEngine(sys.executable, '{}', 'demo-tiny', '1')\n"
             "print(engine.first['op'], '|', engine.start_failure(), '|', 'vllm' in sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -1,5 +1,5 @@
 """The engine interface -> KServe v2 tensors and back, for the clients of Triton's vLLM model: the engine adapters
-(serving_image/triton/adapter.py: the embedded Triton and a remote one). Nothing here does I/O.
+(serving_image/triton_adapter/triton_engine.py: the embedded Triton and a remote one). Nothing here does I/O.
 
 - An `EngineRequest` becomes the streaming request Triton's vLLM backend takes (`text_input`, `stream`,
   `exclude_input_in_output`, `sampling_parameters` as SamplingParams fields, the `return_*` flags);
@@ -8,7 +8,9 @@
   (`backend_logprobs`) and read back here.
 
 The server side is Triton itself (NVIDIA's backend in the image, the stand-in backend locally): this module never
-parses a KServe request.
+parses a KServe request. It runs in two processes, so it sits in the `engine` package below both: the serving
+process's adapter (serving_image/triton_adapter) and the stub's engine (serving_image/triton_stub/stub_vllm.py,
+which writes `backend_logprobs`) import this one module, so both sides of the `logprobs` output share one format.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def triton_prompt(request: EngineRequest, decode: Callable[[list[int]], str] | N
     its special tokens, a leading BOS is dropped when the tokenizer adds one itself, so the model does not see two
     BOS tokens that a vLLM engine given the token ids never sees. The backend tokenizes the text again: from the
     source text, exactly as the front-end did; from decoded ids, the same ids for text that came out of the same
-    tokenizer (tests/serving/test_kserve_translate.py checks the seam with the demo model's tokenizer)."""
+    tokenizer (tests/serving/test_vllm_backend_tensors.py checks the seam with the demo model's tokenizer)."""
     prompt = request.prompt
     if not isinstance(prompt, str):
         if request.source is not None:  # no decode: the text itself, tokenized as the front-end did

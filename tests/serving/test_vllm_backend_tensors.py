@@ -1,8 +1,8 @@
-"""The adapters' KServe translation (serving_image/triton/translate.py): no engine, no sockets.
+"""The adapters' KServe translation (serving_image/engine/vllm_backend_tensors.py): no engine, no sockets.
 
 An EngineRequest becomes the tensors Triton's vLLM backend takes, and the backend's response tensors become engine
 deltas. The round trip goes through the server side that really runs: the stand-in backend's parser of
-`sampling_parameters` into vLLM's SamplingParams (serving_image/triton/stub_vllm.py, as NVIDIA's backend does it).
+`sampling_parameters` into vLLM's SamplingParams (serving_image/triton_stub/stub_vllm.py, as NVIDIA's backend does it).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from serving_image.engine.base import (
     TopLogprob,
     merge_outputs,
 )
-from serving_image.triton.translate import (
+from serving_image.engine.vllm_backend_tensors import (
     RETURN_FLAGS,
     ClientTranslationError,
     OutputReader,
@@ -37,7 +37,7 @@ KEY = "structured_outputs"
 
 def backend_params(tensors):
     """What the backend makes of the adapter's tensors: vLLM SamplingParams (the stand-in's parser)."""
-    from serving_image.triton.stub_vllm import sampling_params_from_json
+    from serving_image.triton_stub.stub_vllm import sampling_params_from_json
 
     by_name = {t.name: t for t in tensors}
     return sampling_params_from_json(by_name["sampling_parameters"].values[0].decode(), "sampling_parameters", INFO)
@@ -136,7 +136,7 @@ def test_output_reader_raises_on_a_choice_the_engine_cut_short(reason):
 
 
 def test_triton_prompt_decodes_ids_and_avoids_a_second_bos():
-    from serving_image.triton.translate import triton_prompt
+    from serving_image.engine.vllm_backend_tensors import triton_prompt
 
     vocab = {1: "<s>", 5: "Hi", 6: " there"}
 
@@ -157,7 +157,7 @@ def test_triton_prompt_sends_the_text_the_front_end_tokenized_without_decoding()
     tokenized with special tokens, as the backend will; a chat rendering holds its BOS, which is dropped where the
     tokenizer adds one."""
     from serving_image.engine.base import PromptText
-    from serving_image.triton.translate import triton_prompt
+    from serving_image.engine.vllm_backend_tensors import triton_prompt
 
     def decode(ids):
         raise AssertionError(f"decoded {ids}")
@@ -177,9 +177,9 @@ def test_the_backend_tokenizes_the_sent_text_into_the_ids_the_front_end_counted(
     from transformers import AutoTokenizer
 
     from serving_image.engine.base import HFTokenizerMixin, ModelInfo
+    from serving_image.engine.vllm_backend_tensors import triton_prompt
     from serving_image.openai_api.generation import engine_requests
     from serving_image.openai_api.protocol import ChatCompletionRequest, CompletionRequest
-    from serving_image.triton.translate import triton_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(str(demo_model_dir))
 

@@ -1,5 +1,5 @@
 """This project's stand-in for NVIDIA's `vllm` backend, as a python-based Triton backend (docs/kserve.md,
-docs/local-environment.md "Triton locally").
+docs/local-environment.md "Triton locally"); Triton requires this file's name, `model.py`, of such a backend.
 
 Real Triton (the local tritonserver 2.51) loads the same model repository as production (`config.pbtxt` with
 `backend: "vllm"` and `1/model.json`, serving_image/triton/repository.py) with a backend directory in which `vllm`
@@ -13,7 +13,7 @@ src/utils/request.py of the release compat.toml pins):
   streaming, false otherwise; false while streaming is refused); `finish_reason`, `num_input_tokens` and
   `num_output_tokens` only when their `return_*` input is true;
 - `sampling_parameters` (a JSON string, or the request's parameters without it) is parsed as the backend does, by
-  the engine's side (serving_image/triton/stub_vllm.py: it needs vLLM's SamplingParams);
+  the engine's side (serving_image/triton_stub/stub_vllm.py: it needs vLLM's SamplingParams);
 - a cancelled request (client gone, stream cancelled) is aborted in the engine and ends with a CANCELLED error;
 - errors are error responses (`Error generating stream: ...`) and the model stays ready.
 
@@ -21,7 +21,7 @@ Where it differs (named in the error codes and messages), it is stricter: errors
 INVALID_ARG and an engine failure UNAVAILABLE (NVIDIA's backend sends INTERNAL for both).
 
 Where vLLM runs: in this stub's process, as in NVIDIA's backend (engine_in_stub.py: .venv-serving's packages after
-the stub's own numpy < 2, the engine on a thread and asyncio loop of its own; serving_image/triton/stub_vllm.py
+the stub's own numpy < 2, the engine on a thread and asyncio loop of its own; serving_image/triton_stub/stub_vllm.py
 parses `sampling_parameters` and drives vLLM's AsyncLLM through the project's adapter,
 serving_image/engine/vllm_local.py). Loading the model is starting the engine, unloading it stops the engine, as in
 NVIDIA's backend; the engine's death unloads the model.

@@ -1,6 +1,6 @@
 """vLLM's side of the in-stub engine (docs/architecture.md §2.3): the engine behind the stand-in `vllm` backend
-(serving_image/triton/backends/vllm/model.py) and the platform's scoring model, in the Python backend stub's own
-process (serving_image/triton/backends/vllm/engine_in_stub.py runs it on a thread of its own, with .venv-serving's
+(serving_image/triton_stub/backends/vllm/model.py) and the platform's scoring model, in the Python backend stub's own
+process (serving_image/triton_stub/backends/vllm/engine_in_stub.py runs it on a thread of its own, with .venv-serving's
 packages after the stub's).
 
 It starts vLLM's AsyncLLM from model.json through the project's adapter (serving_image/engine/vllm_local.py: the
@@ -33,8 +33,8 @@ from serving_image.engine.base import (
     ModelInfo,
     context_window_error,
 )
+from serving_image.engine.vllm_backend_tensors import backend_logprobs
 from serving_image.json_text import loads_keeping
-from serving_image.triton.translate import backend_logprobs
 
 log = logging.getLogger("llm_serving.triton.stub_vllm")
 
@@ -257,7 +257,7 @@ def error_message(request_id: str, exc: Exception) -> dict:
 
 
 class MessageDispatcher:
-    """Serves one engine's messages (serving_image/triton/backends/vllm/engine_in_stub.py lists them): each request
+    """Serves one engine's messages (serving_image/triton_stub/backends/vllm/engine_in_stub.py lists them): each request
     runs as a task on the engine's loop, and every answer, delta or error goes to `sink`, on that loop."""
 
     def __init__(self, engine, sink: Callable[[dict], None]):

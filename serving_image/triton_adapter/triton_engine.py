@@ -5,9 +5,9 @@ vllm backend).
 
 `TritonEngine` holds what does not depend on how Triton is reached, and `EmbeddedTritonEngine` its transport. Here
 once: the tokenizer (the front-ends render chat templates and count prompt tokens themselves; Triton's vLLM model
-takes text), the request's tensors (the shared pure translation in `serving_image.triton.translate`: text prompt,
-streaming on, prompt excluded, every extra output on), reading the streamed responses back into engine deltas, and
-mapping Triton's errors onto the engine's:
+takes text), the request's tensors (the pure translation shared with the in-stub engine,
+`serving_image.engine.vllm_backend_tensors`: text prompt, streaming on, prompt excluded, every extra output on),
+reading the streamed responses back into engine deltas, and mapping Triton's errors onto the engine's:
 
 | Triton                                    | engine error                        | OpenAI / KServe front-end     |
 | ----------------------------------------- | ----------------------------------- | ----------------------------- |
@@ -45,7 +45,7 @@ from serving_image.engine.base import (
     ModelInfo,
     merge_outputs,
 )
-from serving_image.triton.translate import (
+from serving_image.engine.vllm_backend_tensors import (
     ClientTranslationError,
     OutputReader,
     Tensor,
@@ -336,3 +336,28 @@ class EmbeddedTritonEngine(TritonEngine):
         """Cancel nothing: stopping the server lets in-flight requests finish (up to its exit timeout)."""
         self._stopped = True
         await self.triton.stop()
+
+
+async def start_triton_engine(package, workdir: Path, max_model_len: int, engine_overrides: dict | None = None,
+                              companions: list = ()) -> EmbeddedTritonEngine:
+    """`openai` mode over Triton (startup step 4): start Triton in this process on the repository of the package
+    and its companions (serving_image/triton/runtime.py `start_embedded_triton`) and return the engine adapter over
+    the main package's LLM, its pooling and scoring models serving embeddings and scores."""
+    from serving_image.triton.models import package_models
+    from serving_image.triton.pins import load_pins
+    from serving_image.triton.runtime import start_embedded_triton
+
+    manifest = package.manifest
+    triton, max_model_len = await start_embedded_triton(package, workdir, max_model_len, engine_overrides,
+                                                        companions)
+    models = package_models(manifest)  # the LLM, and its pooling and scoring models when its tasks say so
+    try:
+        tokenizer = package.root / (manifest.engine.tokenizer or manifest.engine.model)
+        engine = EmbeddedTritonEngine.over(triton, model_name=manifest.model.id, version=manifest.model.version,
+                                           tokenizer_path=tokenizer, max_model_len=max_model_len,
+                                           structured_key=load_pins().pinned.structured_outputs_key)
+        await engine.serve_tasks(embed_model=models.embed, score_model=models.score)
+        return engine
+    except BaseException:
+        await triton.stop()
+        raise

@@ -13,7 +13,7 @@ forces) run *that* interpreter with *its own* `sys.path` (and `$PYTHONPATH`'s en
 embedded interpreter's `sys.executable` is not a Python and the stub's standard library is not theirs.
 
 `InStubEngine` runs the engine on an asyncio loop in a thread of its own (the stub's main thread keeps answering
-Triton: `execute`, health checks) and speaks in plain dicts, the messages of serving_image/triton/stub_vllm.py:
+Triton: `execute`, health checks) and speaks in plain dicts, the messages of serving_image/triton_stub/stub_vllm.py:
 
     model -> engine   {"op": "generate", "id": ID, "prompt": TEXT, "params": JSON-TEXT | null, "root": FIELD-NAME,
                        "interval": TOKENS?}   vLLM's stream_interval for it: how many tokens vLLM merges per delta
@@ -154,7 +154,7 @@ ERROR_CODES = ("INVALID_ARG", "UNAVAILABLE")  # the engine's codes a model answe
 
 
 def error_answer(message: dict) -> tuple[str, str]:
-    """An error message of the engine (serving_image/triton/stub_vllm.py `error_message`) as every model of this
+    """An error message of the engine (serving_image/triton_stub/stub_vllm.py `error_message`) as every model of this
     project answers it: (text, the name of its pb_utils.TritonError code). INVALID_ARG and UNAVAILABLE as sent,
     anything else INTERNAL; the text leads with the field an input error names (`field: ...`) unless it already
     does, so the field reaches the client whichever model answers (generation, embeddings, scores)."""
@@ -215,7 +215,7 @@ class InStubEngine:
     async def _main(self) -> None:
         from pathlib import Path
 
-        from serving_image.triton import stub_vllm
+        from serving_image.triton_stub import stub_vllm
 
         self._stop, self._reading = asyncio.Event(), asyncio.Event()
         try:
