@@ -27,6 +27,7 @@ MODULES = (
     "serving_image.triton.embedded",
     "serving_image.triton.standalone",
     "serving_image.triton.runtime",
+    "serving_image.triton_adapter.triton_engine",
     "serving_image.constraints._native",
     "serving_image.constraints.vllm_processor",
     "serving_image.triton.capi._response_path",
