@@ -29,7 +29,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -52,6 +52,9 @@ from serving_image.engine.vllm_backend_tensors import (
     request_tensors,
     triton_prompt,
 )
+
+if TYPE_CHECKING:
+    from llm_serving.package import VerifiedPackage
 
 log = logging.getLogger(__name__)
 
@@ -338,8 +341,9 @@ class EmbeddedTritonEngine(TritonEngine):
         await self.triton.stop()
 
 
-async def start_triton_engine(package, workdir: Path, max_model_len: int, engine_overrides: dict | None = None,
-                              companions: list = ()) -> EmbeddedTritonEngine:
+async def start_triton_engine(package: VerifiedPackage, workdir: Path, max_model_len: int,
+                              engine_overrides: dict | None = None,
+                              companions: list[VerifiedPackage] = ()) -> EmbeddedTritonEngine:
     """`openai` mode over Triton (startup step 4): start Triton in this process on the repository of the package
     and its companions (serving_image/triton/runtime.py `start_embedded_triton`) and return the engine adapter over
     the main package's LLM, its pooling and scoring models serving embeddings and scores."""
