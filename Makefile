@@ -83,7 +83,7 @@ bench: serving-env triton-env fuse
 	$(SERVING)/bin/python -m bench.run
 
 # bench.cold_cache and the rehearsal's model-cache step mount a FUSE stand-in for FSx's lazy loading
-# (llm_serving_cli/rehearsal/lazy_cache.py): fusepy needs libfuse2.
+# (rehearsal/lazy_cache.py): fusepy needs libfuse2.
 fuse:
 	ldconfig -p | grep -q 'libfuse.so.2 ' || ($(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive \
 	  apt-get install -y -q libfuse2)
@@ -96,19 +96,19 @@ rehearse: serving-env infra-env triton-env fuse image
 
 # The serving image, built here (docs/first-update.md, "The image built here"): serving_image/Dockerfile FROM stand-in
 # bases made from Debian's and PyPI's packages (image/stand-in/), with buildah; then checked on the built image
-# (llm_serving_cli/image/). Layer caching keeps the bases and the native stage when only Python files change.
+# (image_build/). Layer caching keeps the bases and the native stage when only Python files change.
 image: serving-env containers
 	$(SERVING)/bin/llm-serving image build
 
 # The built image run as a pod runs it (podman: its user, a read-only root, the model cache read-only), serving the
-# demo packages on the contract's ports, then SIGTERM (llm_serving_cli/image/check.py). Uses `make up`'s fixed ports.
+# demo packages on the contract's ports, then SIGTERM (image_build/check.py). Uses `make up`'s fixed ports.
 image-check: serving-env triton-env containers
 	$(SERVING)/bin/llm-serving image check
 
 # The lock files the image builds install from (image/locks/*.txt, hashes included), from image/locks/*.in with uv.
 image-lock: serving-env
 	$(SERVING)/bin/pip install -q 'uv==0.13.10'
-	$(SERVING)/bin/python -m llm_serving_cli.image.locks
+	$(SERVING)/bin/python -m image_build.locks
 
 # buildah, podman, runc and mmdebstrap (Debian's), which build and run the image here.
 containers:

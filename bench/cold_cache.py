@@ -1,7 +1,7 @@
 """A pod's startup on a cold vs a warm model cache: startup step 1 (unpack-and-verify, which reads every file of the
 package) on a lazy-loading stand-in for FSx, before and after the cache warmer ran, in one run.
 
-FSx loads a file's data from S3 on its first read. The stand-in (llm_serving_cli/rehearsal/lazy_cache.py, a FUSE
+FSx loads a file's data from S3 on its first read. The stand-in (rehearsal/lazy_cache.py, a FUSE
 passthrough the rehearsal mounts too) charges each file's first read `FIRST_BYTE_S + size / MIB_S` once, then
 serves it at disk speed. Those two numbers are assumptions, not FSx measurements. What it measures is where that
 cost falls: on the pod's startup (cold), or on the warmer before any rollout may name the version (warm). The warmer
@@ -19,7 +19,7 @@ import time
 from bench.report import main, pyplot, result, save_figure
 from llm_serving import pod_contract as pc
 from llm_serving.package import PackageSpec, build_package
-from llm_serving_cli.rehearsal.lazy_cache import FIRST_BYTE_S, MIB_S, MountedCache, step_one_seconds
+from rehearsal.lazy_cache import FIRST_BYTE_S, MIB_S, MountedCache, step_one_seconds
 from serving_image.cache_warmer import materialise
 
 QUICK = os.environ.get("LLM_SERVING_BENCH_QUICK") == "1"

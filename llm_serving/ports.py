@@ -1,5 +1,5 @@
 """Loopback ports for a server another process binds later: the local server harness (bench/local_server.py), the
-rehearsal (llm_serving_cli/rehearsal/), the benchmarks and the tests draw them here, the one way to do it."""
+rehearsal (rehearsal/), the benchmarks and the tests draw them here, the one way to do it."""
 
 from __future__ import annotations
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from rich.console import Console
 
+from dev_packages.make_up import DEMO_ENGINE_ARGS, publish_for_up
 from llm_serving.manifest import Backend, ParallelLayout, ServingMode
 from llm_serving.package import PackageError, PackageSpec, build_package
 from llm_serving.store import PublishError, open_store
 from llm_serving.up_layout import ENV_BATCH_STORE, up_batch_store, up_cache
-from llm_serving_cli.up_packages import DEMO_ENGINE_ARGS, publish_for_up
 
 console = Console(stderr=True)
 REPO_CACHE = up_cache()
@@ -244,11 +244,11 @@ def _rollout(args: argparse.Namespace) -> int:
 
 
 def _rehearse(args: argparse.Namespace) -> int:
-    from llm_serving_cli.rehearsal import options
+    from rehearsal import options
 
     chosen = options.parse(args.args)  # --help and refused options are answered from any install of the wheel
     try:
-        from llm_serving_cli.rehearsal.run import rehearse
+        from rehearsal.run import rehearse
     except ModuleNotFoundError as err:
         raise SystemExit(f"llm-serving rehearse: the rehearsal needs the packages of the repository's .venv-serving "
                          f"(`make rehearse` runs it from there): {err}") from None
@@ -256,7 +256,7 @@ def _rehearse(args: argparse.Namespace) -> int:
 
 
 def _image(args: argparse.Namespace) -> int:
-    from llm_serving_cli.image import build, check
+    from image_build import build, check
 
     return {"build": build.main, "check": check.main}[args.action](args.args)
 

@@ -2,7 +2,7 @@
 
 Issue #30 item 5: the second run used to fail, its ranker packaged with other bytes under the version the first had
 published (versions are immutable). Every package `make up` builds now has a version derived from its bytes
-(llm_serving_cli/local_versions.py); this is the check, on a clone, that the three runs serve. It is not part of
+(dev_packages/versions.py); this is the check, on a clone, that the three runs serve. It is not part of
 `make test` (three engine starts, minutes each): run it on its own, e.g. as a CI step of its own.
 
 Each run is `make up` in a process group of its own (the fixed ports of llm_serving/pod_contract.py: OpenAI 9000,

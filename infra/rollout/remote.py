@@ -1,6 +1,6 @@
 """The rehearsal's cluster seen from the rollout side (infra.rollout.runner.RehearsalRunner): each step of an update
 sent to `make rehearse` over its Unix control socket. Standard library only, so that both environments import it
-(the rehearsal's tests drive llm_serving_cli/rehearsal/cluster.py through it)."""
+(the rehearsal's tests drive rehearsal/cluster.py through it)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from infra.rollout.engine import Node
 
 
 class RemoteCluster:
-    """The rehearsal's cluster (llm_serving_cli/rehearsal/cluster.py) over its Unix control socket: one JSON object
+    """The rehearsal's cluster (rehearsal/cluster.py) over its Unix control socket: one JSON object
     per line each way, one request per connection. A step the rehearsal cannot carry out answers {"error": ...},
     raised as engine.UpdateError. A Deployment step returns once its pods are ready or its deadline passed, so the
     timeout here is long: the rehearsal, not this client, owns the deadline (the Deployment's own)."""

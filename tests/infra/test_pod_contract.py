@@ -144,7 +144,7 @@ def test_rollout_derives_the_package_from_id_and_version_as_publish_does():
 
 def test_the_rehearsal_can_plan_every_shipped_stacks_pods(stack, tmp_path):
     """What `make rehearse STACK=<stack>` would start, planned from the rendered Deployments (nothing runs)."""
-    from llm_serving_cli.rehearsal import podspec
+    from rehearsal import podspec
 
     run, cfg = stack
     for dep in _model_deployments(run):
@@ -160,6 +160,6 @@ def test_the_rehearsal_can_plan_every_shipped_stacks_pods(stack, tmp_path):
 
 def test_the_rehearsals_gateway_namespace_is_the_programs():
     from infra.bootstrap import GATEWAY_NAMESPACE
-    from llm_serving_cli.rehearsal.net import GATEWAY_PROXY_NAMESPACE
+    from rehearsal.net import GATEWAY_PROXY_NAMESPACE
 
     assert GATEWAY_PROXY_NAMESPACE == GATEWAY_NAMESPACE

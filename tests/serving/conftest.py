@@ -4,7 +4,7 @@
 on a `standalone` demo-tiny package (the stand-in vllm backend and its engine process), with the example
 Python-backend package (examples/ticket_triage) served beside it, as the BLS example needs, and the demo ranker's
 packages (examples/ranker: the XGBoost ranker, the pipeline's two Python steps and the pipeline, an ensemble; built by
-llm_serving_cli.demo_packages, as `make up MODE=standalone` builds them), and the ranker's second I/O contract (the
+dev_packages.demo, as `make up MODE=standalone` builds them), and the ranker's second I/O contract (the
 same booster with the extra output `rank`, what the rehearsal's versioned rollout publishes as 1.1.0) under the id
 `ranker-rank`, since one server serves one version of a model id. One per session: the KServe tests
 (test_kserve_startup.py), the example's tests (test_triton_example.py) and the model-kind tests
@@ -87,7 +87,7 @@ def build_example_package(out: Path) -> Path:
 @pytest.fixture(scope="session")
 def ranker_packages(tmp_path_factory) -> list[Path]:
     """The ranker (trained now, deterministically), its pipeline's steps and the pipeline (the ensemble, last)."""
-    from llm_serving_cli.demo_packages import build_ranker_packages
+    from dev_packages.demo import build_ranker_packages
 
     return build_ranker_packages(tmp_path_factory.mktemp("ranker"), version="1.0.0")
 
@@ -97,10 +97,10 @@ RANKER_RANK_ID = "ranker-rank"
 
 @pytest.fixture(scope="session")
 def ranker_rank_package(ranker_packages, tmp_path_factory) -> Path:
-    """The ranker with its second I/O contract (llm_serving_cli.demo_packages.build_ranker(rank=True)), the same
+    """The ranker with its second I/O contract (dev_packages.demo.build_ranker(rank=True)), the same
     booster as ranker_packages' ranker, as RANKER_RANK_ID 1.1.0."""
+    from dev_packages.demo import RANKER_ID, build_ranker
     from llm_serving.package import open_package
-    from llm_serving_cli.demo_packages import RANKER_ID, build_ranker
 
     weights = next(open_package(p) for p in ranker_packages if open_package(p).manifest.model.id == RANKER_ID) \
         .weights_path
@@ -113,9 +113,9 @@ RANKER_MISFIT_ID = "ranker-misfit"
 
 @pytest.fixture(scope="session")
 def ranker_misfit_package(tmp_path_factory) -> Path:
-    """The rehearsal's candidate that serves errors (llm_serving_cli/rehearsal/storage.py, defect "serves-errors"):
+    """The rehearsal's candidate that serves errors (rehearsal/storage.py, defect "serves-errors"):
     the ranker whose model code reads a calibration file its package lacks, as RANKER_MISFIT_ID 1.0.1."""
-    from llm_serving_cli.rehearsal import storage
+    from rehearsal import storage
 
     model = {"id": RANKER_MISFIT_ID, "kind": "python"}
     return storage.build_version(model, "1.0.1", tmp_path_factory.mktemp("ranker-misfit"), defect="serves-errors")
@@ -178,9 +178,9 @@ def openai_server(demo_model_dir, tmp_path_factory):
     server (a drain delay, a stop) gets a server of its own (test_server_lifecycle.py). Tests read counters and logs
     as differences from what they saw before their own requests (another module may have run first)."""
     from bench.local_server import publish_demo, start_server
+    from dev_packages.demo import build_ranker_packages
     from llm_serving import pod_contract as pc
     from llm_serving.manifest import ServingMode
-    from llm_serving_cli.demo_packages import build_ranker_packages
     from tests.serving.engine_args import EAGER_ENGINE_ARGS
     from tests.serving.step_gate import GATE_ENV, write_step_gate_wheel
     from tests.serving.wheels import make_wheel, wheel_filename

@@ -1,4 +1,4 @@
-"""The versions `make up` gives its packages (llm_serving_cli/local_versions.py): derived from the bytes, so the
+"""The versions `make up` gives its packages (dev_packages/versions.py): derived from the bytes, so the
 serving mode and anything else in the package changes them, and the same content gets the same version. No engine
 starts here; `make check-up-modes` (bench/scripts/make_up_modes.sh) serves the three `make up` runs for real."""
 
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from dev_packages.demo import PIPELINE_ID, build_ranker_packages
+from dev_packages.make_up import DEMO_ENGINE_ARGS, publish_for_up
+from dev_packages.versions import CONTENT_VERSION, build_local_package
 from llm_serving.manifest import ServingMode
 from llm_serving.package import PackageError, PackageSpec, build_package, open_package
 from llm_serving.up_layout import served_file, served_package
-from llm_serving_cli.demo_packages import PIPELINE_ID, build_ranker_packages
-from llm_serving_cli.local_versions import CONTENT_VERSION, build_local_package
-from llm_serving_cli.up_packages import DEMO_ENGINE_ARGS, publish_for_up
 
 OPENAI, STANDALONE = ServingMode.OPENAI, ServingMode.STANDALONE
 

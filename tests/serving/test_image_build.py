@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from image_build import containers, locks
 from infra.image_context import context_files, image_tag
 from llm_serving import dockerfile
 from llm_serving import pod_contract as pc
 from llm_serving.compat import load_compat
 from llm_serving.repository import REPO_ROOT
-from llm_serving_cli.image import containers, locks
 
 DOCKERFILE = REPO_ROOT / "serving_image" / "Dockerfile"
 LOCKS = REPO_ROOT / "image" / "locks"

@@ -1,12 +1,12 @@
 """The lazy-loading FSx stand-in that the rehearsal and bench/cold_cache.py mount
-(llm_serving_cli/rehearsal/lazy_cache.py): its FUSE operations called directly (no mount here: `make test` needs
+(rehearsal/lazy_cache.py): its FUSE operations called directly (no mount here: `make test` needs
 neither root nor libfuse), with the delay recorded instead of slept."""
 
 from __future__ import annotations
 
 import os
 
-from llm_serving_cli.rehearsal import lazy_cache
+from rehearsal import lazy_cache
 
 
 def test_the_first_read_of_a_file_pays_the_lazy_load_once(tmp_path, monkeypatch):

@@ -28,9 +28,9 @@ from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
 from bench.local_server import Server
+from dev_packages.demo import FEATURES_ID, PIPELINE_ID, RANKER_ID, RELEVANCE_ID
 from examples import kserve_client
 from llm_serving.kserve_stream import is_final, until_final
-from llm_serving_cli.demo_packages import FEATURES_ID, PIPELINE_ID, RANKER_ID, RELEVANCE_ID
 from serving_image.constraints.spec import constraint_text
 from tests.serving import embed_score_reference as reference
 from tests.serving.conftest import OPENAI_AUTH

@@ -30,9 +30,9 @@ import pytest
 import tritonclient.http as httpclient
 
 from bench.local_server import start_standalone_server
+from dev_packages.demo import N_FEATURES, RANKER_ID, booster_predictions, build_ranker, train_ranker
 from llm_serving.package import open_package
 from llm_serving.python_deps import STUB_PIP_FLAGS, load_stub, load_stub_pins
-from llm_serving_cli.demo_packages import N_FEATURES, RANKER_ID, booster_predictions, build_ranker, train_ranker
 from serving_image.triton import probe
 from serving_image.triton.local_install import HOME_ENV, locate
 

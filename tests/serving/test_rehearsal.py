@@ -1,4 +1,4 @@
-"""The rehearsal's pieces (llm_serving_cli/rehearsal/, `make rehearse`), each small and fast: nothing here needs
+"""The rehearsal's pieces (rehearsal/, `make rehearse`), each small and fast: nothing here needs
 root, a namespace or a vLLM engine. The whole rehearsal runs in `make rehearse` (docs/rehearsal.md)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from llm_serving import dockerfile
 from llm_serving import pod_contract as pc
 from llm_serving.ports import free_port
 from llm_serving.repository import REPO_ROOT
-from llm_serving_cli.rehearsal import (
+from rehearsal import (
     container,
     gateway_retry,
     gateway_routes,
@@ -36,10 +36,10 @@ from llm_serving_cli.rehearsal import (
     substitutions,
     traffic,
 )
-from llm_serving_cli.rehearsal.kubelet import PodRunner, ProbeState, backoff_s
-from llm_serving_cli.rehearsal.podspec import PodPlan, Probe
-from llm_serving_cli.rehearsal.services import Endpoint, ServiceProxy
-from llm_serving_cli.rehearsal.tls import CertificateAuthority
+from rehearsal.kubelet import PodRunner, ProbeState, backoff_s
+from rehearsal.podspec import PodPlan, Probe
+from rehearsal.services import Endpoint, ServiceProxy
+from rehearsal.tls import CertificateAuthority
 
 IMAGE = dockerfile.read(REPO_ROOT / "serving_image" / "Dockerfile")
 
@@ -620,7 +620,7 @@ def test_the_rendered_cache_warmer_makes_every_published_version_resident(dev, d
     """The seam publish -> the stack's CronJob -> the markers the rollout reads: `llm-serving publish` with the
     stack's warm request, FSx's import, then the rendered warmer container's command and env (python3 as the serving
     venv's, the model cache and S3 substituted) writes a resident marker for every version the stack names."""
-    from llm_serving_cli.rehearsal import model_cache
+    from rehearsal import model_cache
 
     container = model_cache.warmer_container(dev)
     command = model_cache.warmer_command(container, "http://s3.local")
@@ -660,7 +660,7 @@ def test_the_rendered_cache_warmer_makes_every_published_version_resident(dev, d
 
 
 def test_a_warmer_command_the_rehearsal_cannot_run_is_named(dev, tmp_path):
-    from llm_serving_cli.rehearsal import model_cache
+    from rehearsal import model_cache
 
     container = {**model_cache.warmer_container(dev), "command": ["/bin/warm"]}
     with pytest.raises(model_cache.ModelCacheError, match="does not start with the image's python3"):
@@ -675,7 +675,7 @@ def test_rollout_start_declares_the_new_llm_versions_weights_as_the_stack_does(t
     size the stack declares for its active version (the candidates are the same demo model), a Python model none."""
     from types import SimpleNamespace
 
-    from llm_serving_cli.rehearsal import scenarios
+    from rehearsal import scenarios
 
     shutil.copytree(REPO_ROOT / "stacks", tmp_path / "stacks")
     ctx = SimpleNamespace(stack="dev-us-east-1", config_dir=tmp_path / "stacks")
@@ -695,7 +695,7 @@ def test_rollout_start_declares_the_new_llm_versions_weights_as_the_stack_does(t
 
 
 def test_the_new_versions_size_is_the_active_versions_and_never_made_up():
-    from llm_serving_cli.rehearsal.scenarios import weights_gib_args
+    from rehearsal.scenarios import weights_gib_args
 
     llm = {"id": "chat", "kind": "vllm", "active": "1.1.0",
            "versions": [{"version": "1.0.0", "weightsGib": 6}, {"version": "1.1.0", "weightsGib": 7.5}]}
@@ -710,7 +710,7 @@ def test_the_batch_worker_runs_as_rendered_against_the_rehearsals_s3(dev, tmp_pa
     """Every stack update waits for the batch worker's Deployment (issue 32): the rehearsal runs its pod as rendered
     (its command, exactly its env on top, its volumes), its bucket exists, and what IRSA and S3's endpoint give in
     the cloud stands in under the rendered env."""
-    from llm_serving_cli.rehearsal import cluster
+    from rehearsal import cluster
 
     (worker,) = [d for d in dev.pod_deployments() if render.component(d["inputs"]) == render.BATCH_WORKER]
     assert cluster._runs_pods(render.DEPLOYMENT, worker["inputs"])  # a stack update's step waits for its pods
@@ -747,7 +747,7 @@ def test_a_required_secret_volume_is_named(tmp_path):
 def test_an_image_changed_under_a_running_rehearsal_is_named():
     """A commit to the image's build context while the rehearsal runs re-renders every Deployment with a new digest;
     the step is refused naming both images and why, not as a pod that never got Ready."""
-    from llm_serving_cli.rehearsal.cluster import template_change
+    from rehearsal.cluster import template_change
 
     def dep(image: str) -> dict:
         return {"spec": {"template": {"spec": {"containers": [{"name": "c", "image": image}]}}}}

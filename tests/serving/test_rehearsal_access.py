@@ -11,9 +11,9 @@ import subprocess
 import pytest
 
 from llm_serving import pod_contract as pc
-from llm_serving_cli.rehearsal import haproxy_config, net, podspec, secrets
-from llm_serving_cli.rehearsal.gateway import gateway_api_keys
-from llm_serving_cli.rehearsal.gateway_routes import Gateway, Listener
+from rehearsal import haproxy_config, net, podspec, secrets
+from rehearsal.gateway import gateway_api_keys
+from rehearsal.gateway_routes import Gateway, Listener
 
 EXTERNAL = [
     {"metadata": {"name": "llm-serving-api-keys", "namespace": "llm-serving"},

@@ -1,4 +1,4 @@
-"""The rehearsal's cluster (llm_serving_cli/rehearsal/cluster.py) driven the way a rollout drives it: through
+"""The rehearsal's cluster (rehearsal/cluster.py) driven the way a rollout drives it: through
 infra.rollout.remote.RemoteCluster, the client the rollout side's RehearsalRunner uses, over the control socket.
 
 The pods are small HTTP servers started by the real kubelet (PodRunner: probes, back-off, preStop, SIGTERM) and the
@@ -21,11 +21,11 @@ import pytest_asyncio
 from infra.rollout.engine import LiveResource, Node, UpdateError
 from infra.rollout.remote import RemoteCluster
 from llm_serving.ports import free_port
-from llm_serving_cli.rehearsal import haproxy_config, haproxy_process, render
-from llm_serving_cli.rehearsal.cluster import RehearsalCluster
-from llm_serving_cli.rehearsal.kubelet import PodRunner
-from llm_serving_cli.rehearsal.podspec import PodPlan, Probe
-from llm_serving_cli.rehearsal.tls import CertificateAuthority
+from rehearsal import haproxy_config, haproxy_process, render
+from rehearsal.cluster import RehearsalCluster
+from rehearsal.kubelet import PodRunner
+from rehearsal.podspec import PodPlan, Probe
+from rehearsal.tls import CertificateAuthority
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="function")]
 

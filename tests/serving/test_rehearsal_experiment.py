@@ -1,4 +1,4 @@
-"""The seam `make rehearse` checks for an experiment (llm_serving_cli/rehearsal/experiment.py, docs/rehearsal.md,
+"""The seam `make rehearse` checks for an experiment (rehearsal/experiment.py, docs/rehearsal.md,
 "An experiment through the gateway"): the experiment the dev stack declares, rendered into its stack outputs by the
 program, read by the client library, whose assignment picks each user's arm and whose header carries it through the
 real HAProxy gateway (the dev stack's rendered Gateway and routes, the rehearsal's CA) to the real OpenAI front-end,
@@ -27,7 +27,9 @@ import uvicorn
 
 from llm_serving.ports import free_port
 from llm_serving.stack_outputs import parse_stack_outputs
-from llm_serving_cli.rehearsal import (
+from llm_serving_client import Client, GatewayEndpoints, GatewayError, LocalEndpoints, assign
+from llm_serving_client.experiments import ArmStats
+from rehearsal import (
     experiment,
     gateway_retry,
     gateway_routes,
@@ -37,10 +39,8 @@ from llm_serving_cli.rehearsal import (
     render,
     report,
 )
-from llm_serving_cli.rehearsal.services import Endpoint
-from llm_serving_cli.rehearsal.tls import CertificateAuthority
-from llm_serving_client import Client, GatewayEndpoints, GatewayError, LocalEndpoints, assign
-from llm_serving_client.experiments import ArmStats
+from rehearsal.services import Endpoint
+from rehearsal.tls import CertificateAuthority
 from serving_image.engine.base import ChoiceDelta, Engine, EngineOutput, EngineRequest, ModelInfo
 from serving_image.openai_api.app import create_app
 

@@ -1,4 +1,4 @@
-"""The Gateway API routes realised by a real HAProxy (llm_serving_cli/rehearsal/: gateway_routes.py and
+"""The Gateway API routes realised by a real HAProxy (rehearsal/: gateway_routes.py and
 gateway_retry.py read the rendered objects, haproxy_config.py renders the configuration, haproxy_process.py runs it)
 behind the rehearsal's own certificate authority (tls.py), with real requests: HTTP/1.1 with httpx and gRPC over
 HTTP/2 with grpcio, both over TLS to loopback ports (no root, no namespace).
@@ -34,11 +34,11 @@ import pytest
 from cryptography import x509
 
 from llm_serving.ports import free_port
-from llm_serving_cli.rehearsal import gateway_retry, gateway_routes, haproxy_config, haproxy_process
-from llm_serving_cli.rehearsal.gateway_routes import BackendRef, Endpoint, PathMatch, ProxyConfigError
-from llm_serving_cli.rehearsal.haproxy_config import Settings, server_weights
-from llm_serving_cli.rehearsal.haproxy_process import HAProxy
-from llm_serving_cli.rehearsal.tls import CertificateAuthority
+from rehearsal import gateway_retry, gateway_routes, haproxy_config, haproxy_process
+from rehearsal.gateway_routes import BackendRef, Endpoint, PathMatch, ProxyConfigError
+from rehearsal.haproxy_config import Settings, server_weights
+from rehearsal.haproxy_process import HAProxy
+from rehearsal.tls import CertificateAuthority
 
 pytestmark = pytest.mark.timeout(120)
 

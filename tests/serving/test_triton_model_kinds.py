@@ -18,11 +18,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from llm_serving.kserve_stream import until_final
-from llm_serving.manifest import Backend, ServingMode
-from llm_serving.package import PackageError, PackageSpec, build_package, open_package
-from llm_serving.tensor_contract import TensorSpec, io_fingerprint
-from llm_serving_cli.demo_packages import (
+from dev_packages.demo import (
     BOOSTER_FILE,
     FEATURES_ID,
     N_FEATURES,
@@ -32,6 +28,10 @@ from llm_serving_cli.demo_packages import (
     RELEVANCE_ID,
     booster_predictions,
 )
+from llm_serving.kserve_stream import until_final
+from llm_serving.manifest import Backend, ServingMode
+from llm_serving.package import PackageError, PackageSpec, build_package, open_package
+from llm_serving.tensor_contract import TensorSpec, io_fingerprint
 from serving_image.triton.repository import RepositoryError, resolve_ensembles
 from tests.serving.conftest import RANKER_MISFIT_ID, RANKER_RANK_ID
 

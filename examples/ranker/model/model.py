@@ -6,7 +6,7 @@ from the stub's environment (the Python backend's directory, where the Makefile'
 stub's numpy < 2). The booster file is `ranker.json` in the package's weights (config parameter `weights_dir`).
 
 When config.pbtxt also declares the output `rank` (INT32 [n, 1]; the demo's second I/O contract, version 1.1.0 in
-llm_serving_cli/demo_packages.py), each response carries it too: every row's 1-based position among its request's rows
+dev_packages/demo.py), each response carries it too: every row's 1-based position among its request's rows
 by descending score, ties in row order.
 """
 

@@ -58,7 +58,7 @@ from collections.abc import Callable
 # starts; the stub inherits Triton's environment).
 ENGINE_PYTHON_ENV = "LLM_SERVING_ENGINE_PYTHON"
 # An optional niceness (1..19) for the engine: set where several pods' engines share a machine's cores (the
-# rehearsal, llm_serving_cli/rehearsal/substitutions.py; the test suite's servers, tests/serving/conftest.py), so that
+# rehearsal, rehearsal/substitutions.py; the test suite's servers, tests/serving/conftest.py), so that
 # vLLM's busy-polling engine core and worker cannot starve the pods' Triton and stub threads (the stub must answer its
 # parent's health check within a second, or the model's load fails). On Linux a niceness belongs to a thread and is
 # inherited by the processes it starts: the engine's thread takes it before vLLM spawns its processes; the stub's main

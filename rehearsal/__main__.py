@@ -1,0 +1,5 @@
+import sys
+
+from rehearsal.run import main
+
+sys.exit(main())
