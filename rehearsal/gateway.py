@@ -115,7 +115,8 @@ class RehearsalGateway:
         except Exception as exc:  # shown, never hidden: the three cases are the report's
             self.access = [AccessCheck("access checks", f"could not run: {exc!r}", False)]
         for check in self.access:
-            console.print(check.line if check.ok else f"[red]{check.line}[/]", highlight=False)
+            # Plain text: the line's own "[ok]" is not console markup.
+            console.print(check.line, style=None if check.ok else "red", markup=False, highlight=False)
 
     def access_checks(self) -> list[AccessCheck]:
         """The three access cases, on a Ready model pod and its route's host."""

@@ -10,8 +10,8 @@
     Services a proxy per Service over its Ready pods; traffic to every model through it
     metrics  Prometheus scraping through the PodMonitor's relabeling, the PrometheusRule loaded, KEDA's query
 
-Ends with `rehearsal: <P> pods ready, <R> requests, <F> failed`; exits 1 naming the pod and the cause when a pod
-never gets Ready or a request fails. Everything it started is stopped and removed, also on Ctrl-C.
+Ends with `rehearsal: <P> pods ready, <R> requests, <F> failed` and the three access lines; exits 1 naming the pod
+and the cause when a pod never gets Ready, a request fails or an access case does not hold. Everything it started is stopped and removed, also on Ctrl-C.
 
 This module is the order of those steps and the run's report; each step's work is elsewhere: the store and
 publishing in model_store.py, the pods' plans, mounts and launch in node.py, the gateway in gateway.py, which
@@ -258,8 +258,13 @@ class Rehearsal:
                                           self.experiment)
             self.console.print(f"report: {path}")
         experiment_ok = self.experiment is None or self.experiment.ok
+        # The three access cases hold (gateway.py: 401 without a key, a direct call refused, the keyed call served).
+        access_ok = self.gateway is None or all(check.ok for check in self.gateway.access)
+        if self.gateway is not None:
+            for check in self.gateway.access:
+                self.console.print(check.line, markup=False, highlight=False)
         return 0 if (not not_ready and failed == 0 and all(r.ok for r in results) and experiment_ok
-                     and not self.outside_image) else 1
+                     and access_ok and not self.outside_image) else 1
 
     # -- the rollout scenarios (issue 17) ----------------------------------------------------------------------
 
