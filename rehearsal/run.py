@@ -11,7 +11,8 @@
     metrics  Prometheus scraping through the PodMonitor's relabeling, the PrometheusRule loaded, KEDA's query
 
 Ends with `rehearsal: <P> pods ready, <R> requests, <F> failed` and the three access lines; exits 1 naming the pod
-and the cause when a pod never gets Ready, a request fails or an access case does not hold. Everything it started is stopped and removed, also on Ctrl-C.
+and the cause when a pod never gets Ready, a request fails or an access case does not hold. Everything it started
+is stopped and removed, also on Ctrl-C.
 
 This module is the order of those steps and the run's report; each step's work is elsewhere: the store and
 publishing in model_store.py, the pods' plans, mounts and launch in node.py, the gateway in gateway.py, which
