@@ -272,6 +272,10 @@ QUEUE_METRICS = {"vllm": "vllm:num_requests_waiting", "python": "nv_inference_pe
                  "ensemble": "nv_inference_pending_request_count"}
 
 
+# Consecutive failed polls of a ScaledObject's trigger (an error, or no series) before KEDA applies its fallback.
+FALLBACK_FAILURES = 3
+
+
 def scaled_object_spec(ctx: ServingContext, model: ModelConfig, share: VersionShare, deployment_name: str) -> dict:
     target = (model.autoscaling.target_queue_depth if model.autoscaling and model.autoscaling.target_queue_depth
               else ctx.stack.serving.target_queue_depth)
@@ -289,8 +293,16 @@ def scaled_object_spec(ctx: ServingContext, model: ModelConfig, share: VersionSh
             "scaleDown": {"stabilizationWindowSeconds": 600, "policies": [{"type": "Pods", "value": 1,
                                                                           "periodSeconds": 300}]},
         }}},
+        # No data never scales a serving model down. KEDA's Prometheus scaler reads an empty result as 0 unless
+        # ignoreNullValues is false: a version whose series are gone (a broken PodMonitor, a Prometheus restart, a
+        # relabeling change) would read as an empty queue and shrink to its floor. With "false" an empty result is
+        # the scaler's error, and after FALLBACK_FAILURES failed polls KEDA applies `fallback`: `currentReplicas`
+        # keeps the replicas the Deployment has (KEDA's ScaledObject specification, "fallback"; it applies to
+        # AverageValue triggers, which this is).
+        "fallback": {"failureThreshold": FALLBACK_FAILURES, "replicas": share.replicas, "behavior": "currentReplicas"},
         "triggers": [{"type": "prometheus", "metricType": "AverageValue", "metadata": {
             "serverAddress": ctx.stack.serving.prometheus_address, "query": query, "threshold": str(target),
+            "ignoreNullValues": "false",
         }}],
     }
 

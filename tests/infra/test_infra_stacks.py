@@ -307,6 +307,10 @@ def test_autoscaling_is_keda_on_the_queue_depth(stack):
             assert spec["minReplicaCount"] == run.outputs["models"][model.id]["replicas"][version]
             assert spec["maxReplicaCount"] >= spec["minReplicaCount"]
             assert spec["scaleTargetRef"]["name"] == so.inputs["metadata"]["name"]
+            # No series is the scaler's error, and the fallback keeps the replicas: never scaled down for lack of data.
+            assert trigger["metadata"]["ignoreNullValues"] == "false"
+            assert spec["fallback"]["behavior"] == "currentReplicas"
+            assert spec["fallback"]["replicas"] == spec["minReplicaCount"]
 
 
 def test_routes_split_traffic_by_the_planner(stack):
