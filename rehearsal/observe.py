@@ -4,14 +4,13 @@
   file the rehearsal writes, with the same `__meta_kubernetes_*` labels per pod and container port), the operator's
   own keep rules (namespace, selector labels, port name), then the PodMonitor's rendered relabelings unchanged.
 - The PrometheusRule's groups are loaded as a rule file.
-- A KEDA ScaledObject's Prometheus trigger query is evaluated against it, giving the replica count KEDA would ask
-  for (AverageValue: ceil(value / threshold), within min and max).
+- A KEDA ScaledObject's Prometheus trigger query is evaluated against it (`query_value`); what KEDA and the HPA
+  make of the value is rehearsal/autoscaler.py's.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 import subprocess
 import time
@@ -84,12 +83,6 @@ def pod_targets(pod: str, namespace: str, address: str, labels: dict[str, str], 
 
 def rule_file(prometheus_rules: list[dict[str, Any]]) -> dict[str, Any]:
     return {"groups": [g for rule in prometheus_rules for g in rule["spec"].get("groups") or []]}
-
-
-def keda_replicas(value: float | None, threshold: float, minimum: int, maximum: int) -> int:
-    """KEDA's AverageValue target through the HPA: ceil(metric / threshold), clamped to [min, max]."""
-    wanted = 0 if value is None or math.isnan(value) else math.ceil(value / threshold)
-    return max(minimum, min(maximum, wanted))
 
 
 @dataclass

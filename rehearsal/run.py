@@ -9,6 +9,7 @@
     kubelet probes as declared, restarts with back-off, termination (preStop, SIGTERM, grace, SIGKILL)
     Services a proxy per Service over its Ready pods; traffic to every model through it
     metrics  Prometheus scraping through the PodMonitor's relabeling, the PrometheusRule loaded, KEDA's query
+             and the replicas KEDA and the HPA would set from it (autoscaler.py)
 
 Ends with `rehearsal: <P> pods ready, <R> requests, <F> failed` and the three access lines; exits 1 naming the pod
 and the cause when a pod never gets Ready, a request fails or an access case does not hold. Everything it started
@@ -56,6 +57,7 @@ from rehearsal import (
     traffic,
 )
 from rehearsal import report as rehearsal_report
+from rehearsal.autoscaler import Autoscaler
 from rehearsal.gateway import RehearsalGateway, create_gateway
 from rehearsal.model_store import ModelStore, publish_stack
 from rehearsal.net import GATEWAY, Network, service_address
@@ -386,20 +388,20 @@ class Rehearsal:
         if bad:
             self.result.record("PrometheusRule", False, f"unhealthy rules {bad}")
         for so in rendered.of_type(render.SCALED_OBJECT):
-            spec = so["inputs"]["spec"]
-            for trigger in spec.get("triggers") or []:
-                if trigger.get("type") != "prometheus":
-                    continue
-                query = trigger["metadata"]["query"]
-                value = prom.query_value(query)
-                replicas = observe.keda_replicas(value, float(trigger["metadata"]["threshold"]),
-                                                 int(spec.get("minReplicaCount", 0)), int(spec["maxReplicaCount"]))
-                self.console.print(f"KEDA {so['inputs']['metadata']['name']}: {query} = {value} -> "
-                                   f"{replicas} replica(s) (min {spec.get('minReplicaCount', 0)}, "
-                                   f"max {spec['maxReplicaCount']})")
-                if value is None:
-                    self.result.record(f"KEDA query {so['inputs']['metadata']['name']}", False,
-                                       f"{query} returned no series")
+            name = so["inputs"]["metadata"]["name"]
+            try:
+                scaler = Autoscaler.from_scaled_object(so["inputs"]["spec"])
+            except ValueError as e:
+                self.result.record(f"KEDA {name}", False, str(e))
+                continue
+            value = prom.query_value(scaler.query)
+            current = sum(1 for r in self.node.runners if r.plan.deployment == scaler.target)
+            decision = scaler.poll(0.0, value, current)
+            self.console.print(f"KEDA {name}: {scaler.query} = {value} -> {decision.replicas} replica(s) "
+                               f"({decision.reason}; {current} running, min {scaler.min_replicas}, "
+                               f"max {scaler.max_replicas})")
+            if value is None:
+                self.result.record(f"KEDA query {name}", False, f"{scaler.query} returned no series")
 
     async def stop_pods(self, fast: bool = False) -> None:
         if self.node.runners:

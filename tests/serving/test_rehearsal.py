@@ -422,12 +422,6 @@ def test_pod_targets_carry_kubernetes_discovery_labels():
         observe.relabeling({"bogus": 1})
 
 
-def test_keda_replicas():
-    assert observe.keda_replicas(None, 8, 1, 4) == 1
-    assert observe.keda_replicas(17, 8, 1, 4) == 3
-    assert observe.keda_replicas(1000, 8, 1, 4) == 4
-
-
 # -- the store and FSx -----------------------------------------------------------------------------------------
 
 
