@@ -1,4 +1,4 @@
-"""The cached batch path (issue #32): batch throughput against the same requests through the real-time endpoint, and
+"""The cached batch path: batch throughput against the same requests through the real-time endpoint, and
 real-time p99 TTFT with and without a batch running, on one `openai`-mode server.
 
 One server (the real entrypoint, the demo model, the Batch API on a directory store); the batch worker is the real

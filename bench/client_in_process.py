@@ -1,4 +1,4 @@
-"""What the remote hop costs a small CPU model (issue #31): the same call through llm_serving_client, in the caller's
+"""What the remote hop costs a small CPU model: the same call through llm_serving_client, in the caller's
 process and over KServe gRPC to the local tritonserver, side by side in one run.
 
 The model is the ranker pipeline's first step (`ranker-features`, examples/ranker/pipeline/features: log1p over an
@@ -131,7 +131,7 @@ def run(out_dir: pathlib.Path) -> dict:
         base = by_path["in-process"]["p50_us"]
         for path, q in by_path.items():
             lines.append(f"| {n} | {path} | {q['p50_us']:.0f} | {q['p99_us']:.0f} | {q['p50_us'] / base:.1f} |")
-    return result("Client: in-process vs KServe gRPC (issue #31)", lines, [])
+    return result("Client: in-process vs KServe gRPC", lines, [])
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ logits shapes:
 Rows are in sparse states (a few allowed tokens: DFAs, choice sequences, small allowed sets), so the fill cost
 per row should not depend on the vocabulary; that is measured too. Times are medians over a few steps.
 
-The targets (issue 20) are stated for what each half is bound by:
+The targets are stated for what each half is bound by:
   - the host-side step, advance + bitmask fill and no logits write (what stays on the CPU when a GPU applies the
     mask, `_host_step`): in µs per step at batch 1..256, independent of the vocabulary, and at least 100x below the
     Python per-request path's host work (advance, allowed set, one mask tensor per request);
@@ -422,7 +422,7 @@ def run(out_dir: pathlib.Path) -> dict:
         "vocabulary 128k (same bitmask, same logits)",
         f"- not a target: the whole CPU step (advance + fill + apply) against the Python path at batch 256, 128k: "
         f"{speedup:.1f}x (medians {speedup_med:.1f}x). Both sides are bound by writing 128 MB of logits there, "
-        "so this ratio measures memory bandwidth, not the constraint logic (issue 20 retired the old '20x' target)",
+        "so this ratio measures memory bandwidth, not the constraint logic",
     ]
 
     plots = []

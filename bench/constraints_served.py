@@ -1,4 +1,4 @@
-"""Constrained against unconstrained decoding through the served path, in one run (issue #28).
+"""Constrained against unconstrained decoding through the served path, in one run.
 
 `bench.constraints_e2e` measures the constraint processor inside vLLM's `AsyncLLM`. A faster serving path makes the
 mask's share of each request larger, so the same ratio is measured here where clients meet it: the real entrypoint
@@ -10,7 +10,7 @@ every request carries an `allowed_tokens` constraint of a quarter of the vocabul
 `constraint`, docs/architecture.md §3.5), the shape whose per-request cost is largest; unconstrained and
 constrained runs alternate on the same server, each side first in every other round, medians of the rounds.
 
-Target (issue #28, "Done when"): constrained output-token throughput >= 0.9 of unconstrained.
+Target: constrained output-token throughput >= 0.9 of unconstrained.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""KServe gRPC streaming against vLLM's AsyncLLM called directly, in one run (issues #6, #13 and #28).
+"""KServe gRPC streaming against vLLM's AsyncLLM called directly, in one run.
 
 384 requests of 64 greedy output tokens (ignore_eos, so every request makes the same work), 32 prompt tokens, 16 at a
 time, on the demo model. Baseline: vLLM's `AsyncLLM.generate` in this process, streaming deltas. Subjects, with
@@ -11,7 +11,7 @@ new stream for every request is measured beside it):
   is Triton embedded in the OpenAI front-end's process through the C API, with the same backend and stub.
 The three up at once (each idle while another is measured), measured in turn over several rounds with identical
 engine arguments (medians), with the CPU seconds each process spent per 1000 tokens. Reported as ratios (subject /
-direct); the target is 0.8 of direct throughput (issues #13 and #28).
+direct); the target is 0.8 of direct throughput.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """This platform's OpenAI front-end over Triton embedded in its process against vLLM's own OpenAI server, same
-model, same engine arguments, same load (issue #28).
+model, same engine arguments, same load.
 
 Both servers are up at once, and every load is measured on one and then on the other, seconds apart (each side
 first in every other round; the idle one's vLLM engine has stopped its busy-poll before the other is measured): on
@@ -19,7 +19,7 @@ Triton's core in ours; the Python backend stub, where vLLM's `AsyncLLM` and its 
 engine core; vLLM's worker), because vLLM's engine processes poll for a while after each message, so their CPU
 grows with wall time, and a sum over all processes would hide where a difference comes from.
 
-Targets (issue #28, "Done when"): at concurrency 32 request throughput >= 0.95 of vLLM's, p99 TTFT <= 1.2x (the
+Targets: at concurrency 32 request throughput >= 0.95 of vLLM's, p99 TTFT <= 1.2x (the
 bench's own goal stays 1.1x) and CPU per output token of all processes <= 1.25x; at concurrency 1 median TPOT <=
 1.1x; at concurrency 128 request throughput >= 0.9.
 """

@@ -1,4 +1,4 @@
-"""GPU-hours of a red-black rollout against a versioned one for the same schedule (docs/architecture.md §4, issue 8).
+"""GPU-hours of a red-black rollout against a versioned one for the same schedule (docs/architecture.md §4).
 
 Computed from the rollout planner (infra.rollout.planner), not measured on GPUs (there are none here): the same
 arithmetic that sets the Deployments' replicas in every stack update.

@@ -1,4 +1,4 @@
-"""vLLM's own seeded-sampling bug on CPU, with and without this project's plugin (issue #10): 48 seeded requests
+"""vLLM's own seeded-sampling bug on CPU, with and without this project's plugin: 48 seeded requests
 under forced preemption and chunked prefill on the demo model (bench/scripts/seeded_preemption.py). Without the
 plugin (`VLLM_PLUGINS=none-selected`) vLLM's CPU engine dies (`CPU Generator does not use offset`); with it, loaded
 by vLLM through its entry point, every request completes.

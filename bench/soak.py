@@ -1,4 +1,4 @@
-"""Soak: concurrency 32 through the OpenAI API for ten minutes (issue #10), on the real entrypoint.
+"""Soak: concurrency 32 through the OpenAI API for ten minutes, on the real entrypoint.
 
 Zero failed requests is the requirement; the resident memory of the server's whole process tree (front-end, engine
 core, worker) is sampled every few seconds and its growth after warm-up must stay under a stated bound; latency

@@ -6,7 +6,7 @@ Llama, seeded, the demo model's tokenizer; nothing can be downloaded). Each on a
 package dropped with posix_fadvise(DONTNEED) before the start: the weights are read from the disk) and a warm one
 (every file read just before). vLLM's server reads the package's own `weights/` directory: the same files.
 
-The figure of issue #58: the platform's *extra* time to ready over vLLM's server (ours minus vLLM's, paired within
+The figure: the platform's *extra* time to ready over vLLM's server (ours minus vLLM's, paired within
 a round), per model and cache state, as the median over the rounds with its spread. The sides alternate which
 goes first each round; on a shared 2-core machine the medians are the figures to read, not single runs.
 """

@@ -1,5 +1,5 @@
 """`make check-batch`: a 1,000-line batch through the official `openai` client against `make up`, to completion,
-with its worker killed mid-batch and, separately, the whole server restarted mid-batch (issue #32, "Done when").
+with its worker killed mid-batch and, separately, the whole server restarted mid-batch.
 
 Not part of `make test` (its time budget): a check of its own, like `make check-up-modes`.
 

@@ -1,6 +1,6 @@
 """`make check-up-modes`: `make up`, then `make up MODE=standalone`, then `make up` again, each until it serves.
 
-Issue #30 item 5: the second run used to fail, its ranker packaged with other bytes under the version the first had
+The second run used to fail, its ranker packaged with other bytes under the version the first had
 published (versions are immutable). Every package `make up` builds now has a version derived from its bytes
 (dev_packages/versions.py); this is the check, on a clone, that the three runs serve. It is not part of
 `make test` (three engine starts, minutes each): run it on its own, e.g. as a CI step of its own.
