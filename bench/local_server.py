@@ -22,6 +22,9 @@ from llm_serving.ports import accepts, free_port
 from llm_serving.store import LocalStore
 
 START_TIMEOUT_S = 600  # generous: CI machines are small and shared
+# How often a start is polled for readiness: both sides of bench.startup alike, fine enough that the poll's own
+# granularity (up to one interval late) stays well below the seconds compared.
+READY_POLL_S = 0.1
 # float32: vLLM's bf16 CPU attention dies with SIGILL now and then on the VMs seen here (AMX reported but not
 # usable), which would make tests flaky; the demo model's weights are float32 anyway.
 ENGINE_ARGS = {"max_model_len": 2048, "kv_cache_memory_bytes": 128 * 1024 * 1024, "dtype": "float32"}
@@ -137,7 +140,7 @@ def start_server(package: Path, workdir: Path, *, extra_env: dict | None = None,
                     return server
             except httpx.HTTPError:
                 pass
-        time.sleep(0.2)
+        time.sleep(READY_POLL_S)
     server.kill()  # the whole process group: vLLM's engine core and worker too
     raise AssertionError(f"server not ready after {START_TIMEOUT_S}s:\n{log_path.read_text()[-5000:]}")
 
@@ -165,6 +168,6 @@ def start_standalone_server(package: Path, workdir: Path, *, companions: tuple[P
                                             f"({ready.status_code})")
             if ready is not None and ready.status_code == 200 and "startup complete" in log_path.read_text():
                 return server
-        time.sleep(0.2)
+        time.sleep(READY_POLL_S)
     server.kill()
     raise AssertionError(f"server not ready after {START_TIMEOUT_S}s:\n{log_path.read_text()[-5000:]}")

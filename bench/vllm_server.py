@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from bench.local_server import ENGINE_ARGS
+from bench.local_server import ENGINE_ARGS, READY_POLL_S
 from llm_serving.ports import free_port
 
 
@@ -39,7 +39,7 @@ def start_vllm_server(model_dir: pathlib.Path, workdir: pathlib.Path, *, enforce
                 return proc, url
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(READY_POLL_S)
     os.killpg(proc.pid, signal.SIGKILL)  # the whole group: its engine core and worker too
     raise RuntimeError(f"vLLM's server did not become ready in {timeout_s:.0f} s")
 

@@ -13,6 +13,7 @@ import gzip
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -168,6 +169,18 @@ class ChecksumsCancelled(Exception):
     """PendingChecksums.verify stopped by its `stop` event before it had read everything."""
 
 
+def idle_priority_for_this_thread() -> None:
+    """Put the calling thread under SCHED_IDLE: it runs only on CPU time no other thread of the machine wants.
+    Linux schedules threads, so policy 0 here is this thread alone, and an unprivileged thread may lower itself to
+    it. Where a sandbox refuses the call the thread keeps its policy, and the refusal is logged (the work is the same,
+    only its share of the CPUs differs)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except OSError as exc:
+        logging.getLogger(__name__).warning("thread %s keeps its scheduling policy: SCHED_IDLE refused (%s)",
+                                            threading.current_thread().name, exc)
+
+
 @dataclass(frozen=True)
 class PendingChecksums:
     """The data files of a package opened with `defer_data` whose SHA-256 is still to be compared with the manifest
@@ -186,10 +199,11 @@ class PendingChecksums:
         for pending in self.files:
             _check_safetensors_layout(pending.path, pending.rel, pending.size)
 
-    def verify(self, threads: int = 1, stop: threading.Event | None = None) -> None:
+    def verify(self, threads: int = 1, stop: threading.Event | None = None, idle_priority: bool = False) -> None:
         """Read and hash every pending file (`threads` at a time); raise PackageError naming the first file (in
         manifest order) whose bytes differ from the manifest or cannot be read, ChecksumsCancelled once `stop` is
-        set."""
+        set. With `idle_priority` the hashing threads run under SCHED_IDLE (`idle_priority_for_this_thread`): the
+        startup hashes beside the engine's start and lets it have the CPUs first."""
         if not self.files:
             return
         from concurrent.futures import ThreadPoolExecutor
@@ -205,7 +219,8 @@ class PendingChecksums:
                 return f"{pending.rel}: checksum mismatch (manifest {pending.sha256[:12]}..., file {digest[:12]}...)"
             return None
 
-        with ThreadPoolExecutor(max(1, min(threads, len(self.files))), thread_name_prefix="checksums") as pool:
+        with ThreadPoolExecutor(max(1, min(threads, len(self.files))), thread_name_prefix="checksums",
+                                initializer=idle_priority_for_this_thread if idle_priority else None) as pool:
             futures = [pool.submit(check, f) for f in self.files]
             try:
                 for future in futures:

@@ -243,8 +243,9 @@ CHECKSUM_THREADS = max(1, min(8, (os.cpu_count() or 1) // 4))
 class _Checksums:
     """The deferred half of step 1: the data files' SHA-256, computed on threads of their own while steps 2-4 run
     (the engine reads the same files then, so on a cold cache the bytes come off the disk once, and the hashing
-    overlaps the engine's start instead of preceding it). `result` is awaited before step 5: the ports open, and
-    readiness turns true, only once every file matched."""
+    overlaps the engine's start instead of preceding it). The threads run under SCHED_IDLE: on CPUs the engine's start
+    leaves idle, so on a node short of cores the hashing waits for the engine instead of slowing it (bench.startup).
+    `result` is awaited before step 5: the ports open, and readiness turns true, only once every file matched."""
 
     def __init__(self, packages: list[VerifiedPackage], on_failure: Callable[[StartupError], None] | None = None):
         self.pending = PendingChecksums(tuple(f for p in packages for f in p.pending.files))
@@ -264,7 +265,7 @@ class _Checksums:
     def _run(self) -> None:
         started = time.perf_counter()
         try:
-            self.pending.verify(CHECKSUM_THREADS, self.stop)
+            self.pending.verify(CHECKSUM_THREADS, self.stop, idle_priority=True)
         except ChecksumsCancelled:
             pass
         except PackageError as exc:

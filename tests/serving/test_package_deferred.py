@@ -113,6 +113,25 @@ def test_the_first_failing_file_in_manifest_order_is_named_and_a_stop_cancels(pa
         opened.pending.verify(stop=stop)
 
 
+@pytest.mark.parametrize("idle", [True, False])
+def test_the_hashing_threads_run_under_sched_idle_when_asked(package: Path, monkeypatch, idle: bool):
+    import llm_serving.package as package_module
+
+    seen: dict[str, int] = {}
+    real = package_module.sha256_file
+
+    def recording(path, halt):  # the policy of the thread that hashes
+        seen[Path(path).name] = os.sched_getscheduler(0)
+        return real(path, halt)
+
+    opened = open_package(package, defer_data=True)
+    monkeypatch.setattr(package_module, "sha256_file", recording)
+    opened.pending.verify(threads=2, idle_priority=idle)
+    expected = os.SCHED_IDLE if idle else os.sched_getscheduler(0)
+    assert seen == {"model-00001-of-00002.safetensors": expected, "model-00002-of-00002.safetensors": expected}
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller's own thread keeps its policy
+
+
 def test_a_tarball_is_hashed_as_it_is_unpacked(package: Path, tmp_path: Path):
     write_tarball(package, tmp_path / "p.tar.gz")
     assert not open_package(tmp_path / "p.tar.gz", tmp_path / "work", defer_data=True).pending.files
