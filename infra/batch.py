@@ -1,4 +1,4 @@
-"""The batch path's infrastructure (issue #32, docs/batch.md): the region's batch bucket and one batch worker per LLM.
+"""The batch path's infrastructure (docs/batch.md): the region's batch bucket and one batch worker per LLM.
 
 - The bucket `<model bucket>-batch` holds client files, batch records, per-line results and the result cache. It
   is the model bucket's equal in protection (KMS with a key of its own, versioning, no public access, TLS only, a

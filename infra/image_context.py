@@ -4,7 +4,7 @@ The context is the repository root (the Dockerfile copies `pyproject.toml`, `nat
 `serving_image/`, `infra/`, `policies/`), filtered by `serving_image/Dockerfile.dockerignore` as BuildKit filters it.
 The hash covers exactly what the build can see: the Dockerfile, its ignore file, and every file below each source of
 the Dockerfile's `COPY` instructions (those without `--from`) that the ignore file lets through. A change to any of
-them changes the tag and, through the image's digest, every Deployment (docs/architecture.md §2, issue 16).
+them changes the tag and, through the image's digest, every Deployment (docs/architecture.md §2).
 """
 
 from __future__ import annotations

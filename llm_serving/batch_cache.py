@@ -1,6 +1,6 @@
 """The result cache: answers computed once (by a batch, docs/batch.md) and read later by content address.
 
-Key (issue #32 item 4):
+Key:
 
     cache/<model id>/<version>/<sha256 of the canonical request>.json
 

@@ -35,7 +35,7 @@ LIVE_PATH = "/v2/health/live"
 PROBE_PORT_NAME = KSERVE_HTTP_PORT_NAME
 METRICS_PATH = "/metrics"
 
-# -- idle connections, from the client to the pod (issue 14, scope 5) ----------------------------------------------
+# -- idle connections, from the client to the pod ----------------------------------------------
 # Whoever closes an idle connection must be the side that would reuse it, or a request goes out on a socket the other
 # side is closing (ReadError / 502). Each hop's idle timeout is therefore shorter than the next hop's keep-alive:
 # Envoy (the Gateway's data plane) drops its idle upstream connections to a pod after GATEWAY_UPSTREAM_IDLE_TIMEOUT_S,
@@ -48,7 +48,7 @@ GATEWAY_UPSTREAM_IDLE_TIMEOUT_S = 60
 NLB_TCP_IDLE_TIMEOUT_S = 350
 GATEWAY_CLIENT_IDLE_TIMEOUT_S = 300
 
-# -- retries at the gateway (issue 17) -----------------------------------------------------------------------------
+# -- retries at the gateway -----------------------------------------------------------------------------
 # A request a pod could not serve is retried by the Gateway on another pod before the client sees a failure: a
 # connection refused or reset before any answer (a pod that died or is going away) and the server-side statuses
 # 500, 502, 503 and 504 (a candidate that serves errors, a pod that is not ready yet or draining). The answer is

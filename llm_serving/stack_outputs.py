@@ -125,7 +125,7 @@ class ExperimentOutputs(_Shape):
 
 
 class BatchCache(_Shape):
-    """Where the batch path's content-addressed results lie (issue 32; read by its cache reader)."""
+    """Where the batch path's content-addressed results lie (read by its cache reader)."""
 
     bucket: str = Field(pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
     prefix: str = Field(pattern=r"^([A-Za-z0-9!_.*'()/-]+/)?$")

@@ -1,5 +1,5 @@
 """The rehearsal's cluster: what the Kubernetes provider, the cluster and the gateway do with each step of a stack
-update, on this machine (issue 17, docs/rehearsal.md, "Rollouts").
+update, on this machine (docs/rehearsal.md, "Rollouts").
 
 `llm-serving rollout ... --runner rehearsal` (infra.rollout.runner.RehearsalRunner, in .venv-infra) renders each
 update with the real program under the mock runtime and plays it in Pulumi's order (infra.rollout.engine); every

@@ -1,4 +1,4 @@
-"""One experiment of the stack through the gateway (issue 31; docs/rehearsal.md, "An experiment through the
+"""One experiment of the stack through the gateway (docs/rehearsal.md, "An experiment through the
 gateway"), as a client service runs it: `llm_serving_client.Client` built from the stack outputs the rehearsal
 rendered, its routes dialled at the rehearsal's gateway (`GatewayEndpoints`: the models' hostnames kept for TLS and
 routing), `chat(experiment=..., unit=...)` for a fixed set of users, so the client assigns the arms and sends each

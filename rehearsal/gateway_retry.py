@@ -1,4 +1,4 @@
-"""The Gateway's retry policy (its BackendTrafficPolicy, issue 17, docs/rehearsal.md, "Rollouts under load") in
+"""The Gateway's retry policy (its BackendTrafficPolicy, docs/rehearsal.md, "Rollouts under load") in
 HAProxy's terms: the one place that knows both Envoy Gateway's retry triggers and what HAProxy's `retry-on` can do,
 so that haproxy_config.py writes a RetryPolicy without reading the rendered policy.
 

@@ -1,5 +1,5 @@
 """The rendered Gateway API objects as typed values: the Gateway's listeners, its HTTPRoutes and GRPCRoutes, and
-the Ready pods behind a Service's ports, as the rehearsal's gateway realises them (issue 17, docs/rehearsal.md,
+the Ready pods behind a Service's ports, as the rehearsal's gateway realises them (docs/rehearsal.md,
 "Rollouts under load"; haproxy_config.py turns them into HAProxy's configuration).
 
     rendered Gateway, HTTPRoutes, GRPCRoutes  --gateway_from_rendered/routes_from_rendered-->  Gateway, Route

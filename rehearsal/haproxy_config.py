@@ -1,4 +1,4 @@
-"""The Gateway API routes as the configuration of a real proxy: Debian's HAProxy 2.6 (issue 17, docs/rehearsal.md,
+"""The Gateway API routes as the configuration of a real proxy: Debian's HAProxy 2.6 (docs/rehearsal.md,
 "The gateway"). Envoy Gateway, the program's data plane (infra/bootstrap.py), is not packaged for Debian. Pure: text
 in, text out; haproxy_process.py runs what this renders.
 

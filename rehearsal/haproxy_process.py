@@ -1,4 +1,4 @@
-"""One HAProxy in master-worker mode running what haproxy_config.py renders (issue 17, docs/rehearsal.md, "The
+"""One HAProxy in master-worker mode running what haproxy_config.py renders (docs/rehearsal.md, "The
 gateway"): started, changed without dropping a connection, stopped.
 
     ProxyConfig  --HAProxy.start / HAProxy.apply-->  a running haproxy -W

@@ -1,4 +1,4 @@
-"""Continuous load through the gateway while a rollout scenario runs (issue 17): a bounded number of clients on
+"""Continuous load through the gateway while a rollout scenario runs: a bounded number of clients on
 loopback, each sending one OpenAI completion after another through the proxy's HTTPS listener (the model's
 hostname as Host and SNI, the rehearsal's CA trusted), alternating streamed and whole answers.
 

@@ -269,7 +269,7 @@ class Rehearsal:
         return 0 if (not not_ready and failed == 0 and all(r.ok for r in results) and experiment_ok
                      and access_ok and not self.outside_image) else 1
 
-    # -- the rollout scenarios (issue 17) ----------------------------------------------------------------------
+    # -- the rollout scenarios ----------------------------------------------------------------------
 
     def _check_pods_in_image(self) -> None:
         """Every Ready pod's processes run in the image's root file system, not this machine's (each container's

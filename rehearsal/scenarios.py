@@ -1,4 +1,4 @@
-"""The rollout scenarios of `make rehearse` (issue 17, docs/rehearsal.md, "Rollouts"), each under continuous load
+"""The rollout scenarios of `make rehearse` (docs/rehearsal.md, "Rollouts"), each under continuous load
 through the gateway:
 
 - red-black of the LLM from its active version to a new one, to completion;

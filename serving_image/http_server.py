@@ -1,7 +1,7 @@
 """The uvicorn server every HTTP front-end of the pod runs on (OpenAI 9000, KServe HTTP 8000): one place for how
 connections are kept.
 
-Keep-alive (issue 14, scope 5). A client pool reuses an idle connection at the moment the server closes it: the
+Keep-alive. A client pool reuses an idle connection at the moment the server closes it: the
 request goes out on a dead socket and ends in `ReadError('')` (a connection closed without a response; `make
 bench`'s soak lost 3 of 12,147 requests this way with uvicorn's default of 5 s, which equals httpx's own idle expiry).
 Behind a load balancer the same race turns into 502s unless the server keeps idle connections open longer than the

@@ -1,6 +1,6 @@
 """Replicas and route weights of a red-black step (docs/architecture.md §4), as one pure function.
 
-The program calls `plan_red_black` for every red-black model; the rollout tool (issue 8) extends and
+The program calls `plan_red_black` for every red-black model; the rollout tool extends and
 property-tests it. Rules:
 
 - Without a candidate the active version has all replicas and all traffic.

@@ -1,4 +1,4 @@
-"""The batch path's client data stays where it belongs (issue #32, docs/batch.md, infra/batch.py).
+"""The batch path's client data stays where it belongs (docs/batch.md, infra/batch.py).
 
 - A batch bucket (one whose name ends in `-batch`) is never the source of a replication rule nor an FSx data
   repository association's path: client files and results stay in their region and never appear on the model

@@ -147,7 +147,7 @@ def _image_pin_items(image: PolicyResource) -> list[tuple[str, Any]]:
 
 
 def _built_from_serving_context(image: PolicyResource) -> bool:
-    """Built from the serving image's Dockerfile (its context is the repository root, issue 16)."""
+    """Built from the serving image's Dockerfile (its context is the repository root)."""
     location = str(get(image.props, "dockerfile", "location") or "").rstrip("/")
     return location == SERVING_DOCKERFILE or location.endswith("/" + SERVING_DOCKERFILE)
 

@@ -1,4 +1,4 @@
-"""The Files and Batches API (OpenAI's, issue #32) on the OpenAI front-end's port: what a client uploads, the batches
+"""The Files and Batches API (OpenAI's) on the OpenAI front-end's port: what a client uploads, the batches
 it creates, their progress and their output files. Executing a batch is the worker's job (worker.py); this module
 only reads and writes the store (storage.py), so any number of front-end pods can serve it.
 

@@ -1,4 +1,4 @@
-"""The field table: every request field of the OpenAI API, classified (docs/architecture.md §3.2, issue #4).
+"""The field table: every request field of the OpenAI API, classified (docs/architecture.md §3.2).
 
 Each field of `/v1/chat/completions` and `/v1/completions` is one of
 - honoured: it changes what the server does, and a test shows its effect;

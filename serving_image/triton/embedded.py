@@ -1,4 +1,4 @@
-"""Triton embedded in this process (the `openai` serving mode with Triton, issue 14): the server this module starts
+"""Triton embedded in this process (the `openai` serving mode with Triton): the server this module starts
 through the C API binding (serving_image/triton/capi) is the one instance the OpenAI front-end, the KServe
 front-ends and the metrics proxy all use.
 

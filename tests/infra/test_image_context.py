@@ -1,4 +1,4 @@
-"""The serving image's build context (issue 16): the repository root, and a content hash that covers every file the
+"""The serving image's build context: the repository root, and a content hash that covers every file the
 Dockerfile copies (infra/image_context.py), so that a change to llm_serving/ or native/ changes the image's tag."""
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ def test_gateway_retries_a_failed_attempt_on_another_pod_never_a_client_error(st
     assert all(500 <= code < 600 for code in codes)
     assert 1 <= retry["numRetries"] <= 3  # bounded: a retry storm would take the capacity the rollout needs
 
-# -- routes wait for their controller (issue 18, scope 2) ---------------------------------------------------------
+# -- routes wait for their controller ---------------------------------------------------------
 
 
 def test_routes_and_gateway_wait_for_the_controller(stack):

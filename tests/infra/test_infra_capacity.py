@@ -1,6 +1,6 @@
 """Pods fit nodes: the instance facts table and the memory capacity the kubelet reports, the pod sizes derived from
 them, the schema's checks (weights and KV cache in GPU memory, load time at FSx's throughput) and the
-`model-pod-fits-nodes` policy (issue 18, issue #30 item 1; docs/first-update.md, "Pods fit nodes")."""
+`model-pod-fits-nodes` policy (issue #30 item 1; docs/first-update.md, "Pods fit nodes")."""
 
 from __future__ import annotations
 

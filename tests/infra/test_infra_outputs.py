@@ -68,7 +68,7 @@ def test_the_documented_schema_matches_the_outputs():
     model = run.outputs["models"]["ranker"]
     exported |= {f"models.<id>.{k}" for k in model} | {f"models.<id>.endpoints.{k}" for k in model["endpoints"]}
     exported |= {f"experiments.<name>.{k}" for e in run.outputs["experiments"].values() for k in e}
-    # The batch block is optional and rendered by the batch path (issue 32): documented by its schema's keys.
+    # The batch block is optional and rendered by the batch path: documented by its schema's keys.
     exported |= {"batch.endpoint"} | {f"batch.cache.{k}" for k in BatchCache.model_fields}
     assert documented == exported
 

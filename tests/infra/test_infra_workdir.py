@@ -23,7 +23,7 @@ def test_image_paths_are_relative_to_the_main_directory():
     main = Project.load().main
     context, dockerfile = image.inputs["context"]["location"], image.inputs["dockerfile"]["location"]
     # Computed from the working directory the run had: only infra/ gives these. The context is the repository root,
-    # which the Dockerfile's COPY instructions expect (issue 16).
+    # which the Dockerfile's COPY instructions expect.
     assert (context, dockerfile) == ("..", "../serving_image/Dockerfile")
     assert (main / context).resolve() == REPO_ROOT
 

@@ -1,4 +1,4 @@
-"""Every model kind in a stack (issue 15, scope 5): an LLM (`vllm`), a non-LLM Python-backend model (`python`, the
+"""Every model kind in a stack: an LLM (`vllm`), a non-LLM Python-backend model (`python`, the
 XGBoost ranker) and a Triton ensemble (`ensemble`) with its step models in the same pod.
 
 The stack schema (infra/config.py) names the field of every mistake; the program (infra/serving.py) gives a model

@@ -197,7 +197,7 @@ def test_launch_template_metadata_and_disks(compat):
     assert any("volume '/dev/xvda' is not encrypted" in m for m in shown)
 
 
-# -- FSx's S3-access role and the bucket key (issue 18) ----------------------------------------------------------
+# -- FSx's S3-access role and the bucket key ----------------------------------------------------------
 
 
 def _with_association(stack, statement: dict | None, bucket_keys: bool = True):
@@ -253,7 +253,7 @@ def test_sse_s3_needs_no_key_policy(compat):
     assert "fsx-s3-key-access" not in fired(stack.evaluate(compat))
 
 
-# -- nodes and add-ons (issue 18) ----------------------------------------------------------------------------------
+# -- nodes and add-ons ----------------------------------------------------------------------------------
 
 
 def _bottlerocket(stack, mappings):

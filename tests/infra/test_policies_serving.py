@@ -312,7 +312,7 @@ def test_disruption_budget_advice(compat):
     _check(stack, compat, "serving-disruption-budget", "has no PodDisruptionBudget")
 
 
-# -- the pod contract (issue 16) -----------------------------------------------------------------------------------
+# -- the pod contract -----------------------------------------------------------------------------------
 
 
 def test_the_deployment_must_set_what_the_startup_reads(compat):

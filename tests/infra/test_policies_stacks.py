@@ -263,7 +263,7 @@ MUTATIONS: dict[str, Callable] = {
     "serving-probes": lambda res, cfg: _server(res).pop("livenessProbe"),
     "serving-update-timeout": lambda res, cfg: _serving(res)[0].custom_timeouts.update(update="2m"),
     "serving-model-from-fsx": lambda res, cfg: _server(res).update(volumeMounts=[]),
-    # The Deployment forgets the package: the image's startup would exit with a usage error (issue 16).
+    # The Deployment forgets the package: the image's startup would exit with a usage error.
     "serving-pod-contract": lambda res, cfg: _server(res).update(
         env=[e for e in _server(res)["env"] if e["name"] != "LLM_SERVING_PACKAGE"]),
     "serving-no-download-at-start": lambda res, cfg: _server(res)["env"].append(

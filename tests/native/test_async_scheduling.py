@@ -1,4 +1,4 @@
-"""Asynchronous scheduling and the constraint processor (issue 20).
+"""Asynchronous scheduling and the constraint processor.
 
 With async scheduling vLLM schedules step N+1 before step N's tokens are known, so the processor sees -1
 placeholders in the output lists (handled and tested with hand-built batch updates in test_vllm_v1.py). The local

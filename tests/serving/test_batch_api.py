@@ -1,4 +1,4 @@
-"""The Batch API end to end (issue #32): the official `openai` client's files and batches calls on the shared
+"""The Batch API end to end: the official `openai` client's files and batches calls on the shared
 `openai`-mode server, the batch worker (a process of its own, `python -m serving_image.batch.worker`, as its
 Deployment runs it) driving that server's real-time endpoint, and the result cache read back through llm_serving's
 reader.

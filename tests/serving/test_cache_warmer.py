@@ -1,4 +1,4 @@
-"""A warm model cache before traffic (issue 30): publish writes a warm request, each region's cache warmer makes
+"""A warm model cache before traffic: publish writes a warm request, each region's cache warmer makes
 every file resident and writes its marker in S3, `publish --wait-materialised` waits for the markers and the
 rollout's check accepts exactly what the warmer wrote.
 

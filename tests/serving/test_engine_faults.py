@@ -1,4 +1,4 @@
-"""Faults of the engine itself (issue #10): a request the CPU engine is known to die on, and an engine that dies
+"""Faults of the engine itself: a request the CPU engine is known to die on, and an engine that dies
 mid-stream under the real entrypoint."""
 
 from __future__ import annotations

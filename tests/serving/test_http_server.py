@@ -1,5 +1,5 @@
 """The HTTP front-ends' keep-alive (serving_image/http_server.py): longer than the load balancer's idle timeout, so
-the server never closes an idle connection that a client or the balancer is about to reuse (issue 14, scope 5)."""
+the server never closes an idle connection that a client or the balancer is about to reuse."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ from tests.serving.test_metrics_proxy import TritonMetricsStandIn
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MODEL = "demo"
-TRITON_BRIDGE_FAMILIES = 8  # vLLM families Triton's vLLM backend exports itself (issue 5)
+TRITON_BRIDGE_FAMILIES = 8  # vLLM families Triton's vLLM backend exports itself
 K8S_LABELS = {
     "app_kubernetes_io_name": "demo-tiny",
     "app_kubernetes_io_version": "1",

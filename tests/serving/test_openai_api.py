@@ -1,4 +1,4 @@
-"""The OpenAI contract, end to end (issue #4): the real entrypoint on the demo model (generation and embeddings
+"""The OpenAI contract, end to end: the real entrypoint on the demo model (generation and embeddings
 engines), driven by the official `openai` client (sync and async) and plain HTTP where the client has no call.
 
 On the suite's shared server of the `openai` topology (tests/serving/conftest.py, `openai_server`), with API keys, a

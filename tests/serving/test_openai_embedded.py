@@ -1,4 +1,4 @@
-"""The `openai` serving mode over Triton embedded in the front-end's process (issue 14): the real entrypoint (the
+"""The `openai` serving mode over Triton embedded in the front-end's process: the real entrypoint (the
 image and local runs alike embed Triton), the local libtritonserver (2.51) loaded through the project's C API
 binding, the stand-in `vllm` backend with vLLM in its Python backend stub. Driven by the official `openai` client and
 NVIDIA's tritonclient; the KServe front-ends on 8000/8001 answer from that same Triton.

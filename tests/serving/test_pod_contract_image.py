@@ -1,4 +1,4 @@
-"""The image's half of the pod contract (docs/architecture.md §3.10b, issue 16): serving_image/Dockerfile and the
+"""The image's half of the pod contract (docs/architecture.md §3.10b): serving_image/Dockerfile and the
 startup procedure agree with llm_serving/pod_contract.py, which the Deployment is built from (its half is checked in
 tests/infra/test_pod_contract.py). Each test here fails on the code before issue 16."""
 

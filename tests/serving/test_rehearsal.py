@@ -701,7 +701,7 @@ def test_the_new_versions_size_is_the_active_versions_and_never_made_up():
 
 
 def test_the_batch_worker_runs_as_rendered_against_the_rehearsals_s3(dev, tmp_path):
-    """Every stack update waits for the batch worker's Deployment (issue 32): the rehearsal runs its pod as rendered
+    """Every stack update waits for the batch worker's Deployment: the rehearsal runs its pod as rendered
     (its command, exactly its env on top, its volumes), its bucket exists, and what IRSA and S3's endpoint give in
     the cloud stands in under the rendered env."""
     from rehearsal import cluster

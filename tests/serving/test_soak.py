@@ -1,4 +1,4 @@
-"""The soak (issue #10) as a marked test: `make bench` runs it; `make test` leaves it out (ten minutes)."""
+"""The soak as a marked test: `make bench` runs it; `make test` leaves it out (ten minutes)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The project's ctypes binding over Triton's C API (serving_image/triton/capi), against the real libtritonserver
 (nvidia-pytriton's 2.51) in this very process, with the stand-in `vllm` backend and its engine process serving the
-demo model: what the embedded `openai` mode is built on (issue 14).
+demo model: what the embedded `openai` mode is built on.
 
 One server for the module (starting it starts a vLLM engine); the test that unloads the model is the last to use it.
 """

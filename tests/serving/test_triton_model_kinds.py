@@ -1,4 +1,4 @@
-"""Every model kind through one interface (issue 15; docs/architecture.md §3.4 "Model kinds", docs/kserve.md): the
+"""Every model kind through one interface (docs/architecture.md §3.4 "Model kinds", docs/kserve.md): the
 LLM (vllm backend, decoupled, streamed), the XGBoost ranker (Python backend, numeric I/O, dynamic batching, unary
 ModelInfer over gRPC and HTTP) and the ranker pipeline (a Triton ensemble of two Python steps around the ranker),
 each a package, all served by one real tritonserver (the session's, tests/serving/conftest.py) and called by one

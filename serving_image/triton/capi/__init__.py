@@ -1,5 +1,5 @@
 """A ctypes binding of this project's own over Triton's C API (`tritonserver.h`, libtritonserver.so): what the
-`openai` serving mode needs to run Triton inside its own process (issue 14, docs/kserve.md "Embedded Triton").
+`openai` serving mode needs to run Triton inside its own process (docs/kserve.md "Embedded Triton").
 
 One job per module:
 
