@@ -2,7 +2,7 @@
 update, on this machine (docs/rehearsal.md, "Rollouts").
 
 `llm-serving rollout ... --runner rehearsal` (infra.rollout.runner.RehearsalRunner, in .venv-infra) renders each
-update with the real program under the mock runtime and plays it in Pulumi's order (infra.rollout.engine); every
+update with the real program under the mock runtime and plays it in Pulumi's order (infra.rollout.simulator); every
 step comes here over the control socket, one at a time, and returns when it is done:
 
 - a model Deployment or a batch worker's (render.POD_COMPONENTS): its pods are started (a new Deployment, or more

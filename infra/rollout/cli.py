@@ -2,7 +2,7 @@
 
 Edits `stacks/Pulumi.<stack>.yaml` in place and runs one update per stack through a stack runner:
 `--runner automation` (default; Pulumi's Automation API, needs the Pulumi CLI and cloud credentials) or
-`--runner mock` (the real program under Pulumi's mock runtime plus the engine simulation of infra.rollout.engine,
+`--runner mock` (the real program under Pulumi's mock runtime plus the simulator of infra.rollout.simulator,
 with its state under --state-dir; what the tests use). Runs in `.venv-infra`.
 
 The mock runner's policy check is injected: `main(argv, policy_gate=...)` takes an `infra.rollout.runner.PolicyGate`
@@ -22,9 +22,9 @@ from rich.console import Console
 from rich.table import Table
 
 from infra.config import REPO_ROOT, ConfigError
-from infra.rollout.engine import Faults
 from infra.rollout.gate import GateThresholds, PrometheusClient, duration_seconds
 from infra.rollout.planner import DEFAULT_STEPS, PlanError, check_steps
+from infra.rollout.simulator import Faults
 from llm_serving.pod_contract import PodContractError, package_uri
 
 try:  # ruamel.yaml and the Pulumi SDKs are in .venv-infra only; `llm-serving` is installed in both venvs

@@ -1,7 +1,7 @@
 """A model's serving resources and their ordering, built straight from its config without running the program.
 
 This mirrors `infra.serving` (same names, labels, replicas, route weights, and the dependencies that order a
-red-black step) so that property tests can drive thousands of updates through the engine simulation; running the
+red-black step) so that property tests can drive thousands of updates through the simulator; running the
 real program under the mock runtime takes seconds per update. `tests/infra/test_rollout_graph.py` keeps the two
 honest: on the shipped stacks and on edited copies, this graph equals the real program's graph restricted to these
 resources (their inputs' replicas and weights, and the transitive dependencies between them).
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from infra.config import ModelConfig
 from infra.naming import instance_name, model_labels
-from infra.rollout.engine import DEPLOYMENT, ROUTE_TYPES, SERVICE, Node
 from infra.rollout.planner import plan_red_black
+from infra.rollout.simulator import DEPLOYMENT, ROUTE_TYPES, SERVICE, Node
 
 HTTP_ROUTE, GRPC_ROUTE = ROUTE_TYPES
 

@@ -8,14 +8,14 @@ import json
 import socket
 from pathlib import Path
 
-from infra.rollout import engine
-from infra.rollout.engine import Node
+from infra.rollout import simulator
+from infra.rollout.simulator import Node
 
 
 class RemoteCluster:
     """The rehearsal's cluster (rehearsal/cluster.py) over its Unix control socket: one JSON object
     per line each way, one request per connection. A step the rehearsal cannot carry out answers {"error": ...},
-    raised as engine.UpdateError. A Deployment step returns once its pods are ready or its deadline passed, so the
+    raised as simulator.UpdateError. A Deployment step returns once its pods are ready or its deadline passed, so the
     timeout here is long: the rehearsal, not this client, owns the deadline (the Deployment's own)."""
 
     def __init__(self, path: Path, timeout_s: float = 3600):
@@ -35,16 +35,16 @@ class RemoteCluster:
                         break
                     data += chunk
             except OSError as err:
-                raise engine.UpdateError(f"the rehearsal's control socket {self.path}: {err}") from None
+                raise simulator.UpdateError(f"the rehearsal's control socket {self.path}: {err}") from None
         if not data:
-            raise engine.UpdateError(f"the rehearsal closed its control socket {self.path} without an answer")
+            raise simulator.UpdateError(f"the rehearsal closed its control socket {self.path} without an answer")
         reply = json.loads(data)
         if "error" in reply:
-            raise engine.UpdateError(reply["error"])
+            raise simulator.UpdateError(reply["error"])
         return reply
 
-    def apply(self, node: Node, previous: engine.LiveResource | None) -> int:
+    def apply(self, node: Node, previous: simulator.LiveResource | None) -> int:
         return int(self._call({"op": "apply", "type": node.type, "name": node.name, "inputs": node.inputs})["ready"])
 
-    def delete(self, resource: engine.LiveResource) -> None:
+    def delete(self, resource: simulator.LiveResource) -> None:
         self._call({"op": "delete", "type": resource.type, "name": resource.name, "inputs": resource.inputs})

@@ -6,7 +6,7 @@
   a fake `pulumi` that records its arguments and answers as the CLI does (tests/infra/test_rollout_automation.py);
   what that leaves unproven is in docs/first-update.md, "The rollout's Automation runner".
 - `MockRunner`: runs the real program (`infra/__main__.py`) under Pulumi's mock runtime on the edited config file
-  (infra.mockrun), then plays the update of the recorded resource graph through `infra.rollout.engine` against the
+  (infra.mockrun), then plays the update of the recorded resource graph through `infra.rollout.simulator` against the
   stack's recorded live state (a JSON file per stack). This is what the tests and `--runner mock` use. Before each
   update it asks its `PolicyGate` (when given one), as `pulumi up --policy-pack` would.
 - `GraphRunner`: the same engine on `infra.rollout.graph.model_graph` of the config file's models, without running
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from infra.rollout import engine
-from infra.rollout.engine import Faults, Live, Node
+from infra.rollout import simulator
+from infra.rollout.simulator import Faults, Live, Node
 from infra.rollout.stackfile import StackFile
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ class UpResult:
     ok: bool
     message: str = ""
     outputs: dict = field(default_factory=dict)
-    # model id -> the most replicas its Deployments held at any moment of the update (the engine's worst order)
+    # model id -> the most replicas its Deployments held at any moment of the update (the simulator's worst order)
     peak_replicas: dict[str, int] = field(default_factory=dict)
     steps: list[str] = field(default_factory=list)
 
@@ -248,11 +248,11 @@ def cli_failure(stdout: Sequence[str], stderr: Sequence[str]) -> str:
     return "; ".join(dict.fromkeys(found))
 
 
-# -- the engine simulation, on two graph sources ---------------------------------------------------------------
+# -- the simulator, on two graph sources -----------------------------------------------------------------------
 
 
 class _SimulatedRunner:
-    """Keeps each stack's live state in `state_dir/<stack>.json` and plays every update through the engine."""
+    """Keeps each stack's live state in `state_dir/<stack>.json` and plays every update through the simulator."""
 
     def __init__(self, config_dir: Path, state_dir: Path, faults: dict[str, Faults] | None = None,
                  observe: Callable[[str, Live, str], None] | None = None):
@@ -271,26 +271,26 @@ class _SimulatedRunner:
     def desired(self, stack: str) -> tuple[list[Node], dict]:
         raise NotImplementedError
 
-    def cluster(self, stack: str) -> engine.Cluster:
+    def cluster(self, stack: str) -> simulator.Cluster:
         """What carries out the update's steps: the simulation (with this stack's injected faults)."""
-        return engine.SimulatedCluster(self.faults.get(stack, Faults()))
+        return simulator.SimulatedCluster(self.faults.get(stack, Faults()))
 
     def live(self, stack: str) -> Live:
         path = self._state_file(stack)
         if not path.is_file():
             raise RuntimeError(f"stack {stack}: no recorded state in {path}; prepare() deploys the current config "
                                f"first")
-        return engine.live_from_json(json.loads(path.read_text())["live"])
+        return simulator.live_from_json(json.loads(path.read_text())["live"])
 
     def _save(self, stack: str, live: Live, outputs: dict) -> None:
-        self._state_file(stack).write_text(json.dumps({"live": engine.live_to_json(live), "outputs": outputs}))
+        self._state_file(stack).write_text(json.dumps({"live": simulator.live_to_json(live), "outputs": outputs}))
 
     def prepare(self, stack: str) -> None:
         """The stack as its file stands is taken as deployed and healthy (the state a real stack starts from)."""
         if self._state_file(stack).is_file():
             return
         nodes, outputs = self.desired(stack)
-        self._save(stack, engine.converge(nodes), outputs)
+        self._save(stack, simulator.converge(nodes), outputs)
 
     def up(self, stack: str) -> UpResult:
         live = self.live(stack)
@@ -302,17 +302,17 @@ class _SimulatedRunner:
         peaks: dict[str, int] = {}
 
         def observe(state: Live, step: str) -> None:
-            for model in {i[0] for r in state.values() if (i := engine.identity(r))}:
-                peaks[model] = max(peaks.get(model, 0), sum(engine.model_replicas(state, model).values()))
+            for model in {i[0] for r in state.values() if (i := simulator.identity(r))}:
+                peaks[model] = max(peaks.get(model, 0), sum(simulator.model_replicas(state, model).values()))
             if self.observe:
                 self.observe(stack, state, step)
 
-        for model in {i[0] for r in live.values() if (i := engine.identity(r))}:
-            peaks[model] = sum(engine.model_replicas(live, model).values())
+        for model in {i[0] for r in live.values() if (i := simulator.identity(r))}:
+            peaks[model] = sum(simulator.model_replicas(live, model).values())
         try:
-            outcome = engine.apply_update(live, nodes, observe=observe, cluster=self.cluster(stack))
-        except engine.UpdateError as err:  # a step the cluster could not carry out: the update stops there
-            outcome = engine.UpdateOutcome(ok=False, message=str(err))
+            outcome = simulator.apply_update(live, nodes, observe=observe, cluster=self.cluster(stack))
+        except simulator.UpdateError as err:  # a step the cluster could not carry out: the update stops there
+            outcome = simulator.UpdateOutcome(ok=False, message=str(err))
         previous = json.loads(self._state_file(stack).read_text())["outputs"]
         self._save(stack, live, outputs if outcome.ok else previous)
         return UpResult(stack, ok=outcome.ok, message=outcome.message, outputs=outputs if outcome.ok else previous,
@@ -343,7 +343,7 @@ class PolicyGate(Protocol):
 
 
 class MockRunner(_SimulatedRunner):
-    """The real program under Pulumi's mock runtime on the (edited) config file, then the engine simulation.
+    """The real program under Pulumi's mock runtime on the (edited) config file, then the simulator.
 
     With a `policy_gate` every update is first checked by it (`llm-serving rollout` gives the policy pack's rules,
     run offline), as `pulumi up --policy-pack policies` would: a blocking violation stops the update before any
@@ -378,14 +378,14 @@ class RehearsalRunner(MockRunner):
         super().__init__(config_dir, state_dir, project_dir=project_dir, policy_gate=policy_gate)
         self.control = Path(control)
 
-    def cluster(self, stack: str) -> engine.Cluster:
+    def cluster(self, stack: str) -> simulator.Cluster:
         from infra.rollout.remote import RemoteCluster
 
         return RemoteCluster(self.control)
 
 
 class GraphRunner(_SimulatedRunner):
-    """The engine on `model_graph` of every model in the config file (no program run; property tests)."""
+    """The simulator on `model_graph` of every model in the config file (no program run; property tests)."""
 
     def desired(self, stack: str) -> tuple[list[Node], dict]:
         from infra.rollout.graph import model_graph
@@ -403,6 +403,6 @@ def nodes_of_run(run: Any) -> list[Node]:
         # The root stack is not recorded (mockrun skips it); any other unknown dependency is an error.
         unknown = [d for d in r.dependencies if d not in keys and "::pulumi:pulumi:Stack::" not in d]
         if unknown:
-            raise engine.UpdateError(f"{r.name} depends on unrecorded resources {unknown}")
+            raise simulator.UpdateError(f"{r.name} depends on unrecorded resources {unknown}")
         nodes.append(Node(r.type, r.name, r.inputs, frozenset(keys[d] for d in r.dependencies if d in keys)))
     return nodes

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from infra.mockrun import run_stack, stack_config_path
-from infra.rollout import engine
+from infra.rollout import simulator
 from infra.rollout.graph import model_graph
 from infra.rollout.runner import nodes_of_run
 from infra.rollout.stackfile import StackFile
@@ -39,25 +39,25 @@ def test_shipped_red_black_rollout_in_progress(runs):
     run = runs[0]["east"]
     weights = run.outputs["models"]["chat-large"]["routeWeights"]
     assert weights == {"2.3.0": 75, "2.4.0": 25} and 0 < weights["2.4.0"] < 100
-    live = engine.converge(nodes_of_run(run))
-    assert engine.route_weights(live, "chat-large") == {"chat-large-http": weights, "chat-large-grpc": weights}
-    assert engine.model_replicas(live, "chat-large") == {"2.3.0": 3, "2.4.0": 1}  # 4 replicas + 1 of surge
+    live = simulator.converge(nodes_of_run(run))
+    assert simulator.route_weights(live, "chat-large") == {"chat-large-http": weights, "chat-large-grpc": weights}
+    assert simulator.model_replicas(live, "chat-large") == {"2.3.0": 3, "2.4.0": 1}  # 4 replicas + 1 of surge
 
 
 def test_shipped_versioned_model_with_two_versions(runs):
     run = runs[0]["west"]
     ranker = run.outputs["models"]["ranker"]
     assert ranker["strategy"] == "versioned" and ranker["versions"] == ["3.0.0", "4.0.0"]
-    live = engine.converge(nodes_of_run(run))
+    live = simulator.converge(nodes_of_run(run))
     # each version: its own Deployment (all replicas), Service and routes, each route all on its own version
-    assert engine.model_replicas(live, "ranker") == {"3.0.0": 2, "4.0.0": 2}
-    assert engine.route_weights(live, "ranker") == {
+    assert simulator.model_replicas(live, "ranker") == {"3.0.0": 2, "4.0.0": 2}
+    assert simulator.route_weights(live, "ranker") == {
         "ranker-3-0-0-http": {"3.0.0": 100}, "ranker-3-0-0-grpc": {"3.0.0": 100},
         "ranker-4-0-0-http": {"4.0.0": 100}, "ranker-4-0-0-grpc": {"4.0.0": 100}}
     assert set(ranker["versionEndpoints"]) == {"3.0.0", "4.0.0"}
 
 
-def _closure(nodes: list[engine.Node]) -> dict[str, set[str]]:
+def _closure(nodes: list[simulator.Node]) -> dict[str, set[str]]:
     by_key = {n.key: n for n in nodes}
     memo: dict[str, set[str]] = {}
 
@@ -71,9 +71,9 @@ def _closure(nodes: list[engine.Node]) -> dict[str, set[str]]:
     return {k: reach(k) for k in by_key}
 
 
-def _serving(nodes: list[engine.Node], model_id: str) -> list[engine.Node]:
-    types = (engine.DEPLOYMENT, engine.SERVICE, *engine.ROUTE_TYPES)
-    return [n for n in nodes if n.type in types and engine.identity(n) and engine.identity(n)[0] == model_id]
+def _serving(nodes: list[simulator.Node], model_id: str) -> list[simulator.Node]:
+    types = (simulator.DEPLOYMENT, simulator.SERVICE, *simulator.ROUTE_TYPES)
+    return [n for n in nodes if n.type in types and simulator.identity(n) and simulator.identity(n)[0] == model_id]
 
 
 @pytest.mark.parametrize("key, stack, model_id", [
@@ -95,14 +95,14 @@ def test_fast_graph_is_the_programs_graph(runs, key, stack, model_id):
         got = real_by_key[node.key].inputs
         assert got["metadata"]["name"] == node.inputs["metadata"]["name"]
         assert got["metadata"]["labels"] == node.inputs["metadata"]["labels"]
-        if node.type == engine.DEPLOYMENT:
+        if node.type == simulator.DEPLOYMENT:
             assert got["spec"]["replicas"] == node.inputs["spec"]["replicas"], node.key
-        if node.type in engine.ROUTE_TYPES:
+        if node.type in simulator.ROUTE_TYPES:
             want = [(r["name"], r["weight"]) for r in node.inputs["spec"]["rules"][0]["backendRefs"]]
             for rule in got["spec"]["rules"]:
                 assert [(r["name"], r["weight"]) for r in rule["backendRefs"]] == want, node.key
     # Ordering: among these resources, what depends on what (transitively, through anything in between) is the
-    # same in both graphs, so the engine orders the fast graph's steps as it orders the program's.
+    # same in both graphs, so the simulator orders the fast graph's steps as it orders the program's.
     real_reach, fast_reach = _closure(real), _closure(fast)
     keys = set(real_by_key)
     for k in keys:

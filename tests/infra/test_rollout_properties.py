@@ -1,6 +1,6 @@
 """Property tests (hypothesis) over random rollout schedules and failures across three regions.
 
-The orchestrator, the stack file edits and the engine simulation are the real code; the stacks' graphs come from
+The orchestrator, the stack file edits and the simulator are the real code; the stacks' graphs come from
 `GraphRunner` (infra.rollout.graph, shown equal to the real program's graph in test_rollout_graph.py) because a run
 of the real program under the mock runtime takes seconds and these tests drive thousands of updates. The gate's
 verdicts are drawn by hypothesis (its PromQL is tested against a real Prometheus in test_rollout_gate.py).
@@ -23,12 +23,12 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from infra.rollout import engine
-from infra.rollout.engine import Faults
+from infra.rollout import simulator
 from infra.rollout.gate import GateResult, PrometheusClient
 from infra.rollout.orchestrate import Options, Rollout
 from infra.rollout.planner import plan_red_black
 from infra.rollout.runner import GraphRunner
+from infra.rollout.simulator import Faults
 from infra.rollout.stackfile import MODELS_KEY, StackFile
 from llm_serving.tensor_contract import VLLM_IO_FINGERPRINT
 from tests.infra.rollout_support import CannedPrometheus, Health, copy_stacks
@@ -59,18 +59,18 @@ class CheckedRunner(GraphRunner):
         self.violations: list[str] = []
         self.updates = 0
 
-    def _observe(self, stack: str, live: engine.Live, step: str) -> None:
-        for route, weights in engine.route_weights(live, MODEL).items():
+    def _observe(self, stack: str, live: simulator.Live, step: str) -> None:
+        for route, weights in simulator.route_weights(live, MODEL).items():
             if sum(weights.values()) != 100:
                 self.violations.append(f"{stack} {step}: {route} weights {weights} do not sum to 100")
-        bad = engine.traffic_to_unready(live, MODEL)
+        bad = simulator.traffic_to_unready(live, MODEL)
         if bad:
             self.violations.append(f"{stack} {step}: traffic to versions without ready pods: {bad}")
 
     def up(self, stack: str):
         self.updates += 1
         model = StackFile.load(self.config_path(stack)).model(MODEL)
-        before = engine.model_replicas(self.live(stack), MODEL)
+        before = simulator.model_replicas(self.live(stack), MODEL)
         if model.candidate is not None:
             bound = model.replicas + self.surge
         else:  # rollback or finalize: capacity first, so the other version's replicas are still there
@@ -120,7 +120,7 @@ def test_random_rollouts_with_failures(replicas, surge, steps, script):
 
             rollout = Rollout(runner, MODEL, STACKS, Options(steps=steps, surge=surge), gate=gate)
             texts = {s: runner.config_path(s).read_text() for s in STACKS}
-            lives = {s: engine.live_to_json(runner.live(s)) for s in STACKS}
+            lives = {s: simulator.live_to_json(runner.live(s)) for s in STACKS}
             if action == "start":
                 report = rollout.start(_version(f"2.{version}.0"))
                 version += 1
@@ -137,16 +137,16 @@ def test_random_rollouts_with_failures(replicas, surge, steps, script):
                 plan = plan_red_black(model.active, model.replicas, model.candidate, model.weight)
                 want = {s.version: s.weight for s in plan.shares}
                 # the route is exactly what the config says: never half-moved
-                routes = engine.route_weights(live, MODEL)
+                routes = simulator.route_weights(live, MODEL)
                 assert routes and all(w == want for w in routes.values()), (stack, entry, routes)
-                assert engine.ready_replicas(live, MODEL) == {s.version: s.replicas for s in plan.shares}
+                assert simulator.ready_replicas(live, MODEL) == {s.version: s.replicas for s in plan.shares}
                 if entry.status == "rolled back":
                     assert model.candidate is None and want == {model.active: 100}
-                    assert engine.ready_replicas(live, MODEL) == {model.active: model.replicas}
+                    assert simulator.ready_replicas(live, MODEL) == {model.active: model.replicas}
                 if stopped and action != "abort":
                     assert entry.status == "not reached"
                     assert runner.config_path(stack).read_text() == texts[stack]
-                    assert engine.live_to_json(live) == lives[stack]
+                    assert simulator.live_to_json(live) == lives[stack]
                 stopped = stopped or entry.status in ("rolled back", "failed")
             if action == "abort":
                 assert all(e.status in ("rolled back", "unchanged") for e in report.stacks)
@@ -187,7 +187,7 @@ def test_versioned_idle_removal_never_removes_the_newest_or_a_version_with_reque
             busy = {n for n, r in zip(names, requests, strict=False) if r != 0}  # served, or not proven idle
             assert newest in kept
             assert set(kept) == busy | {newest}
-            assert engine.model_replicas(runner.live("prod-us-west-2"), "ranker") == {v: 2 for v in kept}
+            assert simulator.model_replicas(runner.live("prod-us-west-2"), "ranker") == {v: 2 for v in kept}
             idle = [n for n in names if n not in kept]
             assert entry_report.status == ("removed idle" if idle else "unchanged")
             # the overlap cost: every version but the newest holds replicas x GPUs; the ranker has none (a CPU

@@ -3,7 +3,7 @@ that region back; the first keeps its step (docs/rollouts.md, "Regions, waves an
 not touched.
 
 Runner: `MockRunner`, i.e. the real program (infra/__main__.py) under Pulumi's mock runtime on edited copies of
-the shipped stack files, with the update itself played by infra.rollout.engine (there is no Pulumi CLI, provider or
+the shipped stack files, with the update itself played by infra.rollout.simulator (there is no Pulumi CLI, provider or
 cluster here; the Automation API runner cannot run). Prometheus answers are canned per region (rollout_support).
 Each scenario runs the program 6 times (3 starting states, the first region's step, the failed step, the rollback).
 Every update is checked by the policy pack's gate, passed explicitly here (infra never imports policies;
@@ -17,12 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from infra.rollout import engine
+from infra.rollout import simulator
 from infra.rollout.cli import main
-from infra.rollout.engine import Faults
 from infra.rollout.gate import GateThresholds, PrometheusClient
 from infra.rollout.orchestrate import Options, Rollout, prometheus_gate
 from infra.rollout.runner import MockRunner
+from infra.rollout.simulator import Faults
 from infra.rollout.stackfile import StackFile
 from llm_serving_cli.main import main as llm_serving_main
 from policies.gate import blocking_violations
@@ -81,15 +81,16 @@ def test_gate_failure_in_the_second_region_stops_there_and_rolls_it_back(tmp_pat
     first = _model(config_dir, "prod-us-east-1")
     assert (first.active, first.candidate, first.weight) == ("2.3.0", "2.4.0", 50)
     live = runner.live("prod-us-east-1")
-    assert engine.route_weights(live, MODEL)["chat-large-http"] == {"2.3.0": 50, "2.4.0": 50}
-    assert engine.ready_replicas(live, MODEL) == {"2.3.0": 2, "2.4.0": 2}
+    assert simulator.route_weights(live, MODEL)["chat-large-http"] == {"2.3.0": 50, "2.4.0": 50}
+    assert simulator.ready_replicas(live, MODEL) == {"2.3.0": 2, "2.4.0": 2}
     assert runner.outputs("prod-us-east-1")["models"][MODEL]["routeWeights"] == {"2.3.0": 50, "2.4.0": 50}
     # Second region: rolled back in one update, the active version has every replica and all traffic.
     second = _model(config_dir, "prod-us-west-2")
     assert (second.active, second.candidate, [v.version for v in second.versions]) == ("2.3.0", None, ["2.3.0"])
     live = runner.live("prod-us-west-2")
-    assert engine.route_weights(live, MODEL) == {"chat-large-http": {"2.3.0": 100}, "chat-large-grpc": {"2.3.0": 100}}
-    assert engine.ready_replicas(live, MODEL) == {"2.3.0": 2}  # the candidate's Deployment is gone
+    assert simulator.route_weights(live, MODEL) == {"chat-large-http": {"2.3.0": 100},
+                                                    "chat-large-grpc": {"2.3.0": 100}}
+    assert simulator.ready_replicas(live, MODEL) == {"2.3.0": 2}  # the candidate's Deployment is gone
     assert runner.outputs("prod-us-west-2")["models"][MODEL]["routeWeights"] == {"2.3.0": 100}
     # Third region: not touched, not even queried.
     assert (config_dir / "Pulumi.prod-eu-west-1.yaml").read_text() == third_before
@@ -111,8 +112,8 @@ def test_candidate_never_ready_in_the_second_region_never_gets_traffic(tmp_path,
     seen: list[tuple[str, str, dict, list, int]] = []
 
     def observe(stack, live, step):
-        seen.append((stack, step, engine.route_weights(live, MODEL), engine.traffic_to_unready(live, MODEL),
-                     sum(engine.model_replicas(live, MODEL).values())))
+        seen.append((stack, step, simulator.route_weights(live, MODEL), simulator.traffic_to_unready(live, MODEL),
+                     sum(simulator.model_replicas(live, MODEL).values())))
 
     runner = MockRunner(config_dir, state_dir, faults={"prod-us-west-2": Faults(frozenset({(MODEL, "2.4.0")}))},
                         observe=observe, policy_gate=blocking_violations)
@@ -141,7 +142,7 @@ def test_candidate_never_ready_in_the_second_region_never_gets_traffic(tmp_path,
     assert any(step == "create kubernetes:apps/v1:Deployment::chat-large-2-4-0-deployment" for _, step, *_ in west)
     assert west[-1][1] == "delete kubernetes:apps/v1:Deployment::chat-large-2-4-0-deployment"
     live = runner.live("prod-us-west-2")
-    assert engine.ready_replicas(live, MODEL) == {"2.3.0": 2}
+    assert simulator.ready_replicas(live, MODEL) == {"2.3.0": 2}
     assert _model(config_dir, "prod-us-west-2").candidate is None
     assert (config_dir / "Pulumi.prod-eu-west-1.yaml").read_text() == third_before
     assert not [s for s in seen if s[0] == "prod-eu-west-1"]
@@ -168,7 +169,7 @@ def test_a_mandatory_policy_blocks_the_update_before_anything_changes(tmp_path, 
     assert "a mandatory policy blocked it: [rollout-versioned-only-on-io-change]" in entry["detail"]
     assert path.read_text() == before
     live = MockRunner(config_dir, state_dir).live("prod-us-west-2")
-    assert engine.model_replicas(live, "ranker") == {"3.0.0": 2, "4.0.0": 2}
+    assert simulator.model_replicas(live, "ranker") == {"3.0.0": 2, "4.0.0": 2}
 
 
 def test_a_vllm_candidate_with_another_fingerprint_is_refused_by_the_schema(tmp_path, capsys):
@@ -219,8 +220,8 @@ def test_step_order_of_a_forward_step_and_of_a_rollback_in_the_real_program(tmp_
     assert steps[active].startswith("update") and active < http and active < grpc and max(http, grpc) < gone
     assert report.stacks[0].peak_replicas == 6 == report.stacks[0].gpu_bound  # 4 back on the active + 2 candidate
     live = runner.live("prod-us-east-1")
-    assert engine.ready_replicas(live, MODEL) == {"2.3.0": 4}
-    assert engine.route_weights(live, MODEL)["chat-large-http"] == {"2.3.0": 100}
+    assert simulator.ready_replicas(live, MODEL) == {"2.3.0": 4}
+    assert simulator.route_weights(live, MODEL)["chat-large-http"] == {"2.3.0": 100}
 
 
 def test_a_version_an_experiment_calls_is_kept_even_idle(tmp_path, prom, capsys):
@@ -290,8 +291,8 @@ def test_versioned_idle_version_removed_by_a_later_update(tmp_path, prom, capsys
     assert [v.version for v in StackFile.load(config_dir / "Pulumi.prod-us-west-2.yaml").model("ranker").versions] \
         == ["4.0.0"]
     live = MockRunner(config_dir, state_dir).live("prod-us-west-2")
-    assert engine.model_replicas(live, "ranker") == {"4.0.0": 2}
-    assert engine.route_weights(live, "ranker") == {"ranker-4-0-0-http": {"4.0.0": 100},
+    assert simulator.model_replicas(live, "ranker") == {"4.0.0": 2}
+    assert simulator.route_weights(live, "ranker") == {"ranker-4-0-0-http": {"4.0.0": 100},
                                                     "ranker-4-0-0-grpc": {"4.0.0": 100}}
     assert {q.split('app_kubernetes_io_version="')[1].split('"')[0] for _, q in canned.queries} == {"3.0.0"}
 
@@ -323,6 +324,6 @@ def test_a_red_black_rollout_back_to_a_lower_version_completes(tmp_path):
     model = StackFile.load(path).model(MODEL)
     assert (model.active, model.candidate, [v.version for v in model.versions]) == ("2.3.0", None, ["2.3.0"])
     live = runner.live(stack)
-    assert engine.ready_replicas(live, MODEL) == {"2.3.0": 2}
-    assert engine.route_weights(live, MODEL)["chat-large-http"] == {"2.3.0": 100}
+    assert simulator.ready_replicas(live, MODEL) == {"2.3.0": 2}
+    assert simulator.route_weights(live, MODEL)["chat-large-http"] == {"2.3.0": 100}
     assert runner.outputs(stack)["models"][MODEL]["activeVersion"] == "2.3.0"

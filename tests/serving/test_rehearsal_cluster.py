@@ -18,8 +18,8 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from infra.rollout.engine import LiveResource, Node, UpdateError
 from infra.rollout.remote import RemoteCluster
+from infra.rollout.simulator import LiveResource, Node, UpdateError
 from llm_serving.ports import free_port
 from rehearsal import haproxy_config, haproxy_process, render
 from rehearsal.cluster import RehearsalCluster
