@@ -156,7 +156,7 @@ class _Torch:
 
 class _Native:
     def __init__(self, specs, vocab, threads):
-        from serving_image.constraints.engine import ConstraintBatch, compile_spec
+        from serving_image.constraints.machines import ConstraintBatch, compile_spec
 
         self.name = f"native-{threads}t"
         self.threads = threads

@@ -134,7 +134,7 @@ def measure(quick: bool, library: str | None) -> dict:
     import torch
 
     from serving_image.constraints import gpu
-    from serving_image.constraints.engine import apply_bitmask_torch
+    from serving_image.constraints.machines import apply_bitmask_torch
 
     try:
         import xgrammar as xgr

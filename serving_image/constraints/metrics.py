@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter, Gauge
 
 if TYPE_CHECKING:
-    from serving_image.constraints.engine import ConstraintBatch
+    from serving_image.constraints.machines import ConstraintBatch
 
 ADDED = Counter("llm_serving_constraint_requests_added",
                 "Constrained requests added to the engine's batch (a preempted request counts again when it is "

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from serving_image.constraints.engine import ConstraintBatch, compile_plain_text, compile_spec
+from serving_image.constraints.machines import ConstraintBatch, compile_plain_text, compile_spec
 from serving_image.constraints.metrics import ProcessorMetrics
 from serving_image.constraints.spec import (
     AllowedTokensSpec,

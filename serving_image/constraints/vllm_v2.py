@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcessor, LogitsProcRequestState
 
-from serving_image.constraints.engine import ConstraintBatch
+from serving_image.constraints.machines import ConstraintBatch
 from serving_image.constraints.metrics import ProcessorMetrics
 from serving_image.constraints.vllm_v1 import (
     THREADS_ENV,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from serving_image.constraints.engine import ConstraintBatch, apply_bitmask_torch, compile_spec
+from serving_image.constraints.machines import ConstraintBatch, apply_bitmask_torch, compile_spec
 from serving_image.constraints.spec import AllowedTokensSpec, validate_constraint
 
 

@@ -226,7 +226,7 @@ def test_an_allowed_set_compiles_the_same_in_any_order():
 
 
 def test_a_plain_allowed_tokens_text_compiles_in_one_pass_to_the_parsed_values_machine():
-    from serving_image.constraints.engine import compile_plain_text, compile_spec
+    from serving_image.constraints.machines import compile_plain_text, compile_spec
 
     ids = random.Random(5).sample(range(VOCAB), 400)
     text = json.dumps({"kind": "allowed_tokens", "tokens": ids})
@@ -259,7 +259,7 @@ def _masks_along(machine, prefixes):
 
 
 def test_a_plain_token_dfa_text_compiles_in_one_pass_to_the_parsed_values_machine():
-    from serving_image.constraints.engine import compile_plain_text, compile_spec
+    from serving_image.constraints.machines import compile_plain_text, compile_spec
 
     rng = random.Random(7)
     alphabet = rng.sample([t for t in range(VOCAB) if t != EOS], 6)
@@ -356,7 +356,7 @@ def test_packed_tokens_counts_the_bits_and_finds_the_first_beyond_the_bound(bits
 
 
 def test_a_packed_set_compiles_to_the_lists_machine():
-    from serving_image.constraints.engine import compile_plain_text
+    from serving_image.constraints.machines import compile_plain_text
 
     ids = random.Random(6).sample(range(VOCAB), 600)  # dense
     few = ids[:9]  # sparse: the machine keeps a list

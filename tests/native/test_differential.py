@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from serving_image.constraints import validate_constraint
-from serving_image.constraints.engine import ConstraintBatch, compile_spec
+from serving_image.constraints.machines import ConstraintBatch, compile_spec
 from serving_image.constraints.reference import ReferenceState
 from tests.native.gen import BatchModel, next_token, random_batch_op, random_spec, random_vocab
 

@@ -24,7 +24,7 @@ import torch
 
 from llm_serving.repository import REPO_ROOT
 from serving_image.constraints import _native, gpu
-from serving_image.constraints.engine import apply_bitmask_torch
+from serving_image.constraints.machines import apply_bitmask_torch
 
 NATIVE = REPO_ROOT / "native"
 REQUIRE_ENV = "LLM_SERVING_REQUIRE_NVCC"
@@ -205,7 +205,7 @@ def test_the_emulated_kernel_equals_the_torch_path_bit_for_bit(host, dtype, sm_c
 
 def test_the_emulated_kernel_agrees_with_the_cpu_core_on_sparse_rows(host):
     # The CPU core (the processor's path on this machine) rescues sparse rows the same way.
-    from serving_image.constraints.engine import ConstraintBatch, compile_spec
+    from serving_image.constraints.machines import ConstraintBatch, compile_spec
     from serving_image.constraints.spec import validate_constraint
 
     vocab, eos = 5000, 1
@@ -312,7 +312,7 @@ def test_the_kernel_on_the_device_equals_the_torch_path(dtype):
 def test_the_torch_fallback_takes_the_row_arrays_the_gpu_path_hands_it():
     # Off the CPU the batch fills through `fill_constrained` (an int32 array) and hands the rows to the kernel or,
     # without it, to torch: the torch path must accept them and mask as the core does.
-    from serving_image.constraints.engine import ConstraintBatch, compile_spec
+    from serving_image.constraints.machines import ConstraintBatch, compile_spec
     from serving_image.constraints.spec import validate_constraint
 
     vocab, eos = 3000, 1
