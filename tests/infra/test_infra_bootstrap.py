@@ -165,7 +165,7 @@ def test_peak_beyond_the_pools_reach(compat):
 
 
 def test_gateway_closes_idle_connections_before_the_pod_and_the_nlb_do(stack):
-    """Issue 14, scope 5: Envoy's idle timeouts match the pod's keep-alive (the Deployment's env) and the NLB's."""
+    """Envoy's idle timeouts match the pod's keep-alive (the Deployment's env) and the NLB's."""
     from llm_serving import pod_contract as pc
 
     run, _ = stack
@@ -188,7 +188,7 @@ def test_gateway_closes_idle_connections_before_the_pod_and_the_nlb_do(stack):
 
 
 def test_gateway_retries_a_failed_attempt_on_another_pod_never_a_client_error(stack):
-    """Issue 17: the Gateway-wide BackendTrafficPolicy retries a refused or reset connection and the server-side
+    """The Gateway-wide BackendTrafficPolicy retries a refused or reset connection and the server-side
     statuses (a candidate that serves errors, a pod not ready or draining), never a 4xx, a bounded number of times;
     the values are the pod contract's, which the rehearsal's proxy realises from this same object."""
     from llm_serving import pod_contract as pc

@@ -1,6 +1,6 @@
 """Pods fit nodes: the instance facts table and the memory capacity the kubelet reports, the pod sizes derived from
 them, the schema's checks (weights and KV cache in GPU memory, load time at FSx's throughput) and the
-`model-pod-fits-nodes` policy (issue #30 item 1; docs/first-update.md, "Pods fit nodes")."""
+`model-pod-fits-nodes` policy (docs/first-update.md, "Pods fit nodes")."""
 
 from __future__ import annotations
 
@@ -205,7 +205,7 @@ def test_policy_and_program_compute_the_same_room_independently():
 
 
 def _old_nominal_memory_mib(itype: str) -> int:
-    """The pod memory the sizing gave before issue #30: nominal memory, max pods 110/250 (the defect)."""
+    """The pod memory the sizing once gave: nominal memory, max pods 110/250 (the defect)."""
     f = INSTANCE_FACTS[itype]
     pods = 110 if f.vcpus < 30 else 250
     return (f.memory_gib * 1024 - (255 + 11 * pods) - 100 - 2048) // 256 * 256
@@ -216,7 +216,7 @@ def test_a_pod_sized_from_nominal_memory_is_refused_naming_type_request_and_capa
     servers = [r for r in run.of_type(DEPLOYMENT) if r.name.startswith("chat-large-")]
     assert servers
     old = _old_nominal_memory_mib("p5.48xlarge")
-    assert old == 2091776  # 2042.75 Gi, the request issue #30 found Pending forever
+    assert old == 2091776  # 2042.75 Gi, a request that stayed Pending forever
     for server in servers:
         resources = server.inputs["spec"]["template"]["spec"]["containers"][0]["resources"]
         resources["requests"]["memory"] = resources["limits"]["memory"] = f"{old}Mi"
@@ -298,7 +298,7 @@ def test_weights_and_kv_cache_must_fit_the_pods_gpu_memory():
 
 
 def test_every_engine_a_packages_tasks_start_is_budgeted():
-    """chat-large on 8 x L40S fits with one engine (132 + 160 of 345.6 GiB); serving `generate` and `embed` it
+    """Chat-large on 8 x L40S fits with one engine (132 + 160 of 345.6 GiB); serving `generate` and `embed` it
     starts two engines, each loading the 132 GiB of weights, in shares of 0.45: refused, naming the tasks. Each
     engine's share is what the Deployment renders for the serving side (pc.ENV_ENGINE_MEMORY)."""
     values = _prod_values("prod-eu-west-1")

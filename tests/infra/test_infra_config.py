@@ -76,7 +76,7 @@ def mutate(path: str, value, values: dict | None = None) -> dict:
     ("models[0].versions[0].package", "s3://someone-elses-bucket/models/x/",
      "llm-serving:models[0].versions[0].package: 's3://someone-elses-bucket/models/x/' must be under "
      "s3://acme-llm-prod-us-east-1/models/"),
-    # issue 16: a tarball is a publishing format; the stack names the unpacked package on the model cache
+    # A tarball is a publishing format; the stack names the unpacked package on the model cache
     ("models[0].versions[0].package", "s3://acme-llm-prod-us-east-1/models/chat-large/2.3.0.tar.gz",
      "llm-serving:models[0].versions[0].package: String should match pattern"),
     # ... at the key `llm-serving publish` derives from (id, version)
@@ -202,7 +202,7 @@ def test_parallel_is_only_for_vllm_models_and_others_use_one_gpu():
 
 
 def test_the_model_cache_must_hold_the_resident_versions_and_the_next_one():
-    """Issue 30: every package the stack names is resident on FSx (the cache warmer restores it in full), and the
+    """Every package the stack names is resident on FSx (the cache warmer restores it in full), and the
     next version of the largest model is warmed before a rollout may name it: all of it within storageCapacityGib."""
     values = mutate("modelStorage.fsx", {"storageCapacityGib": 1200, "perUnitStorageThroughput": 1000})
     values = mutate("models[0].loadTimeSeconds", 7200, values)

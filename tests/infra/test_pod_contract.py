@@ -1,5 +1,5 @@
-"""Every shipped stack, rendered under the mock runtime, against the image it runs (docs/architecture.md §3.10b,
-issue 16): each model container must start the image's entrypoint with the env the startup procedure reads, the
+"""Every shipped stack, rendered under the mock runtime, against the image it runs (docs/architecture.md §3.10b):
+each model container must start the image's entrypoint with the env the startup procedure reads, the
 mounts it needs, and the package where `llm-serving publish` put it, seen through FSx. Nothing is started.
 
 The image's half (the Dockerfile and the startup procedure against llm_serving/pod_contract.py) is checked in
@@ -96,7 +96,7 @@ def test_every_model_container_matches_the_image(stack):
 
 
 def test_package_path_follows_publish_key():
-    """Issue 16: the pod once looked for `/mnt/model-cache/<id>/<version>.tar.gz`, dropping the DRA's `/models`."""
+    """The pod once looked for `/mnt/model-cache/<id>/<version>.tar.gz`, dropping the DRA's `/models`."""
     assert package_path("chat-small", "1.0.0") == "/mnt/model-cache/models/model-cache/chat-small/1.0.0"
     assert pc.package_uri("b", "models/", "chat-small", "1.0.0") == "s3://b/models/model-cache/chat-small/1.0.0/"
 

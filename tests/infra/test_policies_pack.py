@@ -30,20 +30,20 @@ ISSUE_MANDATORY = {
 # Beyond the issue's list: what a reviewer of this platform would also block.
 EXTRA_MANDATORY = {"iam-irsa-trust-scoped", "serving-update-timeout", "rollout-gpu-surge-bound",
                    "eks-private-endpoint-in-prod", "s3-replication-kms-objects",
-                   # Issue 18 (the first real `pulumi up`): pods fit nodes, FSx may decrypt, nodes and add-ons.
+                   # The first real `pulumi up`: pods fit nodes, FSx may decrypt, nodes and add-ons.
                    "model-pod-fits-nodes", "fsx-s3-key-access", "nodes-bottlerocket-data-volume",
                    "eks-network-policy-and-pod-identity", "nodes-imdsv2-and-encrypted-disks",
                    "crds-before-custom-resources", "gpu-capacity-autoscaled", "routes-wait-for-controller",
                    "ecr-one-build-replicated", "serving-pod-contract",
-                   # Issue 15 (every model kind): models without GPUs on CPU node groups.
+                   # Every model kind: models without GPUs on CPU node groups.
                    "serving-cpu-model-no-gpu", "cpu-nodes-no-gpu-approved-types",
-                   # Issue 30 (the first production deploy): the engine uses the GPUs its pod holds.
+                   # The first production deploy: the engine uses the GPUs its pod holds.
                    "serving-engine-uses-pod-gpus",
-                   # Issue 30: Python-backend models' dependencies are in the image.
+                   # Python-backend models' dependencies are in the image.
                    "serving-python-dependencies-in-image",
-                   # Issue 31 (the caller's side): experiments allocate 100% to versions that are served.
+                   # The caller's side: experiments allocate 100% to versions that are served.
                    "experiments-arms-served",
-                   # Issue 32 (the batch path): client data stays in its region, each worker in its model's prefix.
+                   # The batch path: client data stays in its region, each worker in its model's prefix.
                    "batch-store-isolated",
                    # Fail-safe defaults: every engine a package starts has its share of the GPUs' memory.
                    "serving-engine-memory-budgeted", "serving-network-policy-gateway-only",

@@ -89,7 +89,7 @@ def test_start_refuses_before_touching_any_stack(s3, tmp_path):
 
 
 def test_start_refuses_a_fingerprint_that_differs_from_the_published_manifest(s3, tmp_path):
-    """Issue 16: the stack's ioFingerprint is compared with the published manifest before any stack changes."""
+    """The stack's ioFingerprint is compared with the published manifest before any stack changes."""
     config_dir = copy_stacks(tmp_path / "stacks")
     before = {p.name: p.read_text() for p in config_dir.iterdir()}
     rollout = Rollout(GraphRunner(config_dir, tmp_path / "state"), "chat-large", STACKS, Options(),
@@ -144,7 +144,7 @@ def test_the_command_checks_the_fingerprint_at_a_reachable_store(tmp_path, capsy
 
 
 def test_a_replica_that_is_not_warm_on_the_regions_cache_is_refused_naming_the_region(s3, tmp_path):
-    """Issue 30: S3 holding the package is not enough (FSx loads file data on first read): without the region's
+    """S3 holding the package is not enough (FSx loads file data on first read): without the region's
     resident marker, or with one written for other bytes, the start is refused and no stack file changes."""
     config_dir = copy_stacks(tmp_path / "stacks")
     before = {p.name: p.read_text() for p in config_dir.iterdir()}
@@ -172,7 +172,7 @@ def test_a_replica_that_is_not_warm_on_the_regions_cache_is_refused_naming_the_r
 
 
 def test_a_package_whose_engine_layout_differs_from_the_stacks_declaration_is_refused(s3, tmp_path):
-    """Issue 30: chat-large declares tensor 8 over its 8 GPUs; a package built for tensor 4 is refused with both."""
+    """Chat-large declares tensor 8 over its 8 GPUs; a package built for tensor 4 is refused with both."""
     config_dir = copy_stacks(tmp_path / "stacks")
     rollout = Rollout(GraphRunner(config_dir, tmp_path / "state"), "chat-large", STACKS, Options(),
                       replicas=s3_replica_check(s3))
@@ -191,7 +191,7 @@ def _python_manifest(dependencies: list[str], execution_env: str | None = None) 
 
 
 def test_a_python_package_needing_what_the_stack_does_not_state_is_refused_naming_it():
-    """Issue 30: the policy checks the stack's pythonDependencies against the image; a published package that imports
+    """The policy checks the stack's pythonDependencies against the image; a published package that imports
     more than the stack states would reach production unchecked, so the rollout's check names the requirement."""
     from infra.rollout.replication import dependencies_mismatch
 

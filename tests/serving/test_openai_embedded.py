@@ -332,9 +332,9 @@ def _vllm_processes(server: Server) -> EngineProcesses:
 
 
 def test_every_model_kind_through_one_call_on_the_embedded_triton(server, client):
-    """Issue 15's one interface in the openai mode: the ranker (unary ModelInfer over gRPC and HTTP, a batch of
-    rows), the pipeline (an ensemble, one call) and the LLM (streamed) on the same KServe endpoint as the OpenAI
-    front-end, through docs/kserve.md's client program (examples/kserve_client.py)."""
+    """Every model kind through one interface in the openai mode: the ranker (unary ModelInfer over gRPC and HTTP, a
+    batch of rows), the pipeline (an ensemble, one call) and the LLM (streamed) on the same KServe endpoint as the
+    OpenAI front-end, through docs/kserve.md's client program (examples/kserve_client.py)."""
     grpc_url = f"127.0.0.1:{server.ports['kserve_grpc']}"
     http_url = f"127.0.0.1:{server.ports['kserve_http']}"
     grpc = grpcclient.InferenceServerClient(grpc_url)

@@ -1,4 +1,4 @@
-"""The startup's deferred data checksums (docs/architecture.md §3.4 threat model, §3.7 step 1; issue #58).
+"""The startup's deferred data checksums (docs/architecture.md §3.4 threat model, §3.7 step 1).
 
 `open_package(..., defer_data=True)` leaves the SHA-256 of safetensors files to its caller (the startup hashes them
 while the engine reads the same bytes, and holds readiness until they match) and checks everything else at once:

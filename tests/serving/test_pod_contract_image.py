@@ -1,6 +1,6 @@
 """The image's half of the pod contract (docs/architecture.md §3.10b): serving_image/Dockerfile and the
 startup procedure agree with llm_serving/pod_contract.py, which the Deployment is built from (its half is checked in
-tests/infra/test_pod_contract.py). Each test here fails on the code before issue 16."""
+tests/infra/test_pod_contract.py)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_entrypoint_keeps_nvidias_entrypoint_in_front_of_the_startup(image):
 def test_image_env_is_the_contracts(image):
     for name, value in {**pc.IMAGE_ENV, **pc.CACHE_ENV}.items():
         assert image.env.get(name) == value, name
-    # the metrics directory agrees with the Deployment's (issue 16: .../metrics in one, .../prometheus in the other)
+    # the metrics directory agrees with the Deployment's (.../metrics in one, .../prometheus in the other)
     assert image.env[pc.ENV_MULTIPROC_DIR] == pc.MULTIPROC_DIR
 
 

@@ -1,4 +1,4 @@
-"""The ranker loads with exactly what the serving image installs for its Python backend stub (issue #30: it served
+"""The ranker loads with exactly what the serving image installs for its Python backend stub (it once served
 locally and failed in production, where the image had no xgboost for the stub).
 
 The base image cannot be pulled here, so the proof is made on the local Triton: the Dockerfile's stub install list
