@@ -131,8 +131,8 @@ def read_into_page_cache(root: pathlib.Path) -> None:
 
 def _ours(package: pathlib.Path, workdir: pathlib.Path) -> tuple[float, dict]:
     t0 = time.perf_counter()
-    # in this process's session, as start_vllm_server starts vLLM's: both sides scheduled alike
-    server = start_server(package, workdir, own_session=False)
+    # each server in a session of its own, as `make up` and `vllm serve` in a terminal start them
+    server = start_server(package, workdir, own_session=True)
     seconds = time.perf_counter() - t0
     log = server.log()
     server.stop()
@@ -147,7 +147,8 @@ def _ours(package: pathlib.Path, workdir: pathlib.Path) -> tuple[float, dict]:
 def _theirs(package: pathlib.Path, workdir: pathlib.Path) -> float:
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    proc, _url = start_vllm_server(package / "weights", workdir, enforce_eager=True, timeout_s=900)
+    proc, _url = start_vllm_server(package / "weights", workdir, enforce_eager=True, timeout_s=900,
+                                     own_session=True)
     seconds = time.perf_counter() - t0
     stop_vllm_server(proc)
     return seconds

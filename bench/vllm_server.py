@@ -16,18 +16,19 @@ from llm_serving.ports import free_port
 
 
 def start_vllm_server(model_dir: pathlib.Path, workdir: pathlib.Path, *, enforce_eager: bool = False,
-                      timeout_s: float = 300) -> tuple[subprocess.Popen, str]:
+                      timeout_s: float = 300, own_session: bool = False) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = open(workdir / "vllm-server.log", "w")
-    # A process group of its own (killpg stops its engine processes too) in the caller's session: the same scheduling
-    # group as the benchmark's other sides (local_server.start_server's `own_session`)
+    # A process group of its own (killpg stops its engine processes too); in the caller's session (the same scheduling
+    # group as the benchmark's other sides) unless `own_session`, as local_server.start_server's
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
          "--served-model-name", "demo-tiny", "--host", "127.0.0.1", "--port", str(port),
          "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
          "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"]), "--dtype", ENGINE_ARGS["dtype"],
          *(["--enforce-eager"] if enforce_eager else [])],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"), process_group=0)
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        **({"start_new_session": True} if own_session else {"process_group": 0}))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

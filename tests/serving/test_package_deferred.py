@@ -9,23 +9,30 @@ Each test builds a real package with real safetensors files and only the defect 
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from llm_serving import pod_contract as pc
+from llm_serving.file_digest import LOWEST_NICE
 from llm_serving.manifest import MANIFEST_NAME
 from llm_serving.package import (
     ChecksumsCancelled,
     PackageError,
     PackageSpec,
+    PendingChecksums,
+    PendingFile,
     build_package,
     open_package,
     write_tarball,
@@ -113,23 +120,86 @@ def test_the_first_failing_file_in_manifest_order_is_named_and_a_stop_cancels(pa
         opened.pending.verify(stop=stop)
 
 
-@pytest.mark.parametrize("idle", [True, False])
-def test_the_hashing_threads_run_under_sched_idle_when_asked(package: Path, monkeypatch, idle: bool):
-    import llm_serving.package as package_module
+# The hashing process is held on a FIFO (it blocks opening it until a writer comes), so each state is observed
+# while it lasts instead of raced.
 
-    seen: dict[str, int] = {}
-    real = package_module.sha256_file
 
-    def recording(path, halt):  # the policy of the thread that hashes
-        seen[Path(path).name] = os.sched_getscheduler(0)
-        return real(path, halt)
+def _wait_for(predicate, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not (found := predicate()):
+        assert time.monotonic() < deadline, f"never saw {what}"
+        time.sleep(0.05)
+    return found
 
-    opened = open_package(package, defer_data=True)
-    monkeypatch.setattr(package_module, "sha256_file", recording)
-    opened.pending.verify(threads=2, idle_priority=idle)
-    expected = os.SCHED_IDLE if idle else os.sched_getscheduler(0)
-    assert seen == {"model-00001-of-00002.safetensors": expected, "model-00002-of-00002.safetensors": expected}
-    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller's own thread keeps its policy
+
+def _hashers() -> list[psutil.Process]:
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if child.status() != psutil.STATUS_ZOMBIE and any("file_digest" in a for a in child.cmdline()):
+                found.append(child)
+    return found
+
+
+@pytest.fixture
+def held(tmp_path: Path) -> tuple[PendingChecksums, Path, bytes]:
+    """Pending checksums over a FIFO (answered when the test writes it) and a plain file."""
+    fifo, plain = tmp_path / "held.safetensors", tmp_path / "plain.safetensors"
+    os.mkfifo(fifo)
+    data = b"held bytes" * 1000
+    plain.write_bytes(b"plain")
+    files = (PendingFile("weights/held.safetensors", fifo, hashlib.sha256(data).hexdigest(), len(data)),
+             PendingFile("weights/plain.safetensors", plain, hashlib.sha256(b"plain").hexdigest(), 5))
+    return PendingChecksums(files), fifo, data
+
+
+def _verify_in_thread(pending: PendingChecksums, **kwargs) -> tuple[threading.Thread, list[BaseException | None]]:
+    outcome: list[BaseException | None] = []
+
+    def run():
+        try:
+            pending.verify(**kwargs)
+            outcome.append(None)
+        except BaseException as exc:  # the test asserts on it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_low_priority_hashing_runs_at_nice_19_until_hurried_then_at_the_callers_priority(held):
+    pending, fifo, data = held
+    hurry = threading.Event()
+    thread, outcome = _verify_in_thread(pending, threads=1, low_priority=True, hurry=hurry)
+    slow = _wait_for(_hashers, "the low-priority hashing process")[0]
+    assert slow.nice() == min(19, os.nice(0) + LOWEST_NICE)
+    hurry.set()
+    fast = _wait_for(lambda: [h for h in _hashers() if h.pid != slow.pid], "the hashing process hurried")[0]
+    assert fast.nice() == os.nice(0)
+    assert str(fifo) in fast.cmdline()  # the held file is hashed again; the plain one may have been answered
+    _wait_for(lambda: not slow.is_running() or slow.status() == psutil.STATUS_ZOMBIE, "the slow process killed")
+    with open(fifo, "wb") as writer:
+        writer.write(data)
+    thread.join(60)
+    assert outcome == [None]
+
+
+def test_a_hashing_process_that_dies_fails_the_check_and_a_stop_cancels(held):
+    pending, fifo, _ = held
+    thread, outcome = _verify_in_thread(pending, threads=2)
+    _wait_for(_hashers, "the hashing process")[0].kill()
+    thread.join(60)
+    assert isinstance(outcome[0], PackageError)
+    assert "the hashing process exited with -9" in str(outcome[0])
+
+    stop = threading.Event()
+    thread, outcome = _verify_in_thread(pending, threads=2, stop=stop)
+    hasher = _wait_for(_hashers, "the hashing process")[0]
+    stop.set()
+    thread.join(60)
+    assert isinstance(outcome[0], ChecksumsCancelled)
+    _wait_for(lambda: not hasher.is_running() or hasher.status() == psutil.STATUS_ZOMBIE, "the process killed")
 
 
 def test_a_tarball_is_hashed_as_it_is_unpacked(package: Path, tmp_path: Path):
