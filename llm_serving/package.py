@@ -227,8 +227,9 @@ class _Hasher:
                  answers: queue.Queue[tuple[_Hasher, int | None, str]]):
         self.nice = nice
         self.indices = list(indices)
-        # Run as a script: it imports only the standard library, so it starts fast and needs no import path.
-        argv = [sys.executable, file_digest.__file__, "--threads", str(threads), "--nice", str(nice),
+        # Run as a script, isolated (-I: no script directory, PYTHONPATH or user site on its path): it imports only the
+        # standard library, so it starts fast and nothing of the server's can shadow a module it uses.
+        argv = [sys.executable, "-I", file_digest.__file__, "--threads", str(threads), "--nice", str(nice),
                 *(str(files[i].path) for i in self.indices)]
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         threading.Thread(target=self._read, args=(answers,), name="checksums-reader", daemon=True).start()
