@@ -7,7 +7,7 @@ logits shapes:
   - python: the pure-Python per-request path (`reference.ReferenceState`, one torch mask per request), the way
     the first version worked;
   - torch: the same Python states, the masks built and applied in one vectorised scatter + masked_fill;
-  - native-1 / native-N: the constraint engine (`ConstraintBatch`: sync from the output lists, fill, apply) with 1
+  - native-1 / native-N: the constraint engine (`ConstraintRows`: sync from the output lists, fill, apply) with 1
     thread and with every hardware thread;
   - for the apply half alone: xgrammar's CPU bitmask kernel on the very same bitmask, and the physical floor:
     the time to write the bytes the apply must write (every logit of a masked row: batch x vocab x 4 bytes) and
@@ -156,14 +156,14 @@ class _Torch:
 
 class _Native:
     def __init__(self, specs, vocab, threads):
-        from serving_image.constraints.machines import ConstraintBatch, compile_spec
+        from serving_image.constraints.machines import ConstraintRows, compile_spec
 
         self.name = f"native-{threads}t"
         self.threads = threads
-        self.batch = ConstraintBatch(vocab, len(specs), threads=threads)
+        self.constraint_rows = ConstraintRows(vocab, len(specs), threads=threads)
         self.lists: list[list[int]] = [[] for _ in specs]
         for i, s in enumerate(specs):
-            self.batch.set_row(i, compile_spec(s, vocab, EOS), self.lists[i])
+            self.constraint_rows.set_row(i, compile_spec(s, vocab, EOS), self.lists[i])
 
     def step(self, logits, tokens):
         if tokens is not None:  # the engine appends to its own lists; the processor's work starts at sync
@@ -172,8 +172,8 @@ class _Native:
         self._timed(logits)
 
     def _timed(self, logits):
-        self.batch.sync()
-        self.batch.fill_apply(logits, threads=self.threads)
+        self.constraint_rows.sync()
+        self.constraint_rows.fill_apply(logits, threads=self.threads)
 
 
 def _time_steps(impls, logits, streams) -> dict[str, float]:
@@ -200,7 +200,7 @@ def _time_steps(impls, logits, streams) -> dict[str, float]:
 
 def _host_step(vocab: int, specs, rng: random.Random) -> dict[str, float]:
     """The host-side step alone, µs (best of the steps): the constraint engine's sync + fill of the constrained rows
-    as the GPU path runs them (`ConstraintBatch.fill_apply` on CUDA logits; 1 thread: the per-row cost, no hand-off)
+    as the GPU path runs them (`ConstraintRows.fill_apply` on CUDA logits; 1 thread: the per-row cost, no hand-off)
     against the Python per-request path's host work, with its mask tensors (`python`) and without
     them (`python_state`: advance and allowed set only, the least any Python per-request path does)."""
     import torch
@@ -212,15 +212,15 @@ def _host_step(vocab: int, specs, rng: random.Random) -> dict[str, float]:
     states = [ReferenceState(s, EOS) for s in specs]
     states_only = [ReferenceState(s, EOS) for s in specs]
     samples: dict[str, list[float]] = {"native": [], "python": [], "python_state": []}
-    nat.batch.sync()
-    nat.batch.core.fill_constrained(-1, 1)  # warm-up
+    nat.constraint_rows.sync()
+    nat.constraint_rows.core.fill_constrained(-1, 1)  # warm-up
     for k in range(HOST_STEPS):
         tokens = [s[k] for s in streams]
         for lst, t in zip(nat.lists, tokens, strict=True):
             lst.append(t)
         t0 = time.perf_counter()
-        nat.batch.sync()
-        nat.batch.core.fill_constrained(-1, 1)  # what the GPU path runs on the host before its kernel
+        nat.constraint_rows.sync()
+        nat.constraint_rows.core.fill_constrained(-1, 1)  # what the GPU path runs on the host before its kernel
         samples["native"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         for st, t in zip(states, tokens, strict=True):
@@ -263,18 +263,18 @@ def _apply_only(vocab: int, batch: int, threads: int, streams, specs) -> dict[st
     logits = torch.randn(batch, vocab)
     nat.step(logits, [s[0] for s in streams])
     rows = list(range(batch))
-    nat.batch.core.fill(rows, threads)
-    bitmask = nat.batch.bitmask()[:batch].clone()
+    nat.constraint_rows.core.fill(rows, threads)
+    bitmask = nat.constraint_rows.bitmask()[:batch].clone()
     # The floor of this very shape: writing batch x vocab floats of -inf, nothing else (no mask to read), with
     # the fastest of plain stores, streaming stores and torch's fill_; measured in turn with the two kernels so
     # that all three see the same machine (caches for small shapes, DRAM for large ones).
     flat = logits.view(-1).numpy()
-    probe = nat.batch.core
+    probe = nat.constraint_rows.core
     native, xgrammar = [], []
     floors: dict[str, list[float]] = {"plain": [], "streaming": [], "torch": []}
     for _ in range(STEPS):
         t0 = time.perf_counter()
-        nat.batch.core.apply(logits.data_ptr(), batch, vocab, logits.stride(0), "float32", rows, rows, threads)
+        probe.apply(logits.data_ptr(), batch, vocab, logits.stride(0), "float32", rows, rows, threads)
         native.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
@@ -293,7 +293,7 @@ def _apply_only(vocab: int, batch: int, threads: int, streams, specs) -> dict[st
     samples = []
     for _ in range(STEPS):
         t0 = time.perf_counter()
-        nat.batch.core.fill(rows, 1)
+        nat.constraint_rows.core.fill(rows, 1)
         samples.append(time.perf_counter() - t0)
     out["fill_us_per_row"] = min(samples) * 1e6 / batch
     return out

@@ -270,7 +270,7 @@ async def measure(model_dir: pathlib.Path) -> dict[str, dict]:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from serving_image.cpu_placement import describe, keep_front_off_engine_cores
-    from serving_image.engine.vllm_local import build_engine_args
+    from serving_image.engine.async_llm_model import build_engine_args
 
     runs: dict[str, list] = {side: [] for side in SIDES}
     cpu: dict[str, list] = {side: [] for side in SIDES}

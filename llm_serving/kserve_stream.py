@@ -1,7 +1,7 @@
 """Reading one request's responses off a KServe v2 `ModelStreamInfer` stream (docs/kserve.md): every response
 carries the `triton_final_response` parameter, and a request is done at the response where it is true (the backend
 sends it with the last data, or alone with `enable_empty_final_response`). The server sets it
-(serving_image/kserve/triton_grpc.py); the engine adapter, the rehearsal's traffic, the benchmarks and the tests read
+(serving_image/kserve/triton_grpc.py); the served model, the rehearsal's traffic, the benchmarks and the tests read
 it, with NVIDIA's tritonclient, through these helpers.
 
 Standard library only, and duck-typed on tritonclient's `InferResult` (`get_response()` gives the

@@ -133,7 +133,7 @@ class BatchCache(_Shape):
 
 
 class BatchOutputs(_Shape):
-    """The stack's batch endpoint (OpenAI Files and Batches) and its result cache; rendered by the batch issue."""
+    """The stack's batch endpoint (OpenAI Files and Batches) and its result cache, once it serves the Batch API."""
 
     endpoint: str = Field(pattern=r"^https://[^/]+/v1$")
     cache: BatchCache

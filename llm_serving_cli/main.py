@@ -104,7 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _print_ready(started) -> None:
-    info = started.engine.info
+    info = started.served_model.info
     console.rule(f"[bold green]serving {info.name} {info.version}")
     openai_mode = started.package.manifest.serving_mode is ServingMode.OPENAI
     console.print(
@@ -112,8 +112,8 @@ def _print_ready(started) -> None:
          "  readiness      http://localhost:9000/health/ready\n"
          "  metrics        http://localhost:8002/metrics   (Triton's nv_* + vLLM)\n"
          if openai_mode else
-         f"  serving mode   standalone: NVIDIA's tritonserver {getattr(started.engine, 'server_version', '')} owns "
-         "the KServe ports, no OpenAI front-end\n"
+         f"  serving mode   standalone: NVIDIA's tritonserver "
+         f"{getattr(started.served_model, 'server_version', '')} owns the KServe ports, no OpenAI front-end\n"
          "  metrics        http://localhost:8002/metrics   (Triton's nv_* + vLLM)\n") +
         "  KServe v2      http://localhost:8000/v2 (health, metadata, generate)   gRPC localhost:8001 "
         "(tritonclient; stream with ModelStreamInfer)\n"

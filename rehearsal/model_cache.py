@@ -144,7 +144,7 @@ def _published(model_id: str, version: str, manifest: bytes) -> PublishedPackage
                             already_published=True, manifest_sha256=package_checksum(manifest))
 
 
-def rehearse_model_cache(rendered, fsx: Path, store: storage.Store, run_warmer: WarmerRun, workdir: Path,
+def rehearse_model_cache(rendered, fsx: Path, store: storage.S3Server, run_warmer: WarmerRun, workdir: Path,
                          model_id: str, version: str, view=_lazy_view) -> ModelCacheResult:
     """Steps 1-4 of the module's docstring for (model_id, version); raises ModelCacheError naming what failed.
     `view(source, mountpoint)`: the cold view of the FSx directory (a context manager yielding an object with

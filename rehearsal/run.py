@@ -16,7 +16,7 @@ and the cause when a pod never gets Ready, a request fails or an access case doe
 is stopped and removed, also on Ctrl-C.
 
 This module is the order of those steps and the run's report; each step's work is elsewhere: the store and
-publishing in model_store.py, the pods' plans, mounts and launch in node.py, the gateway in gateway.py, which
+publishing in stack_packages.py, the pods' plans, mounts and launch in node.py, the gateway in gateway.py, which
 rollout scenarios a stack runs in scenarios.py.
 """
 
@@ -59,10 +59,10 @@ from rehearsal import (
 from rehearsal import report as rehearsal_report
 from rehearsal.autoscaler import Autoscaler
 from rehearsal.gateway import RehearsalGateway, create_gateway
-from rehearsal.model_store import ModelStore, publish_stack
 from rehearsal.net import GATEWAY, Network, service_address
 from rehearsal.node import Node
 from rehearsal.services import Endpoint, ServiceProxy
+from rehearsal.stack_packages import StackPackages, publish_stack
 
 CRASH_LOOP_RESTARTS = 3  # a pod restarted this often without getting Ready fails the rehearsal
 
@@ -77,8 +77,8 @@ class Rehearsal:
         self.console = console
         self.workdir = workdir or REPO_ROOT / ".cache" / "rehearsal" / stack
         self.net = Network(f"rh{os.getpid() % 100000}")
-        self.store: storage.Store | None = None  # held from its start: cleanup stops it whatever failed after
-        self.models: ModelStore | None = None
+        self.store: storage.S3Server | None = None  # held from its start: cleanup stops it whatever failed after
+        self.models: StackPackages | None = None
         self.prometheus: observe.Prometheus | None = None
         self.image = built_ref()  # the image `make image` built: every pod, the batch worker and the warmer run it
         self.node = Node(self.workdir, self.image, self.net)
@@ -118,7 +118,7 @@ class Rehearsal:
 
     def setup_storage(self, rendered: render.Rendered) -> Path:
         # On the node's bridge, not loopback: the pods (the batch worker) reach S3 from their own namespaces.
-        self.store = storage.start_store(str(GATEWAY))
+        self.store = storage.start_s3_server(str(GATEWAY))
         self.models = publish_stack(self.store, rendered, self.workdir, self.console)
         self._model_cache(rendered, self.models.fsx)
         return self.models.fsx

@@ -14,7 +14,7 @@ through the gateway:
 Each scenario runs the real `llm-serving rollout` (in .venv-infra) with `--runner rehearsal`: every update is
 rendered by the program under the mock runtime and carried out here, step by step, by cluster.RehearsalCluster over
 its control socket; the gate reads the rehearsal's real Prometheus. The stack files the rollout edits are a copy
-(`<workdir>/stacks`). Each scenario ends with one line, exactly as the issue states it, and the samples (route
+(`<workdir>/stacks`). Each scenario ends with one line of a fixed form (docs/rehearsal.md), and the samples (route
 weights, Ready pods per version, request outcomes, once a second) go to the report (report.py).
 """
 

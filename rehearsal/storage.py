@@ -29,7 +29,9 @@ class StorageError(RuntimeError):
 
 
 @dataclass
-class Store:
+class S3Server:
+    """moto's S3 server: the rehearsal's buckets, every region's, at one endpoint."""
+
     endpoint: str
     server: Any
 
@@ -44,7 +46,7 @@ class Store:
         self.server.stop()
 
 
-def start_store(host: str = "127.0.0.1") -> Store:
+def start_s3_server(host: str = "127.0.0.1") -> S3Server:
     """moto's S3 server on `host` (the rehearsal gives the node's bridge address: the pods reach it there)."""
     import logging
 
@@ -54,7 +56,7 @@ def start_store(host: str = "127.0.0.1") -> Store:
     server = ThreadedMotoServer(ip_address=host, port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    return Store(f"http://{host}:{port}", server)
+    return S3Server(f"http://{host}:{port}", server)
 
 
 # What the rehearsal packages for a (model, version), by the model's kind: an LLM (`vllm`) from the demo LLM, with
@@ -169,7 +171,7 @@ def package_versions(models: list[dict[str, Any]], demo_model: Path | None, out:
     return built
 
 
-def publish(package: Path, store_uri: str, store: Store, home_region: str, region: str) -> dict[str, Any]:
+def publish(package: Path, store_uri: str, store: S3Server, home_region: str, region: str) -> dict[str, Any]:
     """`llm-serving publish`, the command a model developer runs, against the rehearsal's S3, with the warm request
     for the home region and the stack's (`--no-wait`: the rehearsal runs the region's cache warmer itself,
     model_cache.py)."""
@@ -184,7 +186,7 @@ def publish(package: Path, store_uri: str, store: Store, home_region: str, regio
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def replicate(store: Store, source_bucket: str, target_bucket: str, prefix: str) -> int:
+def replicate(store: S3Server, source_bucket: str, target_bucket: str, prefix: str) -> int:
     """S3 replication from the home region's bucket (done at once here)."""
     s3 = store.client()
     copied = 0
@@ -196,7 +198,7 @@ def replicate(store: Store, source_bucket: str, target_bucket: str, prefix: str)
     return copied
 
 
-def fsx_import(store: Store, data_repository_path: str, file_system_path: str, root: Path) -> int:
+def fsx_import(store: S3Server, data_repository_path: str, file_system_path: str, root: Path) -> int:
     """What the data repository association presents: every object under `data_repository_path` at
     `<file system>/<file_system_path>/<key below the path>`, readable by every user (the pods mount it read-only)."""
     if not data_repository_path.startswith("s3://"):

@@ -107,7 +107,7 @@ def materialise(package_dir: Path, manifest_bytes: bytes, restore: Restore = lfs
 
 
 @dataclass(frozen=True)
-class Store:
+class RegionBucket:
     """The region's bucket through boto3's S3 client (moto's in the tests)."""
 
     s3: object
@@ -132,7 +132,7 @@ class Store:
                 yield item["Key"]
 
 
-def run_once(store: Store, region: str, model_prefix: str, file_system_id: str, fs_models_root: Path,
+def run_once(store: RegionBucket, region: str, model_prefix: str, file_system_id: str, fs_models_root: Path,
              restore: Restore = lfs_restore) -> list[str]:
     """One pass over the requests for this region. Returns the problems (empty when every request is warm)."""
     problems = []
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     import boto3
 
     s3 = boto3.client("s3", region_name=args.region, endpoint_url=args.endpoint_url)
-    problems = run_once(Store(s3, args.bucket), args.region, args.model_prefix, args.file_system_id,
+    problems = run_once(RegionBucket(s3, args.bucket), args.region, args.model_prefix, args.file_system_id,
                         args.models_root)
     for problem in problems:
         log.error("not resident: %s", problem)

@@ -181,7 +181,7 @@ class Started:
     """What the procedure brought up; `serve_until_stopped` runs it, `close` tears it down."""
 
     package: VerifiedPackage
-    engine: object
+    served_model: object  # what step 4 returned: the embedded Triton (EmbeddedTritonModel) or tritonserver
     timings: list[StepTiming]
     companions: list[VerifiedPackage] = field(default_factory=list)
     servers: list = field(default_factory=list)  # objects with .stop() (threads) or uvicorn servers
@@ -392,7 +392,7 @@ async def _start_engine(packages: list[VerifiedPackage], config: StartupConfig):
     package = packages[0]
     manifest = package.manifest
     from serving_image.triton.runtime import check_pins, is_standalone, runtime, start_standalone_triton
-    from serving_image.triton_adapter.triton_engine import start_triton_engine
+    from serving_image.triton_adapter.triton_model import start_embedded_triton_model
 
     pins = check_pins()  # the vLLM here must be compat.toml's, before anything is loaded (§3.9)
     where = "image" if runtime() == "triton" else "local"
@@ -413,10 +413,10 @@ async def _start_engine(packages: list[VerifiedPackage], config: StartupConfig):
     args = {**manifest.engine.args, **config.engine_overrides}
     # Triton embedded in this process (openai mode): every task through it, embeddings and scoring by the package's
     # pooling and scoring models beside the LLM (serving_image/triton/models.py), loaded with it
-    engine = await start_triton_engine(package, config.workdir, int(args.get("max_model_len", 4096)),
-                                       config.engine_overrides, companions=packages[1:])
-    return (f"{pins}; Triton {engine.triton.server_version} ({where}) embedded in this process, ready: "
-            f"{engine.info.name} {engine.info.version}, Triton models {', '.join(engine.triton.models)}"), engine
+    model = await start_embedded_triton_model(package, config.workdir, int(args.get("max_model_len", 4096)),
+                                              config.engine_overrides, companions=packages[1:])
+    return (f"{pins}; Triton {model.triton.server_version} ({where}) embedded in this process, ready: "
+            f"{model.info.name} {model.info.version}, Triton models {', '.join(model.triton.models)}"), model
 
 
 def _uvicorn_server(app, host: str, port: int):
@@ -447,7 +447,7 @@ async def _open_ports(started: Started, config: StartupConfig) -> str:
     # Triton counts every request itself (nv_*, the OpenAI front-end's too): its C API's metrics are the upstream
     from serving_image.metrics.frontend import serve_exposition
 
-    triton = started.engine.triton  # Triton in this process (EmbeddedTritonEngine)
+    triton = started.served_model.triton  # Triton in this process (EmbeddedTritonModel)
     triton_metrics = serve_exposition(triton.metrics_text, port=config.triton_metrics_port)
     started.servers.append(triton_metrics)
     proxy = start_proxy(ProxyConfig(multiproc_dir=config.multiproc_dir, upstream_url=triton_metrics.url,
@@ -468,7 +468,7 @@ async def _open_ports(started: Started, config: StartupConfig) -> str:
     from serving_image.batch.config import BatchConfig
 
     batch_config = BatchConfig.from_env()  # the Batch API (docs/batch.md): on when LLM_SERVING_BATCH_STORE is set
-    app = create_app(started.engine, is_draining=lambda: started.draining, config=api_config,
+    app = create_app(started.served_model, is_draining=lambda: started.draining, config=api_config,
                      extensions=() if batch_config is None else (mounted(batch_config),))
     openai_server = _uvicorn_server(app, config.host, config.openai_port)
     started.uvicorn_servers.append(openai_server)
@@ -504,7 +504,7 @@ async def start(config: StartupConfig, *, exit_on_refusal: bool = False) -> Star
     try:
         await _run_step(2, timings, lambda: _install_plugins(packages, config))
         await _run_step(3, timings, lambda: _clear_metrics_dir(config))
-        engine = await _run_step(4, timings, lambda: _start_engine(packages, config))
+        served_model = await _run_step(4, timings, lambda: _start_engine(packages, config))
         checksums.on_failure = None  # from here on `result` reports it, and closing the engine is the way out
         checksums.hurry.set()  # only the hashing is left before readiness: it no longer yields the CPUs
     except BaseException as exc:
@@ -514,7 +514,7 @@ async def start(config: StartupConfig, *, exit_on_refusal: bool = False) -> Star
         if failure is not None and isinstance(exc, StartupError):
             raise failure from exc
         raise
-    started = Started(package=packages[0], engine=engine, timings=timings, companions=packages[1:])
+    started = Started(package=packages[0], served_model=served_model, timings=timings, companions=packages[1:])
     try:
         await checksums.result()  # readiness is held until every data file matched (§3.7 step 1)
         await _run_step(5, timings, lambda: _open_ports(started, config))
@@ -539,7 +539,7 @@ async def close(started: Started) -> None:
             log.warning("front-end did not stop cleanly: %r", exc)
     for server in started.servers:
         server.stop()
-    await started.engine.shutdown()
+    await started.served_model.shutdown()
 
 
 async def serve_until_stopped(started: Started, drain_delay_s: float = 0.0,
@@ -567,7 +567,7 @@ async def serve_until_stopped(started: Started, drain_delay_s: float = 0.0,
 
     async def watch_engine() -> None:
         while not stop.is_set():
-            dead = started.engine.dead_reason
+            dead = started.served_model.dead_reason
             if dead:
                 log.error("engine died, exiting so the orchestrator restarts the container: %s", dead)
                 reason.append("engine")

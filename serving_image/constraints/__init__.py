@@ -1,7 +1,7 @@
 """Per-request step-wise constraints (docs/architecture.md §3.5): the native core and its thin Python layer.
 
 - `validate_constraint` (spec.py): the one validation every front-end calls; light, no torch/vLLM imports.
-- `engine` : compile a spec into the C++ core's machine, batch states, bitmask fill/apply.
+- `machines`: compile a spec into the C++ core's machine, the rows' states, bitmask fill/apply.
 - `reference`: the pure-Python per-request reference semantics.
 - `vllm_v1` / `vllm_v2`: the vLLM batch logits processors (model runner V1 / V2 interfaces).
 """

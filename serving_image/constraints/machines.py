@@ -95,10 +95,10 @@ def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, logit_rows,
     logits.index_copy_(0, index, rows)
 
 
-class ConstraintBatch:
-    """Per-row constraint states of a batch of `capacity` rows over a vocabulary of `vocab_size` tokens.
+class ConstraintRows:
+    """Per-row constraint states of vLLM's batch, `capacity` rows over a vocabulary of `vocab_size` tokens.
 
-    `threads` is the size of the core's pool (0: every hardware thread). Rows are batch indices; a row without a
+    `threads` is the size of the core's pool (0: every hardware thread). Rows are vLLM's batch indices; a row without a
     constraint costs nothing in `sync`, `fill` and `apply`.
     """
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter, Gauge
 
 if TYPE_CHECKING:
-    from serving_image.constraints.machines import ConstraintBatch
+    from serving_image.constraints.machines import ConstraintRows
 
 ADDED = Counter("llm_serving_constraint_requests_added",
                 "Constrained requests added to the engine's batch (a preempted request counts again when it is "
@@ -43,10 +43,10 @@ TORCH_STEPS = Counter("llm_serving_constraint_torch_steps",
 
 
 class ProcessorMetrics:
-    """One processor's counts, exported: the batch's running totals become counter increments after each step."""
+    """One processor's counts, exported: the rows' running totals become counter increments after each step."""
 
-    def __init__(self, batch: ConstraintBatch):
-        self._batch = batch
+    def __init__(self, rows: ConstraintRows):
+        self._rows = rows
         self._seen = (0, 0, 0, 0, 0)  # stalls, rebuilds, rescued, kernel_steps, torch_steps already counted
 
     def added(self, readded: bool) -> None:
@@ -55,15 +55,15 @@ class ProcessorMetrics:
             READDED.inc()
 
     def stepped(self, rows: int) -> None:
-        """After an apply that had constrained rows (`rows` of them masked; the batch synced before it)."""
+        """After an apply that had constrained rows (`rows` of them masked; the rows synced before it)."""
         global _max_rows
         STEPS.inc()
         if rows > _max_rows:
             _max_rows = rows
             MAX_ROWS.set(rows)
-        batch = self._batch
-        core = batch.core
-        now = (core.stalls, core.rebuilds, core.rescued, batch.kernel_steps, batch.torch_steps)
+        rows = self._rows
+        core = rows.core
+        now = (core.stalls, core.rebuilds, core.rescued, rows.kernel_steps, rows.torch_steps)
         if now != self._seen:
             for counter, before, after in zip(_TOTALS, self._seen, now, strict=True):
                 if after > before:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from serving_image.constraints.machines import ConstraintBatch, compile_plain_text, compile_spec
+from serving_image.constraints.machines import ConstraintRows, compile_plain_text, compile_spec
 from serving_image.constraints.metrics import ProcessorMetrics
 from serving_image.constraints.spec import (
     AllowedTokensSpec,
@@ -131,7 +131,7 @@ def compile_for_request(spec: object, params: SamplingParams, vocab_size: int, d
 
 
 class ConstraintLogitsProcessorV1(LogitsProcessor):
-    """Masks every constrained row of the batch to the tokens its constraint allows next."""
+    """Masks every constrained row of vLLM's batch to the tokens its constraint allows next."""
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
@@ -141,11 +141,11 @@ class ConstraintLogitsProcessorV1(LogitsProcessor):
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.default_eos = model_eos(vllm_config)
         capacity = vllm_config.scheduler_config.max_num_seqs
-        self.batch = ConstraintBatch(self.vocab_size, capacity, int(os.environ.get(THREADS_ENV, "0")))
+        self.constraint_rows = ConstraintRows(self.vocab_size, capacity, int(os.environ.get(THREADS_ENV, "0")))
         self.device = device
-        # Counted here and exported as the llm_serving_constraint_* metrics (constraints/metrics.py); the batch's
-        # core counts stalls, rebuilds and rescued rows, the batch the steps masked on a device.
-        self._metrics = ProcessorMetrics(self.batch)
+        # Counted here and exported as the llm_serving_constraint_* metrics (constraints/metrics.py); the rows'
+        # core counts stalls, rebuilds and rescued rows, and the rows count the steps masked on a device.
+        self._metrics = ProcessorMetrics(self.constraint_rows)
         self.readded = 0  # rows added with a non-empty output list (preempted requests coming back)
         self.constrained_added = 0
         self.steps = 0
@@ -172,28 +172,28 @@ class ConstraintLogitsProcessorV1(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is not None:
             for index in batch_update.removed:
-                self.batch.clear_row(index)
+                self.constraint_rows.clear_row(index)
             for index, params, _prompt, output_ids in batch_update.added:
                 spec = request_constraint(params) if params is not None else None
                 if spec is None:
-                    self.batch.clear_row(index)  # the index may still hold a previous request's state
+                    self.constraint_rows.clear_row(index)  # the index may still hold a previous request's state
                     continue
-                self.batch.set_row(index, self._machine(params, spec), output_ids)
+                self.constraint_rows.set_row(index, self._machine(params, spec), output_ids)
                 self.constrained_added += 1
                 if output_ids:
                     self.readded += 1
                 self._metrics.added(readded=bool(output_ids))
             for src, dst, direction in batch_update.moved:
                 if direction == MoveDirectionality.SWAP:
-                    self.batch.swap_rows(src, dst)
+                    self.constraint_rows.swap_rows(src, dst)
                 else:
-                    self.batch.move_row(src, dst)
-        self.batch.sync()
+                    self.constraint_rows.move_row(src, dst)
+        self.constraint_rows.sync()
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.batch.num_constrained() == 0:
+        if self.constraint_rows.num_constrained() == 0:
             return logits
-        rows = self.batch.fill_apply(logits)
+        rows = self.constraint_rows.fill_apply(logits)
         self.steps += 1
         self.max_rows = max(self.max_rows, rows)
         self._metrics.stepped(rows)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcessor, LogitsProcRequestState
 
-from serving_image.constraints.machines import ConstraintBatch
+from serving_image.constraints.machines import ConstraintRows
 from serving_image.constraints.metrics import ProcessorMetrics
 from serving_image.constraints.vllm_v1 import (
     THREADS_ENV,
@@ -55,23 +55,24 @@ class ConstraintLogitsProcessorV2(LogitsProcessor):
         self.req_states = req_states
         self.vocab_size = req_states.vocab_size
         self.default_eos = model_eos(vllm_config)
-        self.batch = ConstraintBatch(self.vocab_size, req_states.max_num_reqs,
+        self.constraint_rows = ConstraintRows(self.vocab_size, req_states.max_num_reqs,
                                      int(os.environ.get(THREADS_ENV, "0")))
         # Per slot: the output tokens consumed so far (the core reads this list at every sync).
         self.history: dict[int, list[int]] = {}
         self.constrained = np.zeros(req_states.max_num_reqs, dtype=bool)  # per slot, for a vectorised row filter
-        self._metrics = ProcessorMetrics(self.batch)  # the llm_serving_constraint_* metrics (constraints/metrics.py)
+        # the llm_serving_constraint_* metrics (constraints/metrics.py)
+        self._metrics = ProcessorMetrics(self.constraint_rows)
 
     def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
         spec = request_constraint(sampling_params)
         if spec is None:
-            self.batch.clear_row(req_idx)
+            self.constraint_rows.clear_row(req_idx)
             self.history.pop(req_idx, None)
             self.constrained[req_idx] = False
             return False
         hist: list[int] = []
         machine = compile_for_request(spec, sampling_params, self.vocab_size, self.default_eos)
-        self.batch.set_row(req_idx, machine, hist)
+        self.constraint_rows.set_row(req_idx, machine, hist)
         self.history[req_idx] = hist  # filled from the device at the next apply (a re-added request replays)
         self.constrained[req_idx] = True
         self._metrics.added(readded=False)  # a re-added request's history is on the device: not told apart here
@@ -130,7 +131,8 @@ class ConstraintLogitsProcessorV2(LogitsProcessor):
         slots = slots_all[positions].astype(np.int64)
         out_lens = ctx.seq_lens_upper_bound_np[positions].astype(np.int64) - self.req_states.prompt_len.np[slots]
         self._catch_up(slots, out_lens)
-        self.batch.sync()
-        self.batch.fill_apply_rows(logits, positions.astype(np.int32).tolist(), slots.astype(np.int32).tolist())
+        self.constraint_rows.sync()
+        self.constraint_rows.fill_apply_rows(logits, positions.astype(np.int32).tolist(),
+                                             slots.astype(np.int32).tolist())
         self._metrics.stepped(len(positions))
         return logits

@@ -1,9 +1,9 @@
-"""The engine interface -> KServe v2 tensors and back, for the clients of Triton's vLLM model: the engine adapters
-(serving_image/triton_adapter/triton_engine.py: the embedded Triton and a remote one). Nothing here does I/O.
+"""The served model's requests -> KServe v2 tensors and back, for the clients of Triton's vLLM model: the served
+model over Triton (serving_image/triton_adapter/triton_model.py) and the tests. Nothing here does I/O.
 
-- An `EngineRequest` becomes the streaming request Triton's vLLM backend takes (`text_input`, `stream`,
+- A `GenerationRequest` becomes the streaming request Triton's vLLM backend takes (`text_input`, `stream`,
   `exclude_input_in_output`, `sampling_parameters` as SamplingParams fields, the `return_*` flags);
-- each streamed response's tensors become an `EngineOutput` delta (`OutputReader`);
+- each streamed response's tensors become a `GenerationOutput` delta (`OutputReader`);
 - log-probabilities cross in the backend's `logprobs` output (JSON), written by the stand-in backend's in-stub engine
   (`backend_logprobs`) and read back here.
 
@@ -20,10 +20,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from serving_image.engine.base import (
+from serving_image.served_model import (
     ChoiceDelta,
-    EngineOutput,
-    EngineRequest,
+    GenerationOutput,
+    GenerationRequest,
     SamplingSpec,
     TokenLogprob,
     TopLogprob,
@@ -46,7 +46,7 @@ class Tensor:
 
 
 class ClientTranslationError(ValueError):
-    """An EngineRequest that cannot be expressed as KServe tensors; `param` names the field."""
+    """An GenerationRequest that cannot be expressed as KServe tensors; `param` names the field."""
 
     def __init__(self, message: str, param: str):
         super().__init__(message)
@@ -89,7 +89,7 @@ def sampling_parameters_json(spec: SamplingSpec, structured_key: str) -> str:
 
 
 
-def triton_prompt(request: EngineRequest, decode: Callable[[list[int]], str] | None, bos_token: str | None,
+def triton_prompt(request: GenerationRequest, decode: Callable[[list[int]], str] | None, bos_token: str | None,
                   tokenizer_adds_bos: bool) -> str:
     """The text to send as text_input: Triton's vLLM backend takes text and always tokenizes it with special tokens.
 
@@ -116,7 +116,7 @@ def triton_prompt(request: EngineRequest, decode: Callable[[list[int]], str] | N
     return prompt
 
 
-def request_tensors(request: EngineRequest, structured_key: str, prompt: str | None = None) -> list[Tensor]:
+def request_tensors(request: GenerationRequest, structured_key: str, prompt: str | None = None) -> list[Tensor]:
     """The streaming request the Triton adapters send: text only, prompt excluded, every output switched on."""
     if prompt is None:
         prompt = triton_prompt(request, None, None, False)
@@ -172,7 +172,7 @@ def read_backend_logprobs(text: str | bytes, k: int) -> tuple[TokenLogprob, ...]
 
 @dataclass
 class OutputReader:
-    """Turns each streamed response's tensors (name -> flat values) into an EngineOutput delta."""
+    """Turns each streamed response's tensors (name -> flat values) into an GenerationOutput delta."""
 
     request_id: str
     n: int
@@ -180,11 +180,11 @@ class OutputReader:
     finished: set[int] = field(default_factory=set)
     logprobs: int | None = None  # the request's k: each delta then carries its tokens' log-probabilities
 
-    def read(self, outputs: Mapping[str, list], final: bool = False) -> EngineOutput:
+    def read(self, outputs: Mapping[str, list], final: bool = False) -> GenerationOutput:
         texts = outputs.get("text_output")
         if texts is None:
             if final:  # an empty final response (triton_final_response) carries no tensors
-                return EngineOutput(self.request_id, self.prompt_tokens, (), True)
+                return GenerationOutput(self.request_id, self.prompt_tokens, (), True)
             raise ValueError("response has no text_output")
         reasons = outputs.get("finish_reason") or ["None"] * len(texts)
         counts = outputs.get("num_output_tokens") or [0] * len(texts)
@@ -214,5 +214,5 @@ class OutputReader:
             )
             raise_if_cut_short(self.request_id, delta)
             choices.append(delta)
-        return EngineOutput(self.request_id, self.prompt_tokens, tuple(choices),
+        return GenerationOutput(self.request_id, self.prompt_tokens, tuple(choices),
                             finished=final or len(self.finished) == self.n)

@@ -11,7 +11,7 @@ that works in production, where NVIDIA's vLLM backend passes no request priority
 header: it can only lower its own priority.
 
 Batch generations already running when a real-time request is admitted are preempted
-(`batch_preempted_by_realtime`): each is told to stop (`watch_preemption`'s callback), aborts its engine requests
+(`batch_preempted_by_realtime`): each is told to stop (`watch_preemption`'s callback), aborts its generation requests
 and answers 503 `preempted_by_realtime` with `Retry-After`, and the batch worker sends the line again later. Why
 stop work already done: the engine steps every running sequence together, so on a shared engine each batch sequence
 still running makes every real-time step slower (bench.batch measured real-time p99 TTFT at 2.5-6.6x beside a

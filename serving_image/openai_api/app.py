@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP front-end (port 9000, docs/architecture.md §3.2) over the engine interface.
+"""The OpenAI-compatible HTTP front-end (port 9000, docs/architecture.md §3.2) over the served-model interface.
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions (SSE streaming), /v1/embeddings, the /v1/score
 extension, /health/ready and /health/live. Every request body is parsed by a strict model (fields.py classifies
@@ -26,7 +26,6 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 from starlette.types import Receive
 
-from serving_image.engine.base import Engine
 from serving_image.openai_api.admission import PRIORITY_HEADER, Admission, APIConfig, check_api_key
 from serving_image.openai_api.embeddings import embed
 from serving_image.openai_api.errors import APIError, bad_request, from_validation_error, json_object
@@ -44,6 +43,7 @@ from serving_image.openai_api.request_scope import CLIENT_CLOSED_REQUEST, Reques
 from serving_image.openai_api.scoring import score
 from serving_image.openai_api.state import ServerState, server_state
 from serving_image.request_context import EXPERIMENT_HEADER, experiment_from
+from serving_image.served_model import ServedModel
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +56,15 @@ router = APIRouter()
 _KEEP_CONSTRAINT = {"constraint": None}
 
 
-def create_app(engine: Engine, is_draining: Callable[[], bool] = lambda: False,
+def create_app(served_model: ServedModel, is_draining: Callable[[], bool] = lambda: False,
                config: APIConfig | None = None, extensions: Sequence[Callable[[FastAPI], None]] = ()) -> FastAPI:
-    """The OpenAI front-end's app over `engine`. `extensions` mount more routes on it before its OpenAPI document is
-    built: the Batch API (serving_image/batch/api.py `mounted`), which startup adds when a store is configured."""
+    """The OpenAI front-end's app over `served_model`. `extensions` mount more routes on it before its OpenAPI
+    document is built: the Batch API (serving_image/batch/api.py `mounted`), which startup adds when a store is
+    configured."""
     config = config or APIConfig()
     app = FastAPI(title="llm-serving OpenAI-compatible API", docs_url=None, redoc_url=None)
-    app.state.server = ServerState(engine=engine, config=config, admission=Admission(config), is_draining=is_draining)
+    app.state.server = ServerState(served_model=served_model, config=config, admission=Admission(config),
+                                   is_draining=is_draining)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -109,9 +111,9 @@ async def ready(request: Request) -> JSONResponse:
     server = server_state(request)
     if server.is_draining():
         return JSONResponse({"status": "draining"}, status_code=503)
-    if server.engine.is_ready():
+    if server.served_model.is_ready():
         return JSONResponse({"status": "ready", "model": server.model.name, "version": server.model.version})
-    return JSONResponse({"status": "not ready", "reason": server.engine.dead_reason}, status_code=503)
+    return JSONResponse({"status": "not ready", "reason": server.served_model.dead_reason}, status_code=503)
 
 
 def _model_card(server: ServerState) -> dict:
@@ -191,8 +193,8 @@ async def _parse_body(request: Request, server: ServerState, endpoint: Endpoint)
     the size limit, valid JSON, valid for the model, and for the model this server serves."""
     config = server.config
     check_api_key(config, request.headers.get("authorization"))
-    if server.is_draining() or not server.engine.is_ready():
-        raise APIError(503, f"not ready: {server.engine.dead_reason or 'draining'}", type_="service_unavailable",
+    if server.is_draining() or not server.served_model.is_ready():
+        raise APIError(503, f"not ready: {server.served_model.dead_reason or 'draining'}", type_="service_unavailable",
                        code="not_ready")
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > config.max_body_bytes:

@@ -8,12 +8,12 @@ import struct
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive
 
-from serving_image.engine.base import EngineInputError, EngineUnavailableError
 from serving_image.openai_api.errors import bad_request
 from serving_image.openai_api.protocol import EmbeddingRequest
 from serving_image.openai_api.request_scope import RequestScope
 from serving_image.openai_api.state import ServerState
-from serving_image.openai_api.streaming import engine_error
+from serving_image.openai_api.streaming import api_error_from
+from serving_image.served_model import ModelUnavailableError, RequestInputError
 
 
 async def embed(server: ServerState, scope: RequestScope, body: EmbeddingRequest, receive: Receive) -> Response:
@@ -33,9 +33,9 @@ async def embed(server: ServerState, scope: RequestScope, body: EmbeddingRequest
     # Text is not tokenized here: admission counts about two characters a token.
     scope.admit(sum(len(i) if isinstance(i, list) else len(i) // 2 + 1 for i in items))
     try:
-        vectors = await server.engine.embed(items, scope.request_id)
-    except (EngineInputError, EngineUnavailableError) as exc:
-        raise engine_error(exc) from exc
+        vectors = await server.served_model.embed(items, scope.request_id)
+    except (RequestInputError, ModelUnavailableError) as exc:
+        raise api_error_from(exc) from exc
     scope.outcome.output_arrived()  # one answer: first and last output at once
     scope.outcome.prompt_tokens = sum(v.prompt_tokens for v in vectors)
     data = []

@@ -1,4 +1,4 @@
-"""/v1/completions and /v1/chat/completions: a request body to engine requests (one per prompt), and the engine's
+"""/v1/completions and /v1/chat/completions: a request body to generation requests (one per prompt), and the engine's
 outputs back to one JSON answer or to server-sent events."""
 
 from __future__ import annotations
@@ -8,17 +8,6 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive
 
-from serving_image.engine.base import (
-    Engine,
-    EngineInputError,
-    EngineOutput,
-    EngineRequest,
-    EngineUnavailableError,
-    ModelInfo,
-    OutputTotals,
-    PromptText,
-    context_window_error,
-)
 from serving_image.openai_api import openai_bodies
 from serving_image.openai_api.errors import bad_request
 from serving_image.openai_api.protocol import ChatCompletionRequest, CompletionRequest
@@ -27,38 +16,49 @@ from serving_image.openai_api.state import ServerState
 from serving_image.openai_api.streaming import (
     EventStreamResponse,
     StreamPlan,
-    engine_error,
+    api_error_from,
     first_then_rest,
     merged,
     unless_disconnected,
+)
+from serving_image.served_model import (
+    GenerationOutput,
+    GenerationRequest,
+    ModelInfo,
+    ModelUnavailableError,
+    OutputTotals,
+    PromptText,
+    RequestInputError,
+    ServedModel,
+    context_window_error,
 )
 
 
 async def generate(server: ServerState, scope: RequestScope, body: ChatCompletionRequest | CompletionRequest,
                    receive: Receive) -> Response:
-    engine, model = server.engine, server.model
+    served, model = server.served_model, server.model
     chat = isinstance(body, ChatCompletionRequest)
-    requests = engine_requests(engine, body, scope.request_id)
+    requests = generation_requests(served, body, scope.request_id)
     scope.admit(token_budget(requests, model))
     n = requests[0].sampling.n
     want_logprobs = requests[0].sampling.logprobs is not None
-    echo_texts = [engine.decode(list(r.prompt)) for r in requests] if not chat and body.echo else None
+    echo_texts = [served.decode(list(r.prompt)) for r in requests] if not chat and body.echo else None
     if body.stream:
         # Until the first output the response has not started, so no write can fail: watch the client meanwhile, as
         # for a non-streaming request (a client may give up while its request waits behind others).
-        started, streams = await unless_disconnected(start_streams(engine, requests), receive)
+        started, streams = await unless_disconnected(start_streams(served, requests), receive)
         if not started:
-            return await _client_left(engine, requests, scope)
+            return await _client_left(served, requests, scope)
         plan = StreamPlan(model=model.name, request_id=scope.request_id, requests=requests, chat=chat, n=n,
                           want_logprobs=want_logprobs,
                           include_usage=bool(body.stream_options and body.stream_options.include_usage),
                           echo_texts=echo_texts)
-        return EventStreamResponse(plan, streams, scope.hand_over(), engine.abort)
+        return EventStreamResponse(plan, streams, scope.hand_over(), served.abort)
 
     totals = [OutputTotals() for _ in requests]
 
     async def answer() -> None:
-        streams = await start_streams(engine, requests)
+        streams = await start_streams(served, requests)
         async for i, output in merged(streams):
             scope.outcome.output_arrived()
             totals[i].add(output)
@@ -69,16 +69,16 @@ async def generate(server: ServerState, scope: RequestScope, body: ChatCompletio
     preempted = scope.preemptible()
     try:
         completed, _ = await unless_disconnected(answer(), receive, stop=preempted)
-    except (EngineInputError, EngineUnavailableError) as exc:
-        raise engine_error(exc) from exc
+    except (RequestInputError, ModelUnavailableError) as exc:
+        raise api_error_from(exc) from exc
     scope.outcome.prompt_tokens = sum(t.prompt_tokens for t in totals)
     scope.outcome.completion_tokens = sum(t.completion_tokens for t in totals)
     if not completed and preempted is not None and preempted.is_set():
         for req in requests:
-            await engine.abort(req.request_id)
+            await served.abort(req.request_id)
         raise scope.preempted()
     if not completed:
-        return await _client_left(engine, requests, scope)
+        return await _client_left(served, requests, scope)
     if chat:
         return JSONResponse(openai_bodies.chat_response(scope.request_id, model.name, totals[0], want_logprobs))
     # One answer for all the prompts: prompt i's choices are numbered i * n .. i * n + n - 1.
@@ -93,29 +93,29 @@ async def generate(server: ServerState, scope: RequestScope, body: ChatCompletio
                                                       echo_prefixes))
 
 
-async def _client_left(engine: Engine, requests: list[EngineRequest], scope: RequestScope) -> Response:
+async def _client_left(served: ServedModel, requests: list[GenerationRequest], scope: RequestScope) -> Response:
     """The client left before its answer: stop spending engine time on an answer nobody will read (499)."""
     for req in requests:
-        await engine.abort(req.request_id)
+        await served.abort(req.request_id)
     scope.outcome.canceled()
     return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
-def engine_requests(engine: Engine, body: ChatCompletionRequest | CompletionRequest,
-                    request_id: str) -> list[EngineRequest]:
-    """One engine request per prompt (a chat has one; a completion may list several), each checked against the
+def generation_requests(served: ServedModel, body: ChatCompletionRequest | CompletionRequest,
+                    request_id: str) -> list[GenerationRequest]:
+    """One generation request per prompt (a chat has one; a completion may list several), each checked against the
     vocabulary and the context window so that the client hears which field is wrong."""
-    model = engine.info
+    model = served.info
     spec = openai_bodies.sampling_spec(body, model)
     chat = isinstance(body, ChatCompletionRequest)
     try:
         if chat:
-            text = engine.render_chat(openai_bodies.chat_messages(body))
+            text = served.render_chat(openai_bodies.chat_messages(body))
             # the chat template holds BOS already
-            prompts = [(engine.encode_prompt(text, add_special_tokens=False), PromptText(text, False))]
+            prompts = [(served.encode_prompt(text, add_special_tokens=False), PromptText(text, False))]
         else:
-            prompts = _completion_prompts(engine, body)
-    except EngineInputError as exc:
+            prompts = _completion_prompts(served, body)
+    except RequestInputError as exc:
         raise bad_request(str(exc), param=exc.param) from exc
     max_tokens_field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
     requests = []
@@ -125,7 +125,7 @@ def engine_requests(engine: Engine, body: ChatCompletionRequest | CompletionRequ
                                          max_tokens_field=max_tokens_field):
             raise bad_request(str(error), param=error.param, code="context_length_exceeded")
         engine_request_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-        requests.append(EngineRequest(engine_request_id, ids, spec, add_special_tokens=False, source=source))
+        requests.append(GenerationRequest(engine_request_id, ids, spec, add_special_tokens=False, source=source))
     return requests
 
 
@@ -133,12 +133,12 @@ def _prompt_field(i: int, count: int) -> str:
     return f"prompt[{i}]" if count > 1 else "prompt"
 
 
-def _completion_prompts(engine: Engine, body: CompletionRequest) -> list[tuple[list[int], PromptText | None]]:
+def _completion_prompts(served: ServedModel, body: CompletionRequest) -> list[tuple[list[int], PromptText | None]]:
     """`prompt` as token ids per prompt, with the text they came from: a string, a list of token ids (no text), or
     a list of either."""
     raw = body.prompt
     items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw
-    vocab_size = engine.info.vocab_size
+    vocab_size = served.info.vocab_size
     prompts = []
     for i, item in enumerate(items):
         name = _prompt_field(i, len(items))
@@ -151,11 +151,11 @@ def _completion_prompts(engine: Engine, body: CompletionRequest) -> list[tuple[l
         elif item == "":
             raise bad_request(f"{name} is empty", param=name)
         else:
-            prompts.append((engine.encode_prompt(item, add_special_tokens=True), PromptText(item, True)))
+            prompts.append((served.encode_prompt(item, add_special_tokens=True), PromptText(item, True)))
     return prompts
 
 
-def token_budget(requests: list[EngineRequest], model: ModelInfo) -> int:
+def token_budget(requests: list[GenerationRequest], model: ModelInfo) -> int:
     """What admission counts for a request: its prompts plus the most every choice may generate."""
     total = 0
     for req in requests:
@@ -164,15 +164,16 @@ def token_budget(requests: list[EngineRequest], model: ModelInfo) -> int:
     return total
 
 
-async def start_streams(engine: Engine, requests: list[EngineRequest]) -> list[AsyncIterator[EngineOutput]]:
-    """Start every engine request and wait for each one's first output, so that a refusal (400) or an unavailable
+async def start_streams(served: ServedModel,
+                        requests: list[GenerationRequest]) -> list[AsyncIterator[GenerationOutput]]:
+    """Start every generation request and wait for each one's first output, so that a refusal (400) or an unavailable
     engine (503) is answered as such, before any 200; on one, abort them all."""
     streams = []
     try:
         for req in requests:
-            streams.append(await first_then_rest(engine.generate(req)))
-    except (EngineInputError, EngineUnavailableError) as exc:
+            streams.append(await first_then_rest(served.generate(req)))
+    except (RequestInputError, ModelUnavailableError) as exc:
         for req in requests:
-            await engine.abort(req.request_id)
-        raise engine_error(exc) from exc
+            await served.abort(req.request_id)
+        raise api_error_from(exc) from exc
     return streams

@@ -1,7 +1,7 @@
-"""Pure translation between OpenAI request/response bodies and the engine interface.
+"""Pure translation between OpenAI request/response bodies and the served-model interface.
 
-No I/O here: the app feeds requests in and engine outputs through, so every mapping is testable on its own and
-shared by every engine adapter.
+No I/O here: the app feeds requests in and generation outputs through, so every mapping is testable on its own and
+shared by every served model.
 """
 
 from __future__ import annotations
@@ -9,19 +9,19 @@ from __future__ import annotations
 import time
 
 from serving_image.constraints.spec import ConstraintError, constraint_text
-from serving_image.engine.base import (
-    ModelInfo,
-    OutputTotals,
-    SamplingSpec,
-    StructuredOutput,
-    TokenLogprob,
-)
 from serving_image.openai_api.errors import bad_request
 from serving_image.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ResponseFormatJsonObject,
     ResponseFormatJsonSchema,
+)
+from serving_image.served_model import (
+    ModelInfo,
+    OutputTotals,
+    SamplingSpec,
+    StructuredOutput,
+    TokenLogprob,
 )
 
 
@@ -108,7 +108,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
 def openai_finish_reason(reason: str | None) -> str | None:
     if reason is None or reason in ("stop", "length"):
         return reason
-    # The engine adapters raise on "abort" and "error" (engine.base.raise_if_cut_short): reaching here is a bug.
+    # The served models raise on "abort" and "error" (served_model.raise_if_cut_short): reaching here is a bug.
     raise ValueError(f"finish reason {reason!r} has no OpenAI equivalent")
 
 

@@ -33,11 +33,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from serving_image.engine.base import ModelInfo
 from serving_image.openai_api.admission import Admission
 from serving_image.openai_api.errors import APIError
 from serving_image.openai_api.protocol import Endpoint
 from serving_image.request_context import count_experiment, log_record, trace_id_from
+from serving_image.served_model import ModelInfo
 
 __all__ = ["RequestRecord", "RequestScope", "trace_id_from"]  # trace_id_from: the handlers import it from here
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive
 
-from serving_image.engine.base import EngineInputError, EngineUnavailableError
 from serving_image.openai_api.protocol import ScoreRequest
 from serving_image.openai_api.request_scope import RequestScope
 from serving_image.openai_api.state import ServerState
-from serving_image.openai_api.streaming import engine_error
+from serving_image.openai_api.streaming import api_error_from
+from serving_image.served_model import ModelUnavailableError, RequestInputError
 
 
 async def score(server: ServerState, scope: RequestScope, body: ScoreRequest, receive: Receive) -> Response:
@@ -17,9 +17,9 @@ async def score(server: ServerState, scope: RequestScope, body: ScoreRequest, re
     # candidates (at most as many tokens as characters).
     scope.admit(len(body.prompt) // 2 + sum(len(c) for c in body.candidates))
     try:
-        scores = await server.engine.score(body.prompt, body.candidates, scope.request_id)
-    except (EngineInputError, EngineUnavailableError) as exc:
-        raise engine_error(exc) from exc
+        scores = await server.served_model.score(body.prompt, body.candidates, scope.request_id)
+    except (RequestInputError, ModelUnavailableError) as exc:
+        raise api_error_from(exc) from exc
     scope.outcome.output_arrived()  # one answer: first and last output at once
     return JSONResponse({
         "id": scope.request_id, "object": "score", "model": server.model.name,

@@ -12,15 +12,15 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from serving_image.engine.base import Engine, ModelInfo
 from serving_image.openai_api.admission import Admission, APIConfig
 from serving_image.openai_api.protocol import Endpoint
 from serving_image.openai_api.request_scope import RequestScope
+from serving_image.served_model import ModelInfo, ServedModel
 
 
 @dataclass(frozen=True)
 class ServerState:
-    engine: Engine
+    served_model: ServedModel
     config: APIConfig
     admission: Admission  # the requests and tokens in flight, over every endpoint
     is_draining: Callable[[], bool]  # True once the server is shutting down: readiness and new requests get 503
@@ -28,7 +28,7 @@ class ServerState:
     @property
     def model(self) -> ModelInfo:
         """The served model."""
-        return self.engine.info
+        return self.served_model.info
 
     def open_request(self, endpoint: Endpoint) -> RequestScope:
         return RequestScope(endpoint, self.model, self.admission)

@@ -13,32 +13,32 @@ from dataclasses import dataclass
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from serving_image.engine.base import (
-    EngineInputError,
-    EngineOutput,
-    EngineRequest,
-    EngineUnavailableError,
-    OutputTotals,
-)
 from serving_image.openai_api import openai_bodies
 from serving_image.openai_api.errors import APIError, bad_request
 from serving_image.openai_api.request_scope import Outcome, RequestScope
+from serving_image.served_model import (
+    GenerationOutput,
+    GenerationRequest,
+    ModelUnavailableError,
+    OutputTotals,
+    RequestInputError,
+)
 
 
-def engine_error(exc: Exception) -> APIError:
-    if isinstance(exc, EngineInputError):
+def api_error_from(exc: Exception) -> APIError:
+    if isinstance(exc, RequestInputError):
         return bad_request(str(exc), param=exc.param)
-    if isinstance(exc, EngineUnavailableError):
+    if isinstance(exc, ModelUnavailableError):
         return APIError(503, str(exc), type_="service_unavailable", code="engine_unavailable")
     return APIError(500, f"internal error: {exc}", type_="server_error")
 
 
-async def first_then_rest(stream: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
+async def first_then_rest(stream: AsyncIterator[GenerationOutput]) -> AsyncIterator[GenerationOutput]:
     """Pull the first output now, so that a refusal (400) or an unavailable engine (503) is reported before a 200
     and its event stream have been sent; return a stream that yields it again, then the rest."""
     first = await stream.__anext__()
 
-    async def rest() -> AsyncIterator[EngineOutput]:
+    async def rest() -> AsyncIterator[GenerationOutput]:
         yield first
         async for item in stream:
             yield item
@@ -46,7 +46,7 @@ async def first_then_rest(stream: AsyncIterator[EngineOutput]) -> AsyncIterator[
     return rest()
 
 
-async def merged(streams: list[AsyncIterator[EngineOutput]]) -> AsyncIterator[tuple[int, EngineOutput]]:
+async def merged(streams: list[AsyncIterator[GenerationOutput]]) -> AsyncIterator[tuple[int, GenerationOutput]]:
     """Interleave several engine streams (a completions request with a list of prompts) as outputs arrive."""
     if len(streams) == 1:
         async for item in streams[0]:
@@ -55,7 +55,7 @@ async def merged(streams: list[AsyncIterator[EngineOutput]]) -> AsyncIterator[tu
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, stream: AsyncIterator[EngineOutput]) -> None:
+    async def pump(i: int, stream: AsyncIterator[GenerationOutput]) -> None:
         try:
             async for item in stream:
                 await queue.put((i, item))
@@ -124,7 +124,7 @@ def sse(body: dict) -> bytes:
 class StreamPlan:
     model: str
     request_id: str
-    requests: list[EngineRequest]
+    requests: list[GenerationRequest]
     chat: bool
     n: int
     want_logprobs: bool
@@ -132,7 +132,7 @@ class StreamPlan:
     echo_texts: list[str] | None  # completions with echo: the prompt text per prompt
 
 
-async def stream_events(plan: StreamPlan, streams: list[AsyncIterator[EngineOutput]],
+async def stream_events(plan: StreamPlan, streams: list[AsyncIterator[GenerationOutput]],
                         outcome: Outcome) -> AsyncIterator[bytes]:
     """The engine's outputs as OpenAI server-sent events, ending with `data: [DONE]`; usage and an engine error
     met on the way are recorded in `outcome`. What happens when the client leaves is EventStreamResponse's."""
@@ -177,8 +177,8 @@ async def stream_events(plan: StreamPlan, streams: list[AsyncIterator[EngineOutp
             yield sse(chunk(plan.request_id, plan.model, created, [],
                             openai_bodies.usage(outcome.prompt_tokens, outcome.completion_tokens)))
         yield b"data: [DONE]\n\n"
-    except (EngineInputError, EngineUnavailableError) as exc:
-        error = engine_error(exc)
+    except (RequestInputError, ModelUnavailableError) as exc:
+        error = api_error_from(exc)
         outcome.status = error.status
         yield sse(error.body())
         yield b"data: [DONE]\n\n"
@@ -194,7 +194,7 @@ class EventStreamResponse(StreamingResponse):
     traceback puts it in a reference cycle, so that waits for the cycle collector: until then the request kept its
     admission, went unlogged, and the engine generated on for nobody."""
 
-    def __init__(self, plan: StreamPlan, streams: list[AsyncIterator[EngineOutput]], request_scope: RequestScope,
+    def __init__(self, plan: StreamPlan, streams: list[AsyncIterator[GenerationOutput]], request_scope: RequestScope,
                  abort: Callable[[str], Awaitable[None]]):
         super().__init__(stream_events(plan, streams, request_scope.outcome), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Request-Id": plan.request_id})

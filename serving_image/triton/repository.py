@@ -43,7 +43,7 @@ from serving_image.triton_stub import ENGINE_IN_STUB_PY, SCORING_MODEL_PY  # the
 
 VERSION_DIR = "1"
 _KSERVE_TO_PBTXT = {"BYTES": mc.TYPE_STRING, "BOOL": mc.TYPE_BOOL, "UINT32": mc.TYPE_UINT32, "FP32": mc.TYPE_FP32}
-# The structured-output settings the stand-in's VllmLocalEngine runs with (serving_image/engine/vllm_local.py), so
+# The structured-output settings the stand-in's AsyncLlmModel runs with (serving_image/engine/async_llm_model.py), so
 # production generates the same JSON: xgrammar, and no whitespace outside strings.
 STRUCTURED_BACKEND = {"backend": "xgrammar", "disable_any_whitespace": True}
 
@@ -84,7 +84,7 @@ def scoring_model_config(name: str) -> mc.ModelConfig:
 
 def pooling_engine_json(engine_json: dict[str, Any]) -> dict[str, Any]:
     """The pooling model's model.json from the generation model's: the same weights as an embedding model, as
-    VllmLocalEngine runs its embedder (serving_image/engine/vllm_local.py); structured outputs do not apply."""
+    AsyncLlmModel runs its embedder (serving_image/engine/async_llm_model.py); structured outputs do not apply."""
     engine = {k: v for k, v in engine_json.items()
               if k not in ("structured_outputs_config", "guided_decoding_backend",
                            "guided_decoding_disable_any_whitespace")}

@@ -174,8 +174,8 @@ async def start_embedded_triton(package: VerifiedPackage, workdir: Path, max_mod
     """`openai` mode over Triton, the host's part: generate the Triton repository of the package and its companions
     (packages the same server serves beside it on the KServe ports: a ranker, an ensemble and its steps) and start
     Triton in this process through the C API (serving_image/triton/embedded.py). Returns the EmbeddedTriton and the
-    main package's max_model_len; the engine adapter over its LLM is the caller's
-    (serving_image/triton_adapter/triton_engine.py `start_triton_engine`)."""
+    main package's max_model_len; the served model over its LLM is the caller's
+    (serving_image/triton_adapter/triton_model.py `start_embedded_triton_model`)."""
     from llm_serving.manifest import Backend
     from serving_image.triton.embedded import start_embedded
     from serving_image.triton.models import package_models

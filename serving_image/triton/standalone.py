@@ -38,7 +38,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from serving_image.engine.base import ModelInfo
+from serving_image.served_model import ModelInfo
 from serving_image.triton.tracing import TritonTracing
 
 log = logging.getLogger(__name__)

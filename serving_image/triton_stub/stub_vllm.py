@@ -3,7 +3,7 @@
 process (serving_image/triton_stub/backends/vllm/engine_in_stub.py runs it on a thread of its own, with .venv-serving's
 packages after the stub's).
 
-It starts vLLM's AsyncLLM from model.json through the project's adapter (serving_image/engine/vllm_local.py: the
+It starts vLLM's AsyncLLM from model.json through the project's adapter (serving_image/engine/async_llm_model.py: the
 same engine arguments, KV-cache sizing, structured-output settings and metrics as everywhere; vLLM's metrics go to
 $PROMETHEUS_MULTIPROC_DIR, and plugins such as the constraint processor load through their entry points), then
 serves the model's requests (`MessageDispatcher`) until the model is unloaded.
@@ -27,14 +27,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from serving_image.engine.base import (
-    EngineInputError,
-    EngineUnavailableError,
-    ModelInfo,
-    context_window_error,
-)
 from serving_image.engine.vllm_backend_tensors import backend_logprobs
 from serving_image.json_text import loads_keeping
+from serving_image.served_model import (
+    ModelInfo,
+    ModelUnavailableError,
+    RequestInputError,
+    context_window_error,
+)
 
 log = logging.getLogger("llm_serving.triton.stub_vllm")
 
@@ -248,9 +248,9 @@ def error_message(request_id: str, exc: Exception) -> dict:
     """The one error message of a failed request, for generation, embeddings and scores alike: a client error
     (INVALID_ARG, with the field it names), an unavailable engine (UNAVAILABLE), or a bug here, reported as the
     server's error (INTERNAL, logged with its traceback), never as the client's."""
-    if isinstance(exc, EngineInputError):
+    if isinstance(exc, RequestInputError):
         return {"id": request_id, "error": str(exc), "code": "INVALID_ARG", "field": exc.param}
-    if isinstance(exc, EngineUnavailableError):
+    if isinstance(exc, ModelUnavailableError):
         return {"id": request_id, "error": str(exc), "code": "UNAVAILABLE"}
     log.error("request %s failed", request_id, exc_info=exc)
     return {"id": request_id, "error": f"{type(exc).__name__}: {exc}", "code": "INTERNAL"}
@@ -294,7 +294,7 @@ class MessageDispatcher:
                 params = sampling_params_from_json(message.get("params"), message.get("root", "sampling_parameters"),
                                                    info, json_control_bias=self.engine.json_control_bias)
             except ParameterError as exc:
-                raise EngineInputError(str(exc), exc.field) from None
+                raise RequestInputError(str(exc), exc.field) from None
             if interval := message.get("interval"):  # the model's pacing (model.py SendPacer); a caller's own larger
                 params.stream_interval = max(interval, params.stream_interval or 1)  # one is kept, as vLLM clamps
             prompt_ids = self.engine.encode_prompt(message["prompt"], add_special_tokens=True)
@@ -338,7 +338,7 @@ class MessageDispatcher:
 
     async def embed(self, message: dict) -> None:
         """One input's embedding from the pooling engine (the stub has checked the request's shape); the same
-        tokenization and pooling as VllmLocalEngine.embed."""
+        tokenization and pooling as AsyncLlmModel.embed."""
         request_id = message["id"]
 
         async def work() -> dict:
@@ -346,18 +346,18 @@ class MessageDispatcher:
             if isinstance(value, list):
                 vocab = self.engine.info.vocab_size
                 if bad := next((t for t in value if not 0 <= t < vocab), None):
-                    raise EngineInputError(f"embedding_request.input: token id {bad} is not in 0..{vocab - 1}",
+                    raise RequestInputError(f"embedding_request.input: token id {bad} is not in 0..{vocab - 1}",
                                            "embedding_request.input")
             try:
                 (vector,) = await self.engine.embed([value], request_id)
-            except EngineInputError as exc:
-                raise EngineInputError(f"embedding_request.input: {exc}", "embedding_request.input") from None
+            except RequestInputError as exc:
+                raise RequestInputError(f"embedding_request.input: {exc}", "embedding_request.input") from None
             return {"p": vector.prompt_tokens, "embedding": list(vector.vector)}
 
         await self._answer_once(request_id, work)
 
     async def score(self, message: dict) -> None:
-        """Prefill-only scoring of each candidate (VllmLocalEngine.score: the prompt logprobs of one prefill)."""
+        """Prefill-only scoring of each candidate (AsyncLlmModel.score: the prompt logprobs of one prefill)."""
         request_id = message["id"]
 
         async def work() -> dict:
@@ -383,8 +383,8 @@ async def start_pooling_engine(*, name: str, version: str, model_path: Path, tok
     runner per engine, and this model serves `embed` only."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from serving_image.engine.async_llm_model import AsyncLlmModel, build_engine_args
     from serving_image.engine.shm_ledger import ShmLedger
-    from serving_image.engine.vllm_local import VllmLocalEngine, build_engine_args
 
     shm_ledger = ShmLedger()  # before the engine's processes start: they inherit it
     llm = None
@@ -401,14 +401,14 @@ async def start_pooling_engine(*, name: str, version: str, model_path: Path, tok
         shm_ledger.reclaim()
         raise
     # The pooling engine is both: generate() on it is refused by vLLM, and the stub refuses it first by task.
-    return VllmLocalEngine(llm, info, embedder=llm, shm_ledger=shm_ledger)
+    return AsyncLlmModel(llm, info, embedder=llm, shm_ledger=shm_ledger)
 
 
 async def start_engine(model_json: Path, model_name: str, model_version: str) -> tuple[object, tuple[str, ...]]:
     """The engine model.json describes (a generation engine, or a pooling one: `runner: pooling`) and the tasks it
     serves."""
     from serving_image.cpu_placement import restore_engine_cpus
-    from serving_image.engine.vllm_local import VllmLocalEngine
+    from serving_image.engine.async_llm_model import AsyncLlmModel
     from serving_image.metrics.multiproc import write_values_with_cached_pid
 
     # vLLM's processes start from this thread: on the cores the server was given, even when this stub started after
@@ -421,7 +421,7 @@ async def start_engine(model_json: Path, model_name: str, model_version: str) ->
                                             tokenizer_path=tokenizer, args=args)
         settle_after_start()
         return engine, ("embed",)
-    engine = await VllmLocalEngine.start(name=model_name, version=model_version, model_path=model,
+    engine = await AsyncLlmModel.start(name=model_name, version=model_version, model_path=model,
                                          tokenizer_path=tokenizer, args=args)
     settle_after_start()
     return engine, ("generate",)

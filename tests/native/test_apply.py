@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from serving_image.constraints.machines import ConstraintBatch, apply_bitmask_torch, compile_spec
+from serving_image.constraints.machines import ConstraintRows, apply_bitmask_torch, compile_spec
 from serving_image.constraints.spec import AllowedTokensSpec, validate_constraint
 
 
-def random_batch(vocab: int, rows: int, seed: int, threads: int = 0) -> tuple[ConstraintBatch, list[list[int]]]:
+def random_batch(vocab: int, rows: int, seed: int, threads: int = 0) -> tuple[ConstraintRows, list[list[int]]]:
     """Rows constrained with random allowed sets of very different sizes (sparse and dense)."""
     rng = np.random.default_rng(seed)
-    batch = ConstraintBatch(vocab, rows, threads=threads)
+    batch = ConstraintRows(vocab, rows, threads=threads)
     sets = []
     for r in range(rows):
         size = int(rng.choice([1, 5, 100, vocab // 3, vocab - 1]))
@@ -66,7 +66,7 @@ def test_rows_map_to_other_logits_rows_and_strided_logits():
 
 def test_unconstrained_rows_are_untouched_and_cost_no_fill():
     vocab = 4096
-    batch = ConstraintBatch(vocab, 8)
+    batch = ConstraintRows(vocab, 8)
     spec = validate_constraint({"kind": "allowed_tokens", "tokens": [3]}, vocab, 0)
     batch.set_row(5, compile_spec(spec, vocab, 0), None)
     logits = torch.randn(8, vocab)
@@ -116,7 +116,7 @@ def test_a_row_left_with_nothing_to_sample_gets_its_allowed_tokens_back(dtype):
     """An earlier processor set every allowed token to -inf (min_tokens masking eos when the constraint can only
     end): the constraint wins, its allowed tokens get logit 0, and the row still has something to sample."""
     vocab, eos = 1000, 0
-    batch = ConstraintBatch(vocab, 2, threads=1)
+    batch = ConstraintRows(vocab, 2, threads=1)
     for row in (0, 1):
         batch.set_row(row, compile_spec(AllowedTokensSpec(tokens=(3, 7)), vocab, eos), None)
     logits = torch.randn(2, vocab).to(dtype)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from serving_image.constraints import validate_constraint
-from serving_image.constraints.machines import ConstraintBatch, compile_spec
+from serving_image.constraints.machines import ConstraintRows, compile_spec
 from serving_image.constraints.reference import ReferenceState
 from tests.native.gen import BatchModel, next_token, random_batch_op, random_spec, random_vocab
 
@@ -29,7 +29,7 @@ def bitmask_tokens(bitmask: np.ndarray, row: int, vocab: int) -> list[int]:
 def test_single_row_matches_reference_step_by_step(rng: random.Random):
     vocab, eos = random_vocab(rng)
     spec = random_spec(rng, vocab, eos)
-    batch = ConstraintBatch(vocab, 2, threads=1)
+    batch = ConstraintRows(vocab, 2, threads=1)
     tokens: list[int] = []
     batch.set_row(1, compile_spec(spec, vocab, eos), tokens)
     ref = ReferenceState(spec, eos)
@@ -56,7 +56,7 @@ def test_batch_operations_match_reference_replay(rng: random.Random):
     current output list (a function of the generated tokens alone)."""
     vocab, eos = random_vocab(rng)
     capacity = rng.randint(1, 6)
-    batch = ConstraintBatch(vocab, capacity, threads=rng.choice((1, 2)))
+    batch = ConstraintRows(vocab, capacity, threads=rng.choice((1, 2)))
     model = BatchModel(capacity)  # row -> (spec, its output list)
     logits = torch.zeros(capacity, vocab, dtype=rng.choice((torch.float32, torch.bfloat16)))
     for _ in range(rng.randint(5, 60)):
@@ -101,7 +101,7 @@ def test_history_shrink_and_rewrite_are_detected():
     vocab, eos = 64, 0
     spec = validate_constraint({"kind": "token_dfa", "start": 0, "accept": [2],
                                 "edges": [[0, 17, 1], [1, 42, 2], [1, 17, 1]]}, vocab, eos)
-    batch = ConstraintBatch(vocab, 1, threads=1)
+    batch = ConstraintRows(vocab, 1, threads=1)
     out = [17, 42]
     batch.set_row(0, compile_spec(spec, vocab, eos), out)
     assert batch.sync() == 0
@@ -126,7 +126,7 @@ def test_manual_advance_and_rebuild_match_the_reference(rng: random.Random):
     """The core's direct API (no output list): advance by tokens, rebuild from a history at any time."""
     vocab, eos = random_vocab(rng)
     spec = random_spec(rng, vocab, eos)
-    batch = ConstraintBatch(vocab, 1, threads=1)
+    batch = ConstraintRows(vocab, 1, threads=1)
     batch.set_row(0, compile_spec(spec, vocab, eos), None)
     history: list[int] = []
     ref = ReferenceState(spec, eos)

@@ -205,13 +205,13 @@ def test_the_emulated_kernel_equals_the_torch_path_bit_for_bit(host, dtype, sm_c
 
 def test_the_emulated_kernel_agrees_with_the_cpu_core_on_sparse_rows(host):
     # The CPU core (the processor's path on this machine) rescues sparse rows the same way.
-    from serving_image.constraints.machines import ConstraintBatch, compile_spec
+    from serving_image.constraints.machines import ConstraintRows, compile_spec
     from serving_image.constraints.spec import validate_constraint
 
     vocab, eos = 5000, 1
     specs = [{"kind": "allowed_tokens", "tokens": [5, 7, 9]}, {"kind": "token_dfa", "start": 0, "accept": [1],
              "edges": [[0, 17, 1], [1, 42, 0]]}, {"kind": "allowed_tokens", "tokens": [100, 4000]}]
-    batch = ConstraintBatch(vocab, 4, threads=1)
+    batch = ConstraintRows(vocab, 4, threads=1)
     for row, raw in enumerate(specs):
         batch.set_row(row, compile_spec(validate_constraint(raw, vocab, eos), vocab, eos), [])
     logits = torch.randn(3, vocab)
@@ -312,11 +312,11 @@ def test_the_kernel_on_the_device_equals_the_torch_path(dtype):
 def test_the_torch_fallback_takes_the_row_arrays_the_gpu_path_hands_it():
     # Off the CPU the batch fills through `fill_constrained` (an int32 array) and hands the rows to the kernel or,
     # without it, to torch: the torch path must accept them and mask as the core does.
-    from serving_image.constraints.machines import ConstraintBatch, compile_spec
+    from serving_image.constraints.machines import ConstraintRows, compile_spec
     from serving_image.constraints.spec import validate_constraint
 
     vocab, eos = 3000, 1
-    batch = ConstraintBatch(vocab, 4, threads=1)
+    batch = ConstraintRows(vocab, 4, threads=1)
     spec = validate_constraint({"kind": "allowed_tokens", "tokens": [5, 7, 2999]}, vocab, eos)
     batch.set_row(2, compile_spec(spec, vocab, eos), [])
     rows = batch.core.fill_constrained(4, 1)

@@ -74,7 +74,7 @@ def test_rows_follow_their_output_lists_through_every_batch_change(proc, vllm_co
     # one-way move into a hole left by a removal
     proc.update_state(update(2, removed=[0], moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL)]))
     assert finite(proc, 2, vocab)[0] == expected(DFA, a) == [1]
-    assert not proc.impl.batch.core.constrained(2)
+    assert not proc.impl.constraint_rows.core.constrained(2)
 
     # preempted and re-added elsewhere with a shorter, new history list: replayed
     proc.update_state(update(1, removed=[0]))
@@ -95,7 +95,7 @@ def test_rows_follow_their_output_lists_through_every_batch_change(proc, vllm_co
     del resumed[1:]
     proc.update_state(None)
     assert finite(proc, 2, vocab)[0] == [17, 42]
-    assert proc.impl.batch.core.rebuilds >= 1
+    assert proc.impl.constraint_rows.core.rebuilds >= 1
 
 
 def test_counts_are_exported_as_metrics(proc, vllm_config):

@@ -112,7 +112,7 @@ class EngineProcesses:
 
     @classmethod
     def in_this_process(cls) -> EngineProcesses:
-        """The engine processes that a vLLM engine of this very process (an AsyncLLM, as VllmLocalEngine runs it)
+        """The engine processes that a vLLM engine of this very process (an AsyncLLM, as AsyncLlmModel runs it)
         spawned, with their own children. vLLM titles them `VLLM::<role>`; the other children a test session may
         have (finished helpers, a zombie not yet reaped) are left alone."""
         engines = []

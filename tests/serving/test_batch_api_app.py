@@ -23,7 +23,7 @@ from serving_image.batch.storage import BatchStorage
 from serving_image.batch.worker import BatchWorker, WorkerConfig
 from serving_image.openai_api.admission import PRIORITY_HEADER, APIConfig
 from serving_image.openai_api.app import create_app
-from tests.serving.test_openai_request_scope import MODEL, Generation, ScriptedEngine
+from tests.serving.test_openai_request_scope import MODEL, Generation, ScriptedModel
 
 KEYS = ("key-a", "key-b")
 ADMIN = "admin-key"
@@ -33,7 +33,7 @@ ADMIN = "admin-key"
 def app(tmp_path):
     batch = BatchConfig(store_uri=str(tmp_path / "store"), admin_keys=(ADMIN,), max_lines=3, max_file_bytes=4000,
                         max_files_per_key=3, max_active_batches_per_key=1)
-    return create_app(ScriptedEngine(Generation(3)), config=APIConfig(api_keys=KEYS), extensions=(mounted(batch),))
+    return create_app(ScriptedModel(Generation(3)), config=APIConfig(api_keys=KEYS), extensions=(mounted(batch),))
 
 
 
@@ -162,7 +162,7 @@ async def test_an_expired_batch_keeps_what_it_answered_and_errors_the_rest(app):
     assert {x["error"]["code"] for x in errors} == {"batch_expired"}
 
 
-class FirstBatchAttemptHangs(ScriptedEngine):
+class FirstBatchAttemptHangs(ScriptedModel):
     """Batch lines' prompts start with 'B': the first of them to reach the engine stays there (a long generation)
     until something stops it; every other request is answered at once."""
 

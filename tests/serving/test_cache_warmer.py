@@ -90,7 +90,7 @@ def test_publish_requests_and_the_warmer_of_each_region_answers_with_its_marker(
     restored: list[Path] = []
     home_fs = tmp_path / "fsx-home"
     _associate(s3, HOME, home_fs)
-    problems = cache_warmer.run_once(cache_warmer.Store(s3[HOME], BUCKETS[HOME]), HOME, "models/",
+    problems = cache_warmer.run_once(cache_warmer.RegionBucket(s3[HOME], BUCKETS[HOME]), HOME, "models/",
                                      "fs-home", home_fs, restore=restored.extend)
     assert problems == []
     package_dir = home_fs / pc.model_cache_key("chat", "1.0.0")
@@ -100,7 +100,7 @@ def test_publish_requests_and_the_warmer_of_each_region_answers_with_its_marker(
     assert (marker.region, marker.file_system_id, marker.package_sha256, marker.files) == (
         HOME, "fs-home", pkg.manifest_sha256, 3)
     # The west region's warmer sees the request only once it has replicated, and the package with it.
-    west_store = cache_warmer.Store(s3[WEST], BUCKETS[WEST])
+    west_store = cache_warmer.RegionBucket(s3[WEST], BUCKETS[WEST])
     assert cache_warmer.run_once(west_store, WEST, "models/", "fs-west", tmp_path / "fsx-west") == []
     _replicate(s3)
     west_fs = tmp_path / "fsx-west"
@@ -122,8 +122,8 @@ def test_a_file_that_does_not_match_the_manifest_gets_no_marker(s3, published, t
     _associate(s3, HOME, fs)
     weights = fs / pc.model_cache_key("chat", "1.0.0") / "weights" / "model.safetensors"
     weights.write_bytes(b"truncated")
-    (problem,) = cache_warmer.run_once(cache_warmer.Store(s3[HOME], BUCKETS[HOME]), HOME, "models/", "fs-home", fs,
-                                       restore=lambda p: None)
+    (problem,) = cache_warmer.run_once(cache_warmer.RegionBucket(s3[HOME], BUCKETS[HOME]), HOME, "models/", "fs-home",
+                                       fs, restore=lambda p: None)
     assert f"{weights}: SHA-256 " in problem and "differs from the manifest's" in problem
     assert "Contents" not in s3[HOME].list_objects_v2(Bucket=BUCKETS[HOME], Prefix="cache-state/resident/")
 
@@ -133,7 +133,7 @@ def test_publish_waits_for_every_region_and_names_the_cold_ones(s3, published, t
     store.request_warm(pkg, [HOME, WEST])
     fs = tmp_path / "fsx"
     _associate(s3, HOME, fs)
-    cache_warmer.run_once(cache_warmer.Store(s3[HOME], BUCKETS[HOME]), HOME, "models/", "fs-home", fs,
+    cache_warmer.run_once(cache_warmer.RegionBucket(s3[HOME], BUCKETS[HOME]), HOME, "models/", "fs-home", fs,
                           restore=lambda p: None)
     now = [0.0]
     console = Console(file=open(tmp_path / "progress.txt", "w"), width=120)  # noqa: SIM115 (closed by the test)
@@ -146,7 +146,7 @@ def test_publish_waits_for_every_region_and_names_the_cold_ones(s3, published, t
     _replicate(s3)
     west_fs = tmp_path / "fsx-west"
     _associate(s3, WEST, west_fs)
-    cache_warmer.run_once(cache_warmer.Store(s3[WEST], BUCKETS[WEST]), WEST, "models/", "fs-west", west_fs,
+    cache_warmer.run_once(cache_warmer.RegionBucket(s3[WEST], BUCKETS[WEST]), WEST, "models/", "fs-west", west_fs,
                           restore=lambda p: None)
     assert wait_resident(store, pkg, HOME, [HOME, WEST], timeout_s=0, poll_s=15, console=Console(quiet=True),
                          s3_for_region=s3.__getitem__) == {}
@@ -172,6 +172,6 @@ def test_the_rollouts_check_accepts_exactly_what_the_warmer_wrote(s3, published,
     store.request_warm(pkg, [HOME])
     fs = tmp_path / "fsx"
     _associate(s3, HOME, fs)
-    cache_warmer.run_once(cache_warmer.Store(s3[HOME], BUCKETS[HOME]), HOME, "models/", "fs-home", fs,
+    cache_warmer.run_once(cache_warmer.RegionBucket(s3[HOME], BUCKETS[HOME]), HOME, "models/", "fs-home", fs,
                           restore=lambda p: None)
     assert warm_problem(cfg, uri, manifest, get) is None

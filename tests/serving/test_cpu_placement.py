@@ -203,7 +203,7 @@ def test_a_sigterm_while_the_process_settles_drains_instead_of_killing():
             async def shutdown(self):
                 print("engine shut down")
 
-        started = startup.Started(package=None, engine=Engine(), timings=[])
+        started = startup.Started(package=None, served_model=Engine(), timings=[])
         def settle():
             os.kill(os.getpid(), signal.SIGTERM)
             print("settled")

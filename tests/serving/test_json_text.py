@@ -8,9 +8,9 @@ import json
 import pytest
 
 from serving_image.constraints.spec import constraint_text, spec_to_json, validate_constraint
-from serving_image.engine.base import SamplingSpec
 from serving_image.engine.vllm_backend_tensors import sampling_parameters_json
 from serving_image.json_text import JSONText, dumps_spec, loads, loads_keeping
+from serving_image.served_model import SamplingSpec
 
 
 @pytest.mark.parametrize("text", ['{"a":1,"a":2}', "[1, 2.5, true, null]", '"\\u00e9"', "NaN", "[Infinity]",

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from serving_image.engine.base import ModelInfo, StructuredOutput
 from serving_image.openai_api.errors import APIError, from_validation_error
 from serving_image.openai_api.openai_bodies import chat_messages, sampling_spec
 from serving_image.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from serving_image.served_model import ModelInfo, StructuredOutput
 
 INFO = ModelInfo(name="demo", version="1", max_model_len=512, vocab_size=600, eos_token_id=1)
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -11,32 +11,32 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from serving_image.engine.base import (
+from serving_image.openai_api.admission import APIConfig
+from serving_image.openai_api.app import create_app
+from serving_image.served_model import (
     CandidateScore,
     ChoiceDelta,
     Embedding,
-    Engine,
-    EngineOutput,
-    EngineRequest,
+    GenerationOutput,
+    GenerationRequest,
     ModelInfo,
+    ServedModel,
     TokenLogprob,
     TopLogprob,
 )
-from serving_image.openai_api.admission import APIConfig
-from serving_image.openai_api.app import create_app
 
 MODEL = ModelInfo(name="fake", version="3", max_model_len=256, vocab_size=100, eos_token_id=0, embedding_dim=4)
 KEY = "fuzz-key"
 
 
-class ShapedEngine(Engine):
+class ShapedModel(ServedModel):
     """Answers like a real engine in shape: `n` choices of min(max_tokens, 3) tokens each (a "length" finish when
     max_tokens cut it, else "stop"), per-token log-probabilities with the top k when asked, an embedding per input
     and a score per candidate. Its tokenizer is one token per character."""
 
     info = MODEL
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         s = request.sampling
         prompt_tokens = len(request.prompt) if isinstance(request.prompt, list) else len(request.prompt) + 1
         limit = s.max_tokens if s.max_tokens is not None else 3
@@ -51,7 +51,7 @@ class ShapedEngine(Engine):
                     logprobs = (TokenLogprob("a", 97, -0.5, top, 1),)
                 finish = ("length" if count == limit else "stop") if last else None
                 choices.append(ChoiceDelta(index, "a", (97,), logprobs, finish))
-            yield EngineOutput(request.request_id, prompt_tokens, tuple(choices), finished=last)
+            yield GenerationOutput(request.request_id, prompt_tokens, tuple(choices), finished=last)
 
     async def abort(self, request_id: str) -> None:
         pass
@@ -98,7 +98,7 @@ def test_fuzzing_the_openapi_schema_in_process_finds_no_server_error(monkeypatch
 
     # with the Batch API on (a directory store), so that its routes are fuzzed too
     batch = BatchConfig.from_env({"LLM_SERVING_BATCH_STORE": str(tmp_path / "batch-store")})
-    app = create_app(ShapedEngine(), config=APIConfig(max_inflight_tokens=100_000), extensions=(mounted(batch),))
+    app = create_app(ShapedModel(), config=APIConfig(max_inflight_tokens=100_000), extensions=(mounted(batch),))
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/embeddings",
@@ -126,7 +126,7 @@ def test_the_fake_engine_answers_in_the_shape_asked(path):
     request through it is a 200 with n choices."""
     import httpx
 
-    app = create_app(ShapedEngine(), config=APIConfig(max_inflight_tokens=100_000))
+    app = create_app(ShapedModel(), config=APIConfig(max_inflight_tokens=100_000))
     body = {"model": MODEL.name, "max_tokens": 2, "n": 2, "temperature": 1.0,
             **({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})}
 
@@ -153,7 +153,7 @@ def test_each_post_endpoint_is_described_once_and_refuses_other_methods_in_opena
     from serving_image.openai_api.openapi import ERROR_STATUSES
     from serving_image.openai_api.protocol import ENDPOINTS
 
-    app = create_app(ShapedEngine())
+    app = create_app(ShapedModel())
     spec = app.openapi()
     operation_ids = [op["operationId"] for path in spec["paths"].values() for op in path.values()]
     assert len(operation_ids) == len(set(operation_ids))

@@ -19,21 +19,21 @@ from dataclasses import dataclass
 import pytest
 from starlette.requests import ClientDisconnect
 
-from serving_image.engine.base import (
-    ChoiceDelta,
-    Engine,
-    EngineOutput,
-    EngineRequest,
-    EngineUnavailableError,
-    ModelInfo,
-    SamplingSpec,
-)
 from serving_image.openai_api.admission import Admission, APIConfig
 from serving_image.openai_api.app import create_app
 from serving_image.openai_api.errors import APIError, bad_request
 from serving_image.openai_api.protocol import CHAT_COMPLETIONS, COMPLETIONS, ChatCompletionRequest
 from serving_image.openai_api.request_scope import RequestScope, trace_id_from
 from serving_image.openai_api.streaming import EventStreamResponse, StreamPlan
+from serving_image.served_model import (
+    ChoiceDelta,
+    GenerationOutput,
+    GenerationRequest,
+    ModelInfo,
+    ModelUnavailableError,
+    SamplingSpec,
+    ServedModel,
+)
 
 MODEL = ModelInfo(name="fake", version="3", max_model_len=64, vocab_size=100, eos_token_id=0)
 
@@ -221,11 +221,11 @@ class Generation:
         self.tokens, self.error, self.hang = tokens, error, hang
         self.hanging = asyncio.Event()  # set once a stream waits forever: the request is deep in the engine
 
-    async def stream(self, request_id: str) -> AsyncIterator[EngineOutput]:
+    async def stream(self, request_id: str) -> AsyncIterator[GenerationOutput]:
         for i in range(self.tokens):
             await asyncio.sleep(0)
             last = i == self.tokens - 1 and not (self.error or self.hang)
-            yield EngineOutput(request_id, 4, (ChoiceDelta(0, f"t{i} ", (i,), None, "length" if last else None),),
+            yield GenerationOutput(request_id, 4, (ChoiceDelta(0, f"t{i} ", (i,), None, "length" if last else None),),
                                finished=last)
         if self.error:
             raise self.error
@@ -285,7 +285,7 @@ class Client:
 
 def event_stream(books: Bookkeeping, generation: Generation, aborted: list[str]) -> EventStreamResponse:
     """What the completions handler returns for a streaming request: the scope handed over to the response."""
-    request = EngineRequest("cmpl-1", [1, 2, 3, 4], SamplingSpec(max_tokens=generation.tokens))
+    request = GenerationRequest("cmpl-1", [1, 2, 3, 4], SamplingSpec(max_tokens=generation.tokens))
     plan = StreamPlan(model=MODEL.name, request_id="cmpl-1", requests=[request], chat=False, n=1,
                       want_logprobs=False, include_usage=False, echo_texts=None)
 
@@ -361,7 +361,7 @@ def test_an_engine_dying_mid_stream_is_an_error_event_recorded_as_503(books):
     aborted: list[str] = []
 
     async def main() -> Client:
-        response = event_stream(books, Generation(2, error=EngineUnavailableError("vLLM engine died")), aborted)
+        response = event_stream(books, Generation(2, error=ModelUnavailableError("vLLM engine died")), aborted)
         client = Client()
         await response(http_scope(), client.receive, client.send)
         return client
@@ -392,7 +392,7 @@ def test_a_stream_cancelled_by_the_server_is_released(books):
 # -- the whole app on a scripted engine ----------------------------------------------------------------------------
 
 
-class ScriptedEngine(Engine):
+class ScriptedModel(ServedModel):
     """Generates `generation` for every request; is ready unless `dead`."""
 
     def __init__(self, generation: Generation):
@@ -401,7 +401,7 @@ class ScriptedEngine(Engine):
         self.aborted: list[str] = []
         self.dead = False
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         async for output in self.generation.stream(request.request_id):
             yield output
 
@@ -428,7 +428,7 @@ class ScriptedEngine(Engine):
         pass
 
 
-def call_app(books: Bookkeeping, engine: ScriptedEngine, body: dict, client_leaves: str = "never",
+def call_app(books: Bookkeeping, engine: ScriptedModel, body: dict, client_leaves: str = "never",
              cancel_when_hanging: bool = False, tokens_in_flight: int = 0) -> Client:
     """One POST /v1/completions through the app. `cancel_when_hanging`: the server cancels the request's task once
     the engine's stream waits forever (a point the request reaches whatever the machine's speed, unlike a delay);
@@ -460,26 +460,26 @@ def call_app(books: Bookkeeping, engine: ScriptedEngine, body: dict, client_leav
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_app_an_answered_request_is_released_once(books, stream):
-    client = call_app(books, ScriptedEngine(Generation(3)), {"max_tokens": 3, "stream": stream})
+    client = call_app(books, ScriptedModel(Generation(3)), {"max_tokens": 3, "stream": stream})
     assert client.status == 200
     books.assert_released_once(200)
 
 
 def test_app_a_refused_request_is_released_once(books):
-    client = call_app(books, ScriptedEngine(Generation(3)), {"max_tokens": 70})
+    client = call_app(books, ScriptedModel(Generation(3)), {"max_tokens": 70})
     assert client.status == 400  # more than the context window
     books.assert_released_once(400)
 
 
 def test_app_a_busy_server_answers_429_with_retry_after(books):
-    client = call_app(books, ScriptedEngine(Generation(3)), {"max_tokens": 10}, tokens_in_flight=90)
+    client = call_app(books, ScriptedModel(Generation(3)), {"max_tokens": 10}, tokens_in_flight=90)
     assert client.status == 429
     assert [v for k, v in client.messages[0]["headers"] if k == b"retry-after"] == [b"1"]
     books.assert_released_once(429)
 
 
 def test_app_an_engine_dying_before_the_first_token_is_a_503(books):
-    engine = ScriptedEngine(Generation(0, error=EngineUnavailableError("vLLM engine died")))
+    engine = ScriptedModel(Generation(0, error=ModelUnavailableError("vLLM engine died")))
     client = call_app(books, engine, {"max_tokens": 3, "stream": True})
     assert client.status == 503  # before any 200: the first output is awaited before the stream starts
     record = books.assert_released_once(503)
@@ -488,7 +488,7 @@ def test_app_an_engine_dying_before_the_first_token_is_a_503(books):
 
 @pytest.mark.parametrize("tokens", [0, 3], ids=["before the first token", "after tokens"])
 def test_app_a_client_leaving_a_non_streaming_request_gets_it_aborted(books, tokens):
-    engine = ScriptedEngine(Generation(tokens, hang=True))
+    engine = ScriptedModel(Generation(tokens, hang=True))
     client = call_app(books, engine, {"max_tokens": 30}, client_leaves="at once")
     assert client.status == 499
     record = books.assert_released_once(499)
@@ -496,7 +496,7 @@ def test_app_a_client_leaving_a_non_streaming_request_gets_it_aborted(books, tok
 
 
 def test_app_a_client_leaving_while_sending_its_body_is_a_499_not_an_error(books, caplog):
-    engine = ScriptedEngine(Generation(3))
+    engine = ScriptedModel(Generation(3))
     client = call_app(books, engine, {"max_tokens": 3}, client_leaves="while sending the body")
     assert client.status == 499
     books.assert_released_once(499)
@@ -506,7 +506,7 @@ def test_app_a_client_leaving_while_sending_its_body_is_a_499_not_an_error(books
 @pytest.mark.parametrize("stream", [False, True])
 def test_app_a_request_cancelled_by_the_server_is_released(books, stream):
     with pytest.raises(asyncio.CancelledError):
-        call_app(books, ScriptedEngine(Generation(hang=True)), {"max_tokens": 30, "stream": stream},
+        call_app(books, ScriptedModel(Generation(hang=True)), {"max_tokens": 30, "stream": stream},
                  cancel_when_hanging=True)
     books.assert_released_once(499)
 
@@ -517,7 +517,7 @@ def test_app_readiness_turns_false_and_requests_are_refused_once_the_engine_died
     and a request is refused with 503 `not_ready` instead of reaching the dead engine."""
     import httpx
 
-    engine = ScriptedEngine(Generation(3))
+    engine = ScriptedModel(Generation(3))
     app = create_app(engine, config=APIConfig(max_inflight_tokens=100))
 
     async def main() -> tuple[httpx.Response, httpx.Response, httpx.Response]:

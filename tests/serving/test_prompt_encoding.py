@@ -1,4 +1,4 @@
-"""How the front-ends tokenize a prompt (serving_image/engine/base.py `HFTokenizerMixin.encode_prompt`): straight
+"""How the front-ends tokenize a prompt (serving_image/served_model.py `HFTokenizerMixin.encode_prompt`): straight
 through the Rust tokenizer under a Hugging Face fast tokenizer, only where that gives exactly the ids
 `tokenizer.encode` gives, and through `tokenizer.encode` everywhere else."""
 
@@ -9,7 +9,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from serving_image.engine.base import HFTokenizerMixin, rust_tokenizer
+from serving_image.served_model import HFTokenizerMixin, rust_tokenizer
 
 
 class Encoder(HFTokenizerMixin):

@@ -432,7 +432,7 @@ def test_fsx_presents_the_associations_objects_at_its_path(tmp_path):
     server.start()
     try:
         host, port = server.get_host_and_port()
-        store = storage.Store(f"http://{host}:{port}", server)
+        store = storage.S3Server(f"http://{host}:{port}", server)
         s3 = store.client()
         s3.create_bucket(Bucket="models-b")
         for key in ("models/model-cache/m/1/package.toml", "models/model-cache/m/1/weights/w.bin",
@@ -628,7 +628,7 @@ def test_the_rendered_cache_warmer_makes_every_published_version_resident(dev, d
                 str(view / pc.FSX_MODELS_PATH.lstrip("/"))]
         return subprocess.run(argv, env={**os.environ, **model_cache.warmer_env(container)}, capture_output=True,
                               text=True, timeout=model_cache.WARMER_TIMEOUT_S)
-    store = storage.start_store()
+    store = storage.start_s3_server()
     try:
         s3 = store.client()
         bucket = dev.bucket()

@@ -41,22 +41,22 @@ from rehearsal import (
 )
 from rehearsal.services import Endpoint
 from rehearsal.tls import CertificateAuthority
-from serving_image.engine.base import ChoiceDelta, Engine, EngineOutput, EngineRequest, ModelInfo
 from serving_image.openai_api.app import create_app
+from serving_image.served_model import ChoiceDelta, GenerationOutput, GenerationRequest, ModelInfo, ServedModel
 
 pytestmark = pytest.mark.timeout(180)
 
 MODEL = "chat-small"  # the dev stack's LLM, on which its experiment runs
 
 
-class AnsweringEngine(Engine):
+class AnsweringModel(ServedModel):
     """Answers every request with one token and a "stop" finish."""
 
     info = ModelInfo(name=MODEL, version="1.0.0", max_model_len=256, vocab_size=100, eos_token_id=0)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         choices = tuple(ChoiceDelta(i, "a", (97,), None, "stop") for i in range(request.sampling.n))
-        yield EngineOutput(request.request_id, len(request.prompt), choices, finished=True)
+        yield GenerationOutput(request.request_id, len(request.prompt), choices, finished=True)
 
     async def abort(self, request_id: str) -> None:
         pass
@@ -95,7 +95,7 @@ def workdir():
 @pytest.fixture(scope="module")
 def pod():
     """The OpenAI front-end on 127.0.0.1 (what the chat-small Service's openai port reaches) and its metrics port."""
-    server = uvicorn.Server(uvicorn.Config(create_app(AnsweringEngine()), host="127.0.0.1", port=free_port(),
+    server = uvicorn.Server(uvicorn.Config(create_app(AnsweringModel()), host="127.0.0.1", port=free_port(),
                                            log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

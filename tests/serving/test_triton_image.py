@@ -125,15 +125,15 @@ def test_bad_compat_file_is_named(tmp_path):
         load_pins(broken)
 
 
-# -- the Triton adapter's pure pieces (triton_adapter/triton_engine.py; the embedded path: test_openai_embedded.py) --
+# -- the Triton adapter's pure pieces (triton_adapter/triton_model.py; the embedded path: test_openai_embedded.py) --
 
 
 def test_triton_adapter_tensors_and_outputs():
-    from serving_image.engine.base import EngineRequest, SamplingSpec
+    from serving_image.served_model import GenerationRequest, SamplingSpec
     from serving_image.triton.capi.inference import Input
-    from serving_image.triton_adapter.triton_engine import flat_outputs, tensor_arrays
+    from serving_image.triton_adapter.triton_model import flat_outputs, tensor_arrays
 
-    arrays = tensor_arrays(request_tensors(EngineRequest("r", "Hello", SamplingSpec(max_tokens=4)),
+    arrays = tensor_arrays(request_tensors(GenerationRequest("r", "Hello", SamplingSpec(max_tokens=4)),
                                            load_pins().pinned.structured_outputs_key))
     assert arrays["text_input"].dtype == np.object_ and arrays["text_input"].tolist() == [b"Hello"]
     assert arrays["stream"].dtype == np.bool_ and arrays["stream"].tolist() == [True]
@@ -167,11 +167,11 @@ def test_triton_adapter_tensors_and_outputs():
 ])
 def test_triton_errors_map_to_engine_errors(code, message, kind, param):
     """invalid argument -> 400 naming the field; unavailable, internal, a model gone -> 503 (docs/kserve.md)."""
-    from serving_image.engine.base import EngineInputError, EngineUnavailableError
-    from serving_image.triton_adapter.triton_engine import engine_error
+    from serving_image.served_model import ModelUnavailableError, RequestInputError
+    from serving_image.triton_adapter.triton_model import served_model_error
 
-    error = engine_error(code, message)
-    assert isinstance(error, EngineInputError if kind == "input" else EngineUnavailableError)
+    error = served_model_error(code, message)
+    assert isinstance(error, RequestInputError if kind == "input" else ModelUnavailableError)
     assert "Error generating stream" not in str(error)
     if kind == "input":
         assert error.param == param
@@ -244,7 +244,7 @@ def test_image_runtime_generates_the_repository_before_starting_triton(demo_mode
     from llm_serving.package import PackageSpec, build_package, open_package
     from serving_image.triton.capi import TritonLibraryError, library
     from serving_image.triton.runtime import RUNTIME_ENV
-    from serving_image.triton_adapter.triton_engine import start_triton_engine
+    from serving_image.triton_adapter.triton_model import start_embedded_triton_model
 
     monkeypatch.setenv(RUNTIME_ENV, "triton")
     monkeypatch.delenv(library.LIBRARY_ENV, raising=False)
@@ -252,7 +252,7 @@ def test_image_runtime_generates_the_repository_before_starting_triton(demo_mode
     package = open_package(build_package(PackageSpec(demo_model_dir, "demo-tiny", "1.0.0",
                                                      engine_args={"max_model_len": 512}), tmp_path / "pkg"))
     with pytest.raises(TritonLibraryError, match="/opt/tritonserver/lib/libtritonserver.so"):
-        asyncio.run(start_triton_engine(package, tmp_path / "work", 512))
+        asyncio.run(start_embedded_triton_model(package, tmp_path / "work", 512))
     model_dir = tmp_path / "work" / "model-repository" / "demo-tiny"
     engine = json.loads((model_dir / "1" / "model.json").read_text())
     assert engine["model"] == str(package.root / "weights") and engine["max_model_len"] == 512

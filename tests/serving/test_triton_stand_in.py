@@ -11,7 +11,7 @@ import pytest
 
 from llm_serving.repository import REPO_ROOT
 from llm_serving.tensor_contract import VLLM_INPUTS, VLLM_OUTPUTS
-from serving_image.engine.base import ModelInfo
+from serving_image.served_model import ModelInfo
 from serving_image.triton_stub.stub_vllm import ParameterError, sampling_params_from_json
 
 MODEL_PY = REPO_ROOT / "serving_image" / "triton_stub" / "backends" / "vllm" / "model.py"

@@ -1,6 +1,6 @@
 """The adapters' KServe translation (serving_image/engine/vllm_backend_tensors.py): no engine, no sockets.
 
-An EngineRequest becomes the tensors Triton's vLLM backend takes, and the backend's response tensors become engine
+An GenerationRequest becomes the tensors Triton's vLLM backend takes, and the backend's response tensors become engine
 deltas. The round trip goes through the server side that really runs: the stand-in backend's parser of
 `sampling_parameters` into vLLM's SamplingParams (serving_image/triton_stub/stub_vllm.py, as NVIDIA's backend does it).
 """
@@ -11,16 +11,6 @@ import json
 
 import pytest
 
-from serving_image.engine.base import (
-    EngineRequest,
-    EngineUnavailableError,
-    ModelInfo,
-    SamplingSpec,
-    StructuredOutput,
-    TokenLogprob,
-    TopLogprob,
-    merge_outputs,
-)
 from serving_image.engine.vllm_backend_tensors import (
     RETURN_FLAGS,
     ClientTranslationError,
@@ -29,6 +19,16 @@ from serving_image.engine.vllm_backend_tensors import (
     read_backend_logprobs,
     request_tensors,
     sampling_parameters_json,
+)
+from serving_image.served_model import (
+    GenerationRequest,
+    ModelInfo,
+    ModelUnavailableError,
+    SamplingSpec,
+    StructuredOutput,
+    TokenLogprob,
+    TopLogprob,
+    merge_outputs,
 )
 
 INFO = ModelInfo(name="demo", version="1.0.0", max_model_len=512, vocab_size=1000, eos_token_id=2)
@@ -47,7 +47,7 @@ def test_adapter_requests_reach_the_backend_as_the_same_sampling_params():
     spec = SamplingSpec(max_tokens=20, temperature=0.3, top_p=0.8, top_k=5, n=2, stop=("x",), stop_token_ids=(9,),
                         seed=3, logit_bias={4: 1.0}, min_tokens=1, ignore_eos=True,
                         structured=StructuredOutput("json_schema", {"type": "object"}))
-    tensors = request_tensors(EngineRequest("id", "prompt text", spec), KEY)
+    tensors = request_tensors(GenerationRequest("id", "prompt text", spec), KEY)
     flags = {t.name: t.values for t in tensors if t.datatype == "BOOL"}
     assert flags == {"stream": (True,), "exclude_input_in_output": (True,), **{f: (True,) for f in RETURN_FLAGS}}
     assert [t.values for t in tensors if t.name == "text_input"] == [(b"prompt text",)]
@@ -60,13 +60,13 @@ def test_adapter_requests_reach_the_backend_as_the_same_sampling_params():
     constrained = SamplingSpec(max_tokens=4, constraint='{"kind":"allowed_tokens","tokens":[5,7]}')
     body = json.loads(sampling_parameters_json(constrained, KEY))
     assert body["extra_args"] == {"constraint": json.loads(constrained.constraint)} and "constraint" not in body
-    extra = backend_params(request_tensors(EngineRequest("id", "p", constrained), KEY)).extra_args
+    extra = backend_params(request_tensors(GenerationRequest("id", "p", constrained), KEY)).extra_args
     assert json.loads(extra["constraint"])["tokens"] == [5, 7]  # on to vLLM as JSON text, its cheap form
 
 
 def test_adapter_refuses_what_kserve_cannot_carry():
     with pytest.raises(ClientTranslationError) as info:
-        request_tensors(EngineRequest("id", [1, 2, 3]), KEY)
+        request_tensors(GenerationRequest("id", [1, 2, 3]), KEY)
     assert info.value.param == "prompt"
 
 
@@ -74,10 +74,10 @@ def test_logprobs_requested_and_read_back_in_the_backends_form():
     """The adapter asks for log-probabilities as NVIDIA's backend takes them (SamplingParams.logprobs plus
     return_logprobs) and reads its `logprobs` output (JSON per choice, token id -> logprob/rank/decoded_token, the
     sampled token first) back into the same TokenLogprobs the stand-in's in-stub engine wrote."""
-    tensors = {t.name: t for t in request_tensors(EngineRequest("id", "p", SamplingSpec(logprobs=2)), KEY)}
+    tensors = {t.name: t for t in request_tensors(GenerationRequest("id", "p", SamplingSpec(logprobs=2)), KEY)}
     assert tensors["return_logprobs"].values == (True,)
     assert json.loads(tensors["sampling_parameters"].values[0])["logprobs"] == 2
-    assert "return_logprobs" not in {t.name for t in request_tensors(EngineRequest("id", "p"), KEY)}
+    assert "return_logprobs" not in {t.name for t in request_tensors(GenerationRequest("id", "p"), KEY)}
     sampled_in_top = TokenLogprob("a", 5, -0.1, (TopLogprob("a", 5, -0.1), TopLogprob("b", 6, -2.5)), rank=1)
     sampled_outside = TokenLogprob("z", 9, -7.0, (TopLogprob("a", 5, -0.2), TopLogprob("b", 6, -1.9)), rank=40)
     text = json.dumps(backend_logprobs((sampled_in_top, sampled_outside)))
@@ -131,7 +131,7 @@ def test_output_reader_raises_on_a_choice_the_engine_cut_short(reason):
     front-end must not hand it on as a normal finish."""
     reader = OutputReader("r7", n=1)
     reader.read({"text_output": [b"ab"], "finish_reason": [b"None"], "num_output_tokens": [2]})
-    with pytest.raises(EngineUnavailableError, match=f"{'aborted' if reason == 'abort' else 'failed'} request r7"):
+    with pytest.raises(ModelUnavailableError, match=f"{'aborted' if reason == 'abort' else 'failed'} request r7"):
         reader.read({"text_output": [b""], "finish_reason": [reason.encode()], "num_output_tokens": [0]})
 
 
@@ -143,12 +143,12 @@ def test_triton_prompt_decodes_ids_and_avoids_a_second_bos():
     def decode(ids):
         return "".join(vocab[i] for i in ids)
 
-    rendered = EngineRequest("id", [1, 5, 6], add_special_tokens=False)
+    rendered = GenerationRequest("id", [1, 5, 6], add_special_tokens=False)
     assert triton_prompt(rendered, decode, "<s>", tokenizer_adds_bos=True) == "Hi there"
     assert triton_prompt(rendered, decode, "<s>", tokenizer_adds_bos=False) == "<s>Hi there"
-    chat_text = EngineRequest("id", "<s>Hi", add_special_tokens=False)
+    chat_text = GenerationRequest("id", "<s>Hi", add_special_tokens=False)
     assert triton_prompt(chat_text, decode, "<s>", tokenizer_adds_bos=True) == "Hi"
-    plain = EngineRequest("id", "<s>Hi", add_special_tokens=True)
+    plain = GenerationRequest("id", "<s>Hi", add_special_tokens=True)
     assert triton_prompt(plain, decode, "<s>", tokenizer_adds_bos=True) == "<s>Hi"
 
 
@@ -156,30 +156,30 @@ def test_triton_prompt_sends_the_text_the_front_end_tokenized_without_decoding()
     """Ids the front-end tokenized from text go as that text (`source`): no decode. A completion's text was
     tokenized with special tokens, as the backend will; a chat rendering holds its BOS, which is dropped where the
     tokenizer adds one."""
-    from serving_image.engine.base import PromptText
     from serving_image.engine.vllm_backend_tensors import triton_prompt
+    from serving_image.served_model import PromptText
 
     def decode(ids):
         raise AssertionError(f"decoded {ids}")
 
-    completion = EngineRequest("id", [1, 5, 6], add_special_tokens=False, source=PromptText("Hi  there", True))
+    completion = GenerationRequest("id", [1, 5, 6], add_special_tokens=False, source=PromptText("Hi  there", True))
     assert triton_prompt(completion, decode, "<s>", tokenizer_adds_bos=True) == "Hi  there"
-    chat = EngineRequest("id", [1, 5], add_special_tokens=False, source=PromptText("<s>Hi", False))
+    chat = GenerationRequest("id", [1, 5], add_special_tokens=False, source=PromptText("<s>Hi", False))
     assert triton_prompt(chat, decode, "<s>", tokenizer_adds_bos=True) == "Hi"
     assert triton_prompt(chat, decode, "<s>", tokenizer_adds_bos=False) == "<s>Hi"
     assert triton_prompt(chat, None, None, tokenizer_adds_bos=False) == "<s>Hi"  # no tokenizer needed either
 
 
 def test_the_backend_tokenizes_the_sent_text_into_the_ids_the_front_end_counted(demo_model_dir):
-    """The seam with the real tokenizer: what the OpenAI front-end renders (engine_requests: a completion's text, a
+    """The seam with the real tokenizer: what the OpenAI front-end renders (generation_requests: a completion's text, a
     chat's template), sent as text_input and tokenized as Triton's vLLM backend does (with special tokens), gives
     exactly the ids the front-end counted, and the context window was checked on."""
     from transformers import AutoTokenizer
 
-    from serving_image.engine.base import HFTokenizerMixin, ModelInfo
     from serving_image.engine.vllm_backend_tensors import triton_prompt
-    from serving_image.openai_api.generation import engine_requests
+    from serving_image.openai_api.generation import generation_requests
     from serving_image.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+    from serving_image.served_model import HFTokenizerMixin, ModelInfo
 
     tokenizer = AutoTokenizer.from_pretrained(str(demo_model_dir))
 
@@ -195,7 +195,7 @@ def test_the_backend_tokenizes_the_sent_text_into_the_ids_the_front_end_counted(
               ChatCompletionRequest(model="demo-tiny", messages=[{"role": "user", "content": "Hi  there"}])]
     sent = 0
     for body in bodies:
-        for request in engine_requests(Tokenizing(), body, "r"):
+        for request in generation_requests(Tokenizing(), body, "r"):
             if request.source is None:  # token ids from the client: no text to send, decoded as before
                 assert request.prompt == [5, 6, 7]
                 continue

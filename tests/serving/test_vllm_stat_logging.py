@@ -1,5 +1,5 @@
 """vLLM's per-step stat logging runs after the step's outputs reached their requests
-(serving_image/engine/vllm_local.py `stat_logging_after_delivery`): every step recorded, in order, with its own
+(serving_image/engine/async_llm_model.py `stat_logging_after_delivery`): every step recorded, in order, with its own
 values, once the loop has run what the outputs woke; a failing record is logged, not raised into vLLM's output
 handler. A stand-in manager records the calls (the real one writes prometheus_client files: the served suites check
 vLLM's families through the metrics proxy)."""
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from serving_image.engine.vllm_local import stat_logging_after_delivery
+from serving_image.engine.async_llm_model import stat_logging_after_delivery
 
 
 class Manager:
@@ -70,7 +70,7 @@ def test_a_failing_record_is_logged_and_the_next_steps_are_still_recorded(caplog
             llm.logger_manager.record(engine_idx=step)  # never raises into the caller (vLLM's output handler)
         await asyncio.sleep(0)
 
-    with caplog.at_level(logging.ERROR, logger="serving_image.engine.vllm_local"):
+    with caplog.at_level(logging.ERROR, logger="serving_image.engine.async_llm_model"):
         asyncio.run(main())
     assert [c["engine_idx"] for c in manager.calls] == [0, 1, 2]
     assert "vLLM's stat logging failed for one engine step" in caplog.text

@@ -25,7 +25,7 @@ so requests run concurrently in the engine, whose prefix cache serves the shared
 
 The engine runs in this stub's process, from model.json, with the packages of the interpreter $LLM_SERVING_ENGINE_PYTHON
 names after the stub's own (engine_in_stub.py; serving_image/triton_stub/stub_vllm.py, the engine the stand-in vllm
-backend runs): its scores are VllmLocalEngine.score's (the in-stub engine, docs/architecture.md §2.3). In the
+backend runs): its scores are AsyncLlmModel.score's (the in-stub engine, docs/architecture.md §2.3). In the
 image the variable names the image's python3 (the startup procedure sets it everywhere).
 Loading the model is starting its engine; an engine that dies fails every request with UNAVAILABLE and unloads the
 model (not ready), as the stand-in does. A cancelled request is not aborted: it is one prefill, and Triton drops

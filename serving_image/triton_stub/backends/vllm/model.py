@@ -23,7 +23,7 @@ INVALID_ARG and an engine failure UNAVAILABLE (NVIDIA's backend sends INTERNAL f
 Where vLLM runs: in this stub's process, as in NVIDIA's backend (engine_in_stub.py: .venv-serving's packages after
 the stub's own numpy < 2, the engine on a thread and asyncio loop of its own; serving_image/triton_stub/stub_vllm.py
 parses `sampling_parameters` and drives vLLM's AsyncLLM through the project's adapter,
-serving_image/engine/vllm_local.py). Loading the model is starting the engine, unloading it stops the engine, as in
+serving_image/engine/async_llm_model.py). Loading the model is starting the engine, unloading it stops the engine, as in
 NVIDIA's backend; the engine's death unloads the model.
 """
 

@@ -1,18 +1,18 @@
-"""The Triton adapter behind the engine interface: Triton in this process through the C API binding
+"""The Triton adapter behind the served-model interface: Triton in this process through the C API binding
 (serving_image/triton/capi, started by serving_image/triton/embedded.py), the `openai` serving mode, in the image (the
 release's libtritonserver and NVIDIA's vllm backend) and locally (nvidia-pytriton's libtritonserver and the stand-in
 vllm backend).
 
-`TritonEngine` holds what does not depend on how Triton is reached, and `EmbeddedTritonEngine` its transport. Here
+`TritonModel` holds what does not depend on how Triton is reached, and `EmbeddedTritonModel` its transport. Here
 once: the tokenizer (the front-ends render chat templates and count prompt tokens themselves; Triton's vLLM model
 takes text), the request's tensors (the pure translation shared with the in-stub engine,
 `serving_image.engine.vllm_backend_tensors`: text prompt, streaming on, prompt excluded, every extra output on),
-reading the streamed responses back into engine deltas, and mapping Triton's errors onto the engine's:
+reading the streamed responses back into `GenerationOutput` deltas, and mapping Triton's errors onto the served model's:
 
-| Triton                                    | engine error                        | OpenAI / KServe front-end     |
+| Triton                                    | served-model error                  | OpenAI / KServe front-end     |
 | ----------------------------------------- | ----------------------------------- | ----------------------------- |
-| INVALID_ARG, UNSUPPORTED (a bad request)  | EngineInputError naming the field   | 400 / INVALID_ARGUMENT        |
-| UNAVAILABLE, INTERNAL, NOT_FOUND (model   | EngineUnavailableError              | 503 / UNAVAILABLE             |
+| INVALID_ARG, UNSUPPORTED (a bad request)  | RequestInputError naming the field  | 400 / INVALID_ARGUMENT        |
+| UNAVAILABLE, INTERNAL, NOT_FOUND (model   | ModelUnavailableError               | 503 / UNAVAILABLE             |
 | unloaded), CANCELLED not asked for here   |                                     |                               |
 
 A request this side cancels (`abort`: the client went away) is cancelled in Triton, whose backend aborts it in the
@@ -33,24 +33,24 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from serving_image.engine.base import (
-    CandidateScore,
-    Embedding,
-    Engine,
-    EngineInputError,
-    EngineOutput,
-    EngineRequest,
-    EngineUnavailableError,
-    HFTokenizerMixin,
-    ModelInfo,
-    merge_outputs,
-)
 from serving_image.engine.vllm_backend_tensors import (
     ClientTranslationError,
     OutputReader,
     Tensor,
     request_tensors,
     triton_prompt,
+)
+from serving_image.served_model import (
+    CandidateScore,
+    Embedding,
+    GenerationOutput,
+    GenerationRequest,
+    HFTokenizerMixin,
+    ModelInfo,
+    ModelUnavailableError,
+    RequestInputError,
+    ServedModel,
+    merge_outputs,
 )
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ def model_vocab_size(model_path: Path, tokenizer) -> int:
 
 
 def field_from_message(message: str) -> str | None:
-    """The request field a Triton error message names, in the engine request's terms (the prompt is `prompt`)."""
+    """The request field a Triton error message names, in the generation request's terms (the prompt is `prompt`)."""
     if match := _FIELD.search(message):
         return _FIELD_NAMES.get(match.group(1), match.group(1))
     for name, param in (("return_logprobs", "logprobs"), ("text_input", "prompt"),
@@ -88,14 +88,14 @@ def field_from_message(message: str) -> str | None:
     return None
 
 
-def engine_error(code: str | None, message: str) -> EngineInputError | EngineUnavailableError:
-    """Triton's error (its code's name, when known) as the engine error the front-ends map to a status."""
+def served_model_error(code: str | None, message: str) -> RequestInputError | ModelUnavailableError:
+    """Triton's error (its code's name, when known) as the served-model error the front-ends map to a status."""
     text = message[len(ERROR_PREFIX):] if message.startswith(ERROR_PREFIX) else message
     if code in INPUT_ERROR_CODES:
-        return EngineInputError(text, field_from_message(text))
+        return RequestInputError(text, field_from_message(text))
     if code is None and field_from_message(text) is not None and "engine" not in text:
-        return EngineInputError(text, field_from_message(text))  # gRPC streams carry the message only
-    return EngineUnavailableError(f"Triton: {text}")
+        return RequestInputError(text, field_from_message(text))  # gRPC streams carry the message only
+    return ModelUnavailableError(f"Triton: {text}")
 
 
 def tensor_arrays(tensors: list[Tensor]) -> dict[str, np.ndarray]:
@@ -107,7 +107,7 @@ def flat_outputs(outputs: Mapping[str, Any]) -> dict[str, list]:
     return {name: [] if array is None else np.asarray(array).reshape(-1).tolist() for name, array in outputs.items()}
 
 
-class TritonEngine(HFTokenizerMixin, Engine):
+class TritonModel(HFTokenizerMixin, ServedModel):
     """The engine interface over Triton's vLLM model; `_stream` is the transport's part."""
 
     def __init__(self, info: ModelInfo, tokenizer, structured_key: str, model_name: str):
@@ -134,12 +134,12 @@ class TritonEngine(HFTokenizerMixin, Engine):
     def _decode_with_special(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=False)
 
-    def request_tensors(self, request: EngineRequest) -> list[Tensor]:
+    def request_tensors(self, request: GenerationRequest) -> list[Tensor]:
         try:
             return request_tensors(request, self._structured_key, triton_prompt(
                 request, self._decode_with_special, self._tokenizer.bos_token, self._adds_bos))
         except ClientTranslationError as exc:
-            raise EngineInputError(str(exc), exc.param) from exc
+            raise RequestInputError(str(exc), exc.param) from exc
 
     @abc.abstractmethod
     def _stream(self, request_id: str, tensors: list[Tensor],
@@ -148,9 +148,9 @@ class TritonEngine(HFTokenizerMixin, Engine):
         (flat outputs, final) in order (several when the consumer lagged), then raise the engine's error if one
         came."""
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         if not self.is_ready():
-            raise EngineUnavailableError(self.dead_reason or "Triton is not ready")
+            raise ModelUnavailableError(self.dead_reason or "Triton is not ready")
         tensors = self.request_tensors(request)
         reader = OutputReader(request.request_id, request.sampling.n, logprobs=request.sampling.logprobs)
         stream = self._stream(request.request_id, tensors)
@@ -202,7 +202,7 @@ class TritonEngine(HFTokenizerMixin, Engine):
         finally:
             await stream.aclose()
         if outputs is None:
-            raise EngineUnavailableError(f"Triton: model {model} ended request {request_id} without outputs")
+            raise ModelUnavailableError(f"Triton: model {model} ended request {request_id} without outputs")
         return outputs
 
     async def embed(self, inputs: list[str | list[int]], request_id: str) -> list[Embedding]:
@@ -211,7 +211,7 @@ class TritonEngine(HFTokenizerMixin, Engine):
         if self._embed_model is None:
             return await super().embed(inputs, request_id)
         if not self.is_ready():
-            raise EngineUnavailableError(self.dead_reason or "Triton is not ready")
+            raise ModelUnavailableError(self.dead_reason or "Triton is not ready")
 
         async def one(index: int, item: str | list[int]) -> Embedding:
             body = {"input": item if isinstance(item, str) else list(item), "pooling_params": {}}
@@ -219,14 +219,14 @@ class TritonEngine(HFTokenizerMixin, Engine):
                        Tensor("return_num_input_tokens", "BOOL", (1,), (True,))]
             try:
                 outputs = await self._one_answer(f"{request_id}-{index}", tensors, self._embed_model)
-            except (EngineInputError, EngineUnavailableError) as exc:
+            except (RequestInputError, ModelUnavailableError) as exc:
                 name = f"input[{index}]" if len(inputs) > 1 else "input"
                 raise _as_input_error(exc, _EMBED_FIELD, lambda match, error: name) from exc
             try:
                 vector = json.loads(outputs["text_output"][0])
                 tokens = int(outputs["num_input_tokens"][0])
             except (KeyError, IndexError, ValueError, TypeError) as exc:
-                raise EngineUnavailableError(f"Triton: model {self._embed_model} answered an embedding request "
+                raise ModelUnavailableError(f"Triton: model {self._embed_model} answered an embedding request "
                                              f"without the vector or its token count ({exc!r})") from exc
             return Embedding(tuple(float(x) for x in vector), tokens)
 
@@ -235,20 +235,20 @@ class TritonEngine(HFTokenizerMixin, Engine):
     async def score(self, prompt: str, candidates: list[str], request_id: str) -> list[CandidateScore]:
         """The platform's scoring model: one request, every candidate scored from the prompt's prefill."""
         if self._score_model is None:
-            raise EngineInputError(f"model {self.info.name} does not serve scoring through Triton: its package's "
+            raise RequestInputError(f"model {self.info.name} does not serve scoring through Triton: its package's "
                                    "engine.tasks has no 'score' (docs/kserve.md, \"Embeddings and scoring through "
                                    "Triton\")", "model")
         if not self.is_ready():
-            raise EngineUnavailableError(self.dead_reason or "Triton is not ready")
+            raise ModelUnavailableError(self.dead_reason or "Triton is not ready")
         tensors = [Tensor("prompt", "BYTES", (1,), (prompt.encode("utf-8"),)),
                    Tensor("candidates", "BYTES", (len(candidates),), tuple(c.encode("utf-8") for c in candidates))]
         try:
             outputs = await self._one_answer(request_id, tensors, self._score_model)
-        except (EngineInputError, EngineUnavailableError) as exc:
+        except (RequestInputError, ModelUnavailableError) as exc:
             raise _as_input_error(exc, _SCORE_FIELD, _score_param) from exc
         logprobs, counts = outputs.get("logprob", []), outputs.get("num_tokens", [])
         if len(logprobs) != len(candidates) or len(counts) != len(candidates):
-            raise EngineUnavailableError(f"Triton: model {self._score_model} answered {len(logprobs)} scores for "
+            raise ModelUnavailableError(f"Triton: model {self._score_model} answered {len(logprobs)} scores for "
                                          f"{len(candidates)} candidates")
         return [CandidateScore(logprob=float(lp), tokens=int(n)) for lp, n in zip(logprobs, counts, strict=True)]
 
@@ -266,19 +266,19 @@ def _score_param(match: re.Match | None, error: Exception) -> str | None:
     return f"candidates[{index}]" if index is not None else match.group(3)
 
 
-def _as_input_error(exc: EngineInputError | EngineUnavailableError, pattern: re.Pattern,
-                    param) -> EngineInputError | EngineUnavailableError:
+def _as_input_error(exc: RequestInputError | ModelUnavailableError, pattern: re.Pattern,
+                    param) -> RequestInputError | ModelUnavailableError:
     """The model's refusal as an input error naming the OpenAI field. gRPC streams carry no status code, so a
     refusal arriving over one (an UNAVAILABLE here) is recognized by the field its message names; the backends'
     unavailable messages name the engine, never a field."""
     text = str(exc)
     match = pattern.search(text)
-    if isinstance(exc, EngineInputError) or (match and "engine" not in text):
-        return EngineInputError(text.removeprefix("Triton: "), param(match, exc))
+    if isinstance(exc, RequestInputError) or (match and "engine" not in text):
+        return RequestInputError(text.removeprefix("Triton: "), param(match, exc))
     return exc
 
 
-class EmbeddedTritonEngine(TritonEngine):
+class EmbeddedTritonModel(TritonModel):
     """Triton in this process (serving_image/triton/embedded.py), through the C API binding."""
 
     def __init__(self, triton, info: ModelInfo, tokenizer, structured_key: str):
@@ -289,7 +289,7 @@ class EmbeddedTritonEngine(TritonEngine):
 
     @classmethod
     def over(cls, triton, *, model_name: str, version: str, tokenizer_path: Path, max_model_len: int,
-             structured_key: str | None = None) -> EmbeddedTritonEngine:
+             structured_key: str | None = None) -> EmbeddedTritonModel:
         tokenizer = cls._load_tokenizer(tokenizer_path)
         info = ModelInfo(name=model_name, version=version, max_model_len=max_model_len,
                          vocab_size=model_vocab_size(tokenizer_path, tokenizer), eos_token_id=tokenizer.eos_token_id)
@@ -313,7 +313,7 @@ class EmbeddedTritonEngine(TritonEngine):
         try:
             stream = infer(self.triton.server, model or self._model_name, inputs, request_id=request_id)
         except TritonError as exc:
-            raise engine_error(exc.code.name, exc.message) from exc
+            raise served_model_error(exc.code.name, exc.message) from exc
         self._inflight[request_id] = stream
         try:
             async for response in stream:
@@ -322,7 +322,7 @@ class EmbeddedTritonEngine(TritonEngine):
                     if item.error is not None:
                         if batch:
                             yield batch
-                        raise engine_error(item.error.code.name, item.error.message)
+                        raise served_model_error(item.error.code.name, item.error.message)
                     batch.append((item.flat(), item.final))
                 yield batch
         finally:
@@ -341,11 +341,11 @@ class EmbeddedTritonEngine(TritonEngine):
         await self.triton.stop()
 
 
-async def start_triton_engine(package: VerifiedPackage, workdir: Path, max_model_len: int,
+async def start_embedded_triton_model(package: VerifiedPackage, workdir: Path, max_model_len: int,
                               engine_overrides: dict | None = None,
-                              companions: list[VerifiedPackage] = ()) -> EmbeddedTritonEngine:
+                              companions: list[VerifiedPackage] = ()) -> EmbeddedTritonModel:
     """`openai` mode over Triton (startup step 4): start Triton in this process on the repository of the package
-    and its companions (serving_image/triton/runtime.py `start_embedded_triton`) and return the engine adapter over
+    and its companions (serving_image/triton/runtime.py `start_embedded_triton`) and return the served model over
     the main package's LLM, its pooling and scoring models serving embeddings and scores."""
     from serving_image.triton.models import package_models
     from serving_image.triton.pins import load_pins
@@ -357,7 +357,7 @@ async def start_triton_engine(package: VerifiedPackage, workdir: Path, max_model
     models = package_models(manifest)  # the LLM, and its pooling and scoring models when its tasks say so
     try:
         tokenizer = package.root / (manifest.engine.tokenizer or manifest.engine.model)
-        engine = EmbeddedTritonEngine.over(triton, model_name=manifest.model.id, version=manifest.model.version,
+        engine = EmbeddedTritonModel.over(triton, model_name=manifest.model.id, version=manifest.model.version,
                                            tokenizer_path=tokenizer, max_model_len=max_model_len,
                                            structured_key=load_pins().pinned.structured_outputs_key)
         await engine.serve_tasks(embed_model=models.embed, score_model=models.score)

@@ -19,10 +19,10 @@ from rehearsal import render, storage
 
 
 @dataclass(frozen=True)
-class ModelStore:
+class StackPackages:
     """Where the stack's packages live, and the FSx association that imports them."""
 
-    store: storage.Store
+    store: storage.S3Server
     demo: Path  # the demo LLM the packages are built from
     store_uri: str  # s3://<home bucket>/<modelPrefix>: `llm-serving publish --store`
     home_bucket: str
@@ -50,7 +50,7 @@ class ModelStore:
         return {"package": record["model_cache_uri"], "ioFingerprint": fingerprint}
 
 
-def publish_stack(store: storage.Store, rendered: render.Rendered, workdir: Path, console: Console) -> ModelStore:
+def publish_stack(store: storage.S3Server, rendered: render.Rendered, workdir: Path, console: Console) -> StackPackages:
     """Every (model, version) the stack names, in `store` at the URI the stack names, and on the FSx directory."""
     s3 = store.client()
     home, region = rendered.bucket(rendered.home_region), rendered.bucket()
@@ -77,5 +77,5 @@ def publish_stack(store: storage.Store, rendered: render.Rendered, workdir: Path
     count = storage.fsx_import(store, dra["inputs"]["dataRepositoryPath"], dra["inputs"]["fileSystemPath"], fsx)
     console.print(f"FSx: {count} objects of {dra['inputs']['dataRepositoryPath']} at "
                   f"{dra['inputs']['fileSystemPath']} ({fsx})")
-    return ModelStore(store, demo, store_uri, home, region, rendered.home_region, rendered.region, dra["inputs"], fsx,
-                      workdir / "packages")
+    return StackPackages(store, demo, store_uri, home, region, rendered.home_region, rendered.region, dra["inputs"],
+                         fsx, workdir / "packages")

@@ -1,11 +1,12 @@
-"""The engine interface the OpenAI front-end speaks: one seam, several engine adapters behind it (which "engine" is
-which: docs/architecture.md §2.3).
+"""The served model: what the OpenAI front-end speaks to, one interface with two implementations behind it.
 
-In the `openai` mode the adapter is Triton embedded in the process (serving_image/triton_adapter/triton_engine.py),
-with NVIDIA's vLLM backend in the image and the stand-in backend over vLLM's CPU build locally; `VllmLocalEngine`
-(vllm_local.py) puts a vLLM engine in the calling process behind the same interface. Front-ends translate their
-protocol into an `EngineRequest` and read `EngineOutput` deltas back; nothing here imports vLLM or Triton, so the
-translation code stays pure and shared.
+`ServedModel` is the model as a front-end sees it: its `ModelInfo`, a prompt's tokens, `generate` (a
+`GenerationRequest` in, `GenerationOutput` deltas out), `embed`, `score`, `abort`, readiness. In the `openai` mode the
+implementation is Triton embedded in the process (serving_image/triton_adapter/triton_model.py `EmbeddedTritonModel`),
+with NVIDIA's vLLM backend in the image and the stand-in backend over vLLM's CPU build locally; `AsyncLlmModel`
+(serving_image/engine/async_llm_model.py) is a vLLM engine in the calling process behind the same interface (the
+stand-in backend's and the scoring model's, in the Python backend stub). Errors are `RequestInputError` (naming the
+field) and `ModelUnavailableError`. Nothing here imports vLLM or Triton, so the translation code stays pure and shared.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "gramm
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
-class EngineError(RuntimeError):
-    """Base of the errors an engine raises to a front-end."""
+class ServedModelError(RuntimeError):
+    """Base of the errors a served model raises to a front-end."""
 
 
-class EngineInputError(EngineError, ValueError):
+class RequestInputError(ServedModelError, ValueError):
     """The request cannot be run as given (HTTP 400 / gRPC INVALID_ARGUMENT). `param` names the field."""
 
     def __init__(self, message: str, param: str | None = None):
@@ -31,8 +32,8 @@ class EngineInputError(EngineError, ValueError):
         self.param = param
 
 
-class EngineUnavailableError(EngineError):
-    """The engine is not ready, or has died (HTTP 503 / gRPC UNAVAILABLE)."""
+class ModelUnavailableError(ServedModelError):
+    """The model is not ready, or its engine has died (HTTP 503 / gRPC UNAVAILABLE)."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class StructuredOutput:
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """Sampling fields every engine honours. Defaults are OpenAI's, not vLLM's."""
+    """Sampling fields every served model honours. Defaults are OpenAI's, not vLLM's."""
 
     max_tokens: int | None = None  # None: up to the context window
     temperature: float = 1.0
@@ -77,7 +78,7 @@ class PromptText:
 
 
 @dataclass(frozen=True)
-class EngineRequest:
+class GenerationRequest:
     request_id: str
     prompt: str | list[int]  # text, or token ids already rendered by the front-end
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
@@ -103,7 +104,7 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class ChoiceDelta:
-    """New output of one choice since the previous EngineOutput."""
+    """New output of one choice since the previous GenerationOutput."""
 
     index: int
     text: str
@@ -114,14 +115,14 @@ class ChoiceDelta:
 
 
 def context_window_error(prompt_tokens: int, max_tokens: int | None, window: int, *, prompt_field: str = "prompt",
-                         max_tokens_field: str = "max_tokens") -> EngineInputError | None:
+                         max_tokens_field: str = "max_tokens") -> RequestInputError | None:
     """What of a request does not fit in the model's context window, as the error naming the field (each front-end
     names the fields in its own protocol's terms), or None when it fits."""
     if prompt_tokens >= window:
-        return EngineInputError(f"{prompt_field}: the prompt has {prompt_tokens} tokens; this model's context window "
+        return RequestInputError(f"{prompt_field}: the prompt has {prompt_tokens} tokens; this model's context window "
                                 f"is {window}", prompt_field)
     if max_tokens is not None and max_tokens > window - prompt_tokens:
-        return EngineInputError(f"{max_tokens_field} {max_tokens} plus the prompt's {prompt_tokens} tokens exceed "
+        return RequestInputError(f"{max_tokens_field} {max_tokens} plus the prompt's {prompt_tokens} tokens exceed "
                                 f"this model's context window of {window} tokens", max_tokens_field)
     return None
 
@@ -132,22 +133,22 @@ def raise_if_cut_short(request_id: str, delta: ChoiceDelta) -> None:
 
     Aborts this server asks for (a client that went away) never reach here: their stream is cancelled first."""
     if delta.finish_reason == "abort":
-        raise EngineUnavailableError(f"the engine aborted request {request_id} (choice {delta.index}) before it "
+        raise ModelUnavailableError(f"the engine aborted request {request_id} (choice {delta.index}) before it "
                                      f"finished; the output is incomplete, retry the request")
     if delta.finish_reason == "error":
-        raise EngineUnavailableError(f"the engine failed request {request_id} (choice {delta.index}) with an "
+        raise ModelUnavailableError(f"the engine failed request {request_id} (choice {delta.index}) with an "
                                      f"internal error; the output is incomplete, retry the request")
 
 
 @dataclass(frozen=True)
-class EngineOutput:
+class GenerationOutput:
     request_id: str
     prompt_tokens: int
     choices: tuple[ChoiceDelta, ...]
     finished: bool
 
 
-def merge_outputs(first: EngineOutput, then: EngineOutput) -> EngineOutput:
+def merge_outputs(first: GenerationOutput, then: GenerationOutput) -> GenerationOutput:
     """Two consecutive deltas of one request as one (what vLLM's output collector does for a consumer that lags):
     per choice, the texts, token ids and log-probabilities one after the other, the later finish and stop reasons;
     the later prompt-token count and finished flag."""
@@ -161,7 +162,7 @@ def merge_outputs(first: EngineOutput, then: EngineOutput) -> EngineOutput:
                     else (before.logprobs or ()) + (c.logprobs or ()))
         choices[c.index] = ChoiceDelta(c.index, before.text + c.text, before.token_ids + c.token_ids, logprobs,
                                        c.finish_reason or before.finish_reason, c.stop_reason or before.stop_reason)
-    return EngineOutput(then.request_id, then.prompt_tokens or first.prompt_tokens,
+    return GenerationOutput(then.request_id, then.prompt_tokens or first.prompt_tokens,
                         tuple(choices[i] for i in sorted(choices)), then.finished)
 
 
@@ -177,13 +178,13 @@ class ChoiceTotals:
 
 @dataclass
 class OutputTotals:
-    """Folds a request's engine deltas into per-choice totals: what every front-end builds a whole answer (and its
+    """Folds a request's generation deltas into per-choice totals: what every front-end builds a whole answer (and its
     usage) from."""
 
     prompt_tokens: int = 0
     choices: dict[int, ChoiceTotals] = field(default_factory=dict)
 
-    def add(self, output: EngineOutput) -> None:
+    def add(self, output: GenerationOutput) -> None:
         self.prompt_tokens = max(self.prompt_tokens, output.prompt_tokens)
         for delta in output.choices:
             state = self.choices.setdefault(delta.index, ChoiceTotals())
@@ -224,15 +225,15 @@ class CandidateScore:
     tokens: int
 
 
-class Engine(abc.ABC):
+class ServedModel(abc.ABC):
     """An inference engine as the front-ends see it."""
 
     info: ModelInfo
 
     @abc.abstractmethod
-    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        """Stream deltas until every choice finished. Raises EngineInputError before the first output when the
-        request is refused, EngineUnavailableError when the engine is not serving."""
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """Stream deltas until every choice finished. Raises RequestInputError before the first output when the
+        request is refused, ModelUnavailableError when the engine is not serving."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None: ...
@@ -255,10 +256,10 @@ class Engine(abc.ABC):
     def render_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str: ...
 
     async def embed(self, inputs: list[str | list[int]], request_id: str) -> list[Embedding]:
-        raise EngineInputError(f"model {self.info.name} does not serve embeddings", "model")
+        raise RequestInputError(f"model {self.info.name} does not serve embeddings", "model")
 
     async def score(self, prompt: str, candidates: list[str], request_id: str) -> list[CandidateScore]:
-        raise EngineInputError(f"model {self.info.name} does not serve scoring", "model")
+        raise RequestInputError(f"model {self.info.name} does not serve scoring", "model")
 
     @abc.abstractmethod
     async def shutdown(self) -> None: ...
@@ -311,6 +312,6 @@ class HFTokenizerMixin:
 
     def render_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
         if not getattr(self._tokenizer, "chat_template", None):
-            raise EngineInputError(f"model {self.info.name} has no chat template; use /v1/completions", "messages")
+            raise RequestInputError(f"model {self.info.name} has no chat template; use /v1/completions", "messages")
         return self._tokenizer.apply_chat_template(messages, tokenize=False,
                                                    add_generation_prompt=add_generation_prompt)

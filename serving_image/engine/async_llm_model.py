@@ -1,8 +1,8 @@
-"""`VllmLocalEngine`: a vLLM engine (AsyncLLM) in this process behind the engine interface (its engine core runs in a
-child process vLLM spawns; names: docs/architecture.md §2.3).
+"""`AsyncLlmModel`: a vLLM engine (AsyncLLM) in this process behind the served-model interface (its engine core
+runs in a child process vLLM spawns; names: docs/architecture.md §2.3).
 
 The in-stub engine runs it (serving_image/triton_stub/stub_vllm.py: the stand-in `vllm` backend's models and the scoring
-model); the front-ends themselves sit on Triton (serving_image/triton_adapter/triton_engine.py).
+model); the front-ends themselves sit on Triton (serving_image/triton_adapter/triton_model.py).
 vLLM is imported only when an engine is built, so that `PROMETHEUS_MULTIPROC_DIR` is already set and emptied
 (startup step 3) by then.
 """
@@ -19,25 +19,25 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from serving_image.engine.base import (
+from serving_image.engine.shm_ledger import ShmLedger
+from serving_image.served_model import (
     CandidateScore,
     ChoiceDelta,
     Embedding,
-    Engine,
-    EngineInputError,
-    EngineOutput,
-    EngineRequest,
-    EngineUnavailableError,
+    GenerationOutput,
+    GenerationRequest,
     HFTokenizerMixin,
     ModelInfo,
+    ModelUnavailableError,
+    RequestInputError,
     SamplingSpec,
+    ServedModel,
     StructuredOutput,
     TokenLogprob,
     TopLogprob,
     context_window_error,
     raise_if_cut_short,
 )
-from serving_image.engine.shm_ledger import ShmLedger
 
 log = logging.getLogger(__name__)
 
@@ -185,10 +185,10 @@ def stat_logging_after_delivery(llm) -> None:
 
 
 def _already_shut_down(timeout: float | None = None) -> None:
-    """Stands in for AsyncLLM.shutdown once it has run (see VllmLocalEngine.shutdown)."""
+    """Stands in for AsyncLLM.shutdown once it has run (see AsyncLlmModel.shutdown)."""
 
 
-class VllmLocalEngine(HFTokenizerMixin, Engine):
+class AsyncLlmModel(HFTokenizerMixin, ServedModel):
     def __init__(self, llm, info: ModelInfo, embedder=None, shm_ledger: ShmLedger | None = None):
         self._llm = llm
         self._shm_ledger = shm_ledger
@@ -199,7 +199,7 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
 
     @classmethod
     async def start(cls, *, name: str, version: str, model_path: Path, tokenizer_path: Path | None,
-                    args: dict[str, Any], tasks: tuple[str, ...] = ("generate",)) -> VllmLocalEngine:
+                    args: dict[str, Any], tasks: tuple[str, ...] = ("generate",)) -> AsyncLlmModel:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         started = []
@@ -253,9 +253,9 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
                 return f"{label} stopped"
         return None
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         if not self.is_ready():
-            raise EngineUnavailableError(self.dead_reason or "engine not ready")
+            raise ModelUnavailableError(self.dead_reason or "engine not ready")
         prompt_ids = (list(request.prompt) if isinstance(request.prompt, list)
                       else self.encode_prompt(request.prompt, add_special_tokens=request.add_special_tokens))
         room = self.info.max_model_len - len(prompt_ids)
@@ -267,7 +267,7 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
         try:
             params = to_sampling_params(spec, default_max_tokens=room, control_ids=self._control_ids)
         except (ValueError, VLLMClientError) as exc:  # vLLM's validation errors are not all ValueErrors
-            raise EngineInputError(str(exc), getattr(exc, "parameter", None)) from exc
+            raise RequestInputError(str(exc), getattr(exc, "parameter", None)) from exc
         # aclosing: when the caller stops early (a client gone), vLLM's own stream is closed now, aborting the
         # request in the engine, not whenever the garbage collector finalizes the inner generator.
         async with contextlib.aclosing(self.generate_params(request.request_id, prompt_ids, params)) as outputs:
@@ -280,7 +280,7 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
                             structured=StructuredOutput(structured_kind) if structured_kind else None)  # type: ignore[arg-type]
         return json_control_token_bias(spec, self._control_ids)
 
-    async def generate_params(self, request_id: str, prompt_ids: list[int], params) -> AsyncIterator[EngineOutput]:
+    async def generate_params(self, request_id: str, prompt_ids: list[int], params) -> AsyncIterator[GenerationOutput]:
         """Generate with vLLM SamplingParams built by the caller (output_kind DELTA): the stand-in backend's in-stub
         engine (serving_image/triton_stub/stub_vllm.py) builds them from `sampling_parameters` as NVIDIA's backend does.
         Same deltas and errors as generate()."""
@@ -289,7 +289,7 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
         from vllm.v1.engine.exceptions import EngineDeadError
 
         if not self.is_ready():
-            raise EngineUnavailableError(self.dead_reason or "engine not ready")
+            raise ModelUnavailableError(self.dead_reason or "engine not ready")
         k = params.logprobs
         try:
             # Already tokenized: handed over as vLLM's rendered token input, which AsyncLLM admits on this loop. A
@@ -313,17 +313,17 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
                     )
                     raise_if_cut_short(request_id, delta)
                     choices.append(delta)
-                yield EngineOutput(
+                yield GenerationOutput(
                     request_id=request_id,
                     prompt_tokens=len(output.prompt_token_ids or prompt_ids),
                     choices=tuple(choices),
                     finished=output.finished or len(finished) == params.n,
                 )
         except EngineDeadError as exc:
-            raise EngineUnavailableError(f"vLLM engine died: {exc}") from exc
+            raise ModelUnavailableError(f"vLLM engine died: {exc}") from exc
         except (ValueError, VLLMClientError) as exc:  # vLLM's validation (an unsupported JSON schema, n > 1 when
             # greedy, ...) is the caller's error, not the server's
-            raise EngineInputError(str(exc), getattr(exc, "parameter", None)) from exc
+            raise RequestInputError(str(exc), getattr(exc, "parameter", None)) from exc
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
@@ -339,7 +339,7 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
                    for item in inputs]
         for i, ids in enumerate(prompts):
             if len(ids) > self.info.max_model_len:
-                raise EngineInputError(f"input[{i}] has {len(ids)} tokens; the context window is "
+                raise RequestInputError(f"input[{i}] has {len(ids)} tokens; the context window is "
                                        f"{self.info.max_model_len}", f"input[{i}]" if len(prompts) > 1 else "input")
 
         async def one(i: int, ids: list[int]) -> Embedding:
@@ -352,7 +352,7 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
         try:
             return list(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts))))
         except EngineDeadError as exc:
-            raise EngineUnavailableError(f"vLLM pooling engine died: {exc}") from exc
+            raise ModelUnavailableError(f"vLLM pooling engine died: {exc}") from exc
 
     async def score(self, prompt: str, candidates: list[str], request_id: str) -> list[CandidateScore]:
         """Sum of log P(candidate token | prompt, earlier candidate tokens), read from the prefill's prompt
@@ -370,7 +370,7 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
             ids = self.encode_prompt(candidate, add_special_tokens=False)
             full = prompt_ids + ids
             if len(full) >= self.info.max_model_len:
-                raise EngineInputError(f"prompt plus candidates[{i}] is {len(full)} tokens; the context window is "
+                raise RequestInputError(f"prompt plus candidates[{i}] is {len(full)} tokens; the context window is "
                                        f"{self.info.max_model_len}", f"candidates[{i}]")
             final = None
             async for output in self._llm.generate(tokens_input(full), params, f"{request_id}-{i}"):
@@ -382,7 +382,7 @@ class VllmLocalEngine(HFTokenizerMixin, Engine):
         try:
             return list(await asyncio.gather(*(one(i, c) for i, c in enumerate(candidates))))
         except EngineDeadError as exc:
-            raise EngineUnavailableError(f"vLLM engine died: {exc}") from exc
+            raise ModelUnavailableError(f"vLLM engine died: {exc}") from exc
 
     async def shutdown(self) -> None:
         llms = [llm for llm in (self._llm, self._embedder) if llm is not None]
