@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -132,17 +133,20 @@ def _wait_for(predicate, what: str, timeout: float = 60.0):
     return found
 
 
-def _hashers() -> list[psutil.Process]:
+def _hashers(fifo: Path) -> list[psutil.Process]:
+    """The live hashing processes over `fifo` (this test's own, whatever another test left behind)."""
     found = []
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            if child.status() != psutil.STATUS_ZOMBIE and any("file_digest" in a for a in child.cmdline()):
+            argv = child.cmdline()
+            if child.status() != psutil.STATUS_ZOMBIE and argv[2:3] and argv[2].endswith("file_digest.py") \
+                    and str(fifo) in argv:
                 found.append(child)
     return found
 
 
 @pytest.fixture
-def held(tmp_path: Path) -> tuple[PendingChecksums, Path, bytes]:
+def held(tmp_path: Path) -> Iterator[tuple[PendingChecksums, Path, bytes]]:
     """Pending checksums over a FIFO (answered when the test writes it) and a plain file."""
     fifo, plain = tmp_path / "held.safetensors", tmp_path / "plain.safetensors"
     os.mkfifo(fifo)
@@ -150,7 +154,9 @@ def held(tmp_path: Path) -> tuple[PendingChecksums, Path, bytes]:
     plain.write_bytes(b"plain")
     files = (PendingFile("weights/held.safetensors", fifo, hashlib.sha256(data).hexdigest(), len(data)),
              PendingFile("weights/plain.safetensors", plain, hashlib.sha256(b"plain").hexdigest(), 5))
-    return PendingChecksums(files), fifo, data
+    yield PendingChecksums(files), fifo, data
+    for left in _hashers(fifo):  # a failed test's process, still held by the FIFO
+        left.kill()
 
 
 def _verify_in_thread(pending: PendingChecksums, **kwargs) -> tuple[threading.Thread, list[BaseException | None]]:
@@ -172,11 +178,11 @@ def test_low_priority_hashing_runs_at_nice_19_until_hurried_then_at_the_callers_
     pending, fifo, data = held
     hurry = threading.Event()
     thread, outcome = _verify_in_thread(pending, threads=1, low_priority=True, hurry=hurry)
-    slow = _wait_for(_hashers, "the low-priority hashing process")[0]
+    slow = _wait_for(lambda: _hashers(fifo), "the low-priority hashing process")[0]
     # it lowers itself first thing, before it opens a file (the FIFO holds it until the test writes)
     _wait_for(lambda: slow.nice() == min(19, os.nice(0) + LOWEST_NICE), "the hashing process at nice 19")
     hurry.set()
-    fast = _wait_for(lambda: [h for h in _hashers() if h.pid != slow.pid], "the hashing process hurried")[0]
+    fast = _wait_for(lambda: [h for h in _hashers(fifo) if h.pid != slow.pid], "the hashing process hurried")[0]
     assert fast.nice() == os.nice(0)
     assert str(fifo) in fast.cmdline()  # the held file is hashed again; the plain one may have been answered
     _wait_for(lambda: not slow.is_running() or slow.status() == psutil.STATUS_ZOMBIE, "the slow process killed")
@@ -189,14 +195,14 @@ def test_low_priority_hashing_runs_at_nice_19_until_hurried_then_at_the_callers_
 def test_a_hashing_process_that_dies_fails_the_check_and_a_stop_cancels(held):
     pending, fifo, _ = held
     thread, outcome = _verify_in_thread(pending, threads=2)
-    _wait_for(_hashers, "the hashing process")[0].kill()
+    _wait_for(lambda: _hashers(fifo), "the hashing process")[0].kill()
     thread.join(60)
     assert isinstance(outcome[0], PackageError)
     assert "the hashing process exited with -9" in str(outcome[0])
 
     stop = threading.Event()
     thread, outcome = _verify_in_thread(pending, threads=2, stop=stop)
-    hasher = _wait_for(_hashers, "the hashing process")[0]
+    hasher = _wait_for(lambda: _hashers(fifo), "the hashing process")[0]
     stop.set()
     thread.join(60)
     assert isinstance(outcome[0], ChecksumsCancelled)
