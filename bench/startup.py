@@ -19,6 +19,7 @@ import pathlib
 import re
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
@@ -175,6 +176,8 @@ def measure(packages: dict[str, pathlib.Path], workdir: pathlib.Path) -> dict:
                     else:
                         seconds = _theirs(package, workdir / f"vllm-{n}")
                     runs[key][side].append(seconds)
+                    print(f"bench.startup: round {r + 1}/{ROUNDS}, {key}, {side}: ready in {seconds:.1f} s",
+                          file=sys.stderr, flush=True)  # about 25 min in all: show where it is
     return runs
 
 
