@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib
 import importlib.metadata
 import logging
@@ -52,6 +51,7 @@ from serving_image.cpu_placement import (
     placement_mode,
     remember_engine_cpus,
 )
+from serving_image.descendants import adopt_orphans, kill_descendants
 
 log = logging.getLogger("llm_serving.startup")
 
@@ -310,13 +310,7 @@ def _exit_refused(failure: StartupError) -> None:
     step's, kill what the procedure started (Triton's stubs, vLLM's engine processes) and exit with step 1's status
     now, rather than after a start whose result will never serve."""
     log.error("%s", failure)
-    import psutil
-
-    children = psutil.Process().children(recursive=True)
-    for child in children:
-        with contextlib.suppress(psutil.Error):
-            child.kill()
-    psutil.wait_procs(children, timeout=10)
+    kill_descendants()
     logging.shutdown()
     os._exit(failure.exit_code)
 
@@ -611,6 +605,7 @@ async def _main_async(config: StartupConfig, on_ready: Callable[[Started], None]
         log.error("%s", exc)
         return 2
     remember_engine_cpus()  # before Triton and its stubs start: they inherit it (cpu_placement.py)
+    adopt_orphans()  # before anything is forked: what a killed stub leaves is re-parented here (descendants.py)
     try:
         started = await start(config, exit_on_refusal=True)
     except StartupError as exc:
